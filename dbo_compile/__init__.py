@@ -1,0 +1,28 @@
+"""dbo_compile: a ``torch.compile`` backend for dual batch overlap (DBO) of MoE all-to-all.
+
+``torch.compile(model, backend="dbo", options={...})`` cuts each step into ubatches along the
+token dim and schedules one ubatch's dispatch/combine beside the other ubatch's compute.
+"""
+
+from dbo_compile.config import DboConfig
+from dbo_compile.errors import (
+    DboConfigError,
+    DboError,
+    DpVoteError,
+    MetadataError,
+    ScheduleError,
+    UBatchExecutionError,
+    UnsplittableGraphError,
+)
+
+__all__ = [
+    "DboConfig",
+    "DboConfigError",
+    "DboError",
+    "DpVoteError",
+    "MetadataError",
+    "ScheduleError",
+    "UBatchExecutionError",
+    "UnsplittableGraphError",
+]
+__version__ = "0.1.0"

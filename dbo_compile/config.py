@@ -1,0 +1,146 @@
+"""``DboConfig``: the one frozen object that carries every option of the backend.
+
+``torch.compile(model, backend="dbo", options={...})`` maps each key of ``options`` onto the field
+of the same name; an unknown key raises :class:`~dbo_compile.errors.DboConfigError` naming the
+valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from dbo_compile.errors import DboConfigError
+
+_SPLIT_MODES = ("auto", "always", "never")
+_COMPUTE_BACKENDS = ("aten", "inductor")
+_SCHEDULERS = ("list", "naive")
+_ON_UNSPLITTABLE = ("fallback", "raise")
+
+
+@dataclass(frozen=True)
+class DboConfig:
+    """Options of the ``dbo`` backend.
+
+    Split decision (rules from vLLM ``--enable-dbo``, see ../shared/REFERENCES.md):
+
+    Attributes:
+        num_ubatches: number of micro-batches the token dim is cut into (>= 2).
+        decode_token_threshold: a step whose DP ranks are all uniform decode (one token per
+            request) splits only if every rank has ``>=`` this many tokens.
+        prefill_token_threshold: any other step splits only if every rank has ``>=`` this many
+            tokens.
+        split: ``"auto"`` (thresholds, then cost model), ``"always"`` / ``"never"`` force the
+            decision. ``"always"`` skips the thresholds and the cost model, but vetoes still
+            apply and a step in which any DP rank has fewer than ``num_ubatches`` tokens never
+            splits (see :mod:`dbo_compile.runtime.vote`).
+        scheduler: ``"list"`` (whole-graph list scheduler over both ubatches) or ``"naive"``
+            (per layer: every ubatch's stage in turn, the order of hand-written schedules without
+            cross-layer interleaving; kept for benchmarks and visual comparison).
+        compute_backend: ``"aten"`` runs each compute stage's ATen ops as they are;
+            ``"inductor"`` hands each stage's sub-graph to Inductor (``compile_fx``).
+        on_unsplittable: ``"fallback"`` compiles an unsplittable graph unsplit and logs why;
+            ``"raise"`` raises :class:`UnsplittableGraphError`.
+        comm_sms: SMs reserved for communication (CTA cap of the dispatch/combine process
+            group and SM carve-out for compute where torch supports it); ``None`` leaves both
+            alone. vLLM's default is 20.
+        cost_model_tokens: tokens per rank at which the schedule's cost model is evaluated. The
+            schedule is a function of (graph, config) only, never of the first batch seen, so
+            every rank compiles the same schedule.
+        peak_tflops: compute roofline of the cost model, TFLOP/s (H200 dense bf16 measured: 790).
+        hbm_gbps: memory roofline of the cost model, GB/s (H200 measured copy: 4300).
+        link_gbps: all-to-all bus bandwidth of the cost model, GB/s per rank.
+        comm_latency_us: fixed cost of one collective, µs.
+        launch_us: fixed cost of one compute kernel, µs.
+        dump_dir: if set, each compiled schedule is written there as JSON.
+        dp_group_name: name of the CPU (Gloo) process group that carries the DP vote; ``None``
+            means the default group when torch.distributed is initialised, else no vote.
+    """
+
+    num_ubatches: int = 2
+    decode_token_threshold: int = 32
+    prefill_token_threshold: int = 512
+    split: str = "auto"
+    scheduler: str = "list"
+    compute_backend: str = "aten"
+    on_unsplittable: str = "fallback"
+    comm_sms: int | None = None
+    cost_model_tokens: int = 1024
+    peak_tflops: float = 790.0
+    hbm_gbps: float = 4300.0
+    link_gbps: float = 100.0
+    comm_latency_us: float = 15.0
+    launch_us: float = 4.0
+    dump_dir: str | None = None
+    dp_group_name: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> DboConfigError:
+            return DboConfigError(f"DboConfig.{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.num_ubatches, int) or self.num_ubatches < 2:
+            raise bad("num_ubatches", "must be an int >= 2 (use split='never' to disable DBO)")
+        for name in ("decode_token_threshold", "prefill_token_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < self.num_ubatches:
+                raise bad(
+                    name,
+                    f"must be an int >= num_ubatches ({self.num_ubatches}): every ubatch needs "
+                    "at least one token (vLLM rejects the same configuration)",
+                )
+        for name, choices in (
+            ("split", _SPLIT_MODES),
+            ("scheduler", _SCHEDULERS),
+            ("compute_backend", _COMPUTE_BACKENDS),
+            ("on_unsplittable", _ON_UNSPLITTABLE),
+        ):
+            if getattr(self, name) not in choices:
+                raise bad(name, f"must be one of {choices}")
+        if self.comm_sms is not None and (not isinstance(self.comm_sms, int) or self.comm_sms < 1):
+            raise bad("comm_sms", "must be None or a positive int (SMs)")
+        if not isinstance(self.cost_model_tokens, int) or self.cost_model_tokens < self.num_ubatches:
+            raise bad("cost_model_tokens", f"must be an int >= num_ubatches ({self.num_ubatches})")
+        for name in ("peak_tflops", "hbm_gbps", "link_gbps"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "must be > 0")
+        for name in ("comm_latency_us", "launch_us"):
+            if not getattr(self, name) >= 0:
+                raise bad(name, "must be >= 0")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return sorted(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | DboConfig | None) -> DboConfig:
+        """Build a config from ``torch.compile``'s ``options`` dict.
+
+        Raises:
+            DboConfigError: a key is not a field of ``DboConfig``, or a value is invalid.
+        """
+        if options is None:
+            return cls()
+        if isinstance(options, DboConfig):
+            return options
+        if not isinstance(options, Mapping):
+            raise DboConfigError(
+                f"options must be a dict or a DboConfig, got {type(options).__name__}"
+            )
+        valid = cls.field_names()
+        unknown = sorted(k for k in options if k not in valid)
+        if unknown:
+            raise DboConfigError(
+                f"unknown dbo option(s) {unknown}; valid options are: {', '.join(valid)}"
+            )
+        return cls(**dict(options))
+
+    def replace(self, **changes: Any) -> DboConfig:
+        return dataclasses.replace(self, **changes)
+
+    def fingerprint(self) -> str:
+        """A short hash of every field that can change the compiled schedule."""
+        data = {n: getattr(self, n) for n in self.field_names() if n != "dump_dir"}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

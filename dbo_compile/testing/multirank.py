@@ -1,0 +1,117 @@
+"""Run a function on N spawned ranks joined by a Gloo process group (CPU collectives).
+
+Example::
+
+    def body(rank, world_size, x):
+        import torch.distributed as dist
+        t = torch.ones(1) * rank
+        dist.all_reduce(t)
+        return t.item()
+
+    assert run_multirank(body, 2, args=(1,)) == [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dbo_compile.errors import DboError
+
+
+class MultirankError(DboError, RuntimeError):
+    """A spawned rank raised, or the ranks did not finish within the timeout."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],
+            result_dir: str, timeout_s: float, env: dict[str, str]) -> None:
+    import datetime
+
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    out_path = os.path.join(result_dir, f"rank{rank}.pkl")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        result = fn(rank, world_size, *args)
+        payload = ("ok", result)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        payload = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(out_path, "wb") as f:
+        pickle.dump(payload, f)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_multirank(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+                  timeout_s: float = 240.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes over Gloo.
+
+    ``fn`` must be importable (a module-level function). Returns the per-rank results in rank
+    order.
+
+    Raises:
+        MultirankError: a rank raised (its traceback is in the message) or the ranks did not
+            finish within ``timeout_s`` seconds (a hang is reported, never waited out).
+    """
+    port = _free_port()
+    env = dict(env or {})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as result_dir:
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), result_dir,
+                                              timeout_s, env), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(result_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {r}: {value}")
+            results.append(value)
+        if hung:
+            raise MultirankError(
+                f"ranks {hung} still running after {timeout_s:.0f} s (a hang or deadlock); "
+                + "; ".join(errors)
+            )
+        if errors:
+            raise MultirankError("\n".join(errors))
+        return results
