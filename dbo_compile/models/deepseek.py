@@ -1,0 +1,438 @@
+"""Reference DeepSeek-style MoE decoder in the flattened-token layout ``[num_tokens, hidden]``.
+
+Each layer: RMSNorm -> attention (q/k/v projections, RoPE, ``dbo.attention`` over a paged KV
+cache, o_proj) -> residual -> RMSNorm -> MoE (softmax gate, top-k, ``dbo.dispatch``, local
+experts, ``dbo.combine``, plus shared experts on the same input) -> residual. The first
+``first_k_dense_replace`` layers use a dense SwiGLU MLP instead of MoE, as in DeepSeek-V2/V3.
+(Attention is plain GQA, not MLA: what matters here is the MoE all-to-all.)
+
+``forward`` is written for re-tracing with a symbolic token dim ``T``: every op is row-local
+along dim 0 of token-indexed tensors, no size from ``.shape`` becomes a Python int in a view, no
+``.item()`` / ``.tolist()``, no branch on tensor values, only the tensor fields of the metadata
+are read, and the only in-place write is the KV-cache write inside ``dbo.attention``.
+
+Expert parallelism: with an EP group of world size ``W`` rank ``r`` keeps global experts
+``[r*E_local, (r+1)*E_local)``. Parameters are a deterministic function of ``seed`` and the
+parameter name (never of the rank): expert weights are generated for all experts and sliced, so
+an EP model and the ``ep_group=None`` model built with the same seed compute the same function.
+
+Example::
+
+    cfg = get_config("tiny")
+    model = DeepseekMoEModel(cfg, ep_group=group, seed=0)
+    model.allocate_kv_cache(num_blocks=64, block_size=16)
+    step = make_step(cfg, decode_context_lens=[200, 37], prefills=[(0, 9)], pad_to=16)
+    fill_kv_cache(model, step, seed=1)
+    logits = model(step.input_ids, step.positions, step.attn_metadata)   # [T, vocab] fp32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.*)
+from dbo_compile.errors import DboError
+from dbo_compile.ops.comm import ep_group_name
+from dbo_compile.runtime.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PRESETS",
+    "DeepseekConfig",
+    "DeepseekMoEModel",
+    "ModelConfigError",
+    "get_config",
+]
+
+
+class ModelConfigError(DboError, ValueError):
+    """A model config or preset name is invalid, or the model is used before it is ready."""
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    """Shape of a DeepSeek-style MoE decoder.
+
+    Attributes:
+        vocab_size: vocabulary size (rows of the embedding, columns of the logits).
+        hidden_size: model width ``H``.
+        num_layers: decoder layers.
+        num_heads: query heads ``Hq``.
+        num_kv_heads: key/value heads ``Hkv`` (``Hq % Hkv == 0``).
+        head_dim: per-head width ``D`` (even, for RoPE).
+        moe_intermediate_size: width ``I`` of each routed / shared expert.
+        num_experts: routed experts ``E`` (global, over all EP ranks).
+        top_k: experts per token ``K``.
+        num_shared_experts: shared experts, fused as one SwiGLU of width ``I * num_shared``.
+        rms_eps: RMSNorm epsilon.
+        rope_theta: RoPE base.
+        norm_topk_prob: renormalise the top-k weights to sum to 1.
+        routed_scaling_factor: multiplies the routed experts' output.
+        first_k_dense_replace: the first this many layers use a dense MLP instead of MoE.
+        intermediate_size: width of the dense MLP of those layers.
+    """
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    moe_intermediate_size: int = 32
+    num_experts: int = 8
+    top_k: int = 2
+    num_shared_experts: int = 1
+    rms_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    intermediate_size: int = 128
+
+    def __post_init__(self) -> None:
+        ints = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "moe_intermediate_size", "num_experts", "top_k")
+        for name in ints:
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"DeepseekConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head_dim={self.head_dim} must be even (RoPE)")
+        if self.top_k > self.num_experts:
+            raise ModelConfigError(f"top_k={self.top_k} > num_experts={self.num_experts}")
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            raise ModelConfigError(
+                f"first_k_dense_replace={self.first_k_dense_replace} not in [0, {self.num_layers}]")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_replace
+
+
+PRESETS: dict[str, DeepseekConfig] = {
+    "tiny": DeepseekConfig(),
+    # DeepSeek-V2-Lite (MLA replaced by GQA attention of the same width)
+    "deepseek-v2-lite": DeepseekConfig(
+        vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16, num_kv_heads=16,
+        head_dim=128, moe_intermediate_size=1408, num_experts=64, top_k=6,
+        num_shared_experts=2, norm_topk_prob=False, routed_scaling_factor=1.0,
+        first_k_dense_replace=1, intermediate_size=10944,
+    ),
+    # DeepSeek-V3 (MLA -> GQA; softmax gate instead of sigmoid + bias routing)
+    "deepseek-v3": DeepseekConfig(
+        vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, num_kv_heads=128,
+        head_dim=128, moe_intermediate_size=2048, num_experts=256, top_k=8,
+        num_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=3, intermediate_size=18432,
+    ),
+}
+
+
+def get_config(name: str, **overrides: Any) -> DeepseekConfig:
+    """The preset ``name`` with fields replaced by ``overrides``.
+
+    Raises:
+        ModelConfigError: unknown preset or field name, or an invalid resulting config.
+    """
+    if name not in PRESETS:
+        raise ModelConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(DeepseekConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ModelConfigError(f"unknown DeepseekConfig fields {unknown}; valid: {sorted(fields)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Row-wise RMSNorm over the last dim, computed in fp32, returned in the input dtype."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (xf * self.weight.to(torch.float32)).to(x.dtype)
+
+
+def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """``x [N, H]``, ``w13 [2I, H]``, ``w2 [H, I]`` -> ``[N, H]``."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense SwiGLU MLP (shared experts and dense layers): ``[T, H] -> [T, H]``."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _swiglu(x, self.w13, self.w2)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style rotary embedding. ``x [T, heads, D]``, ``cos/sin [T, 1, D/2]`` fp32."""
+    xf = x.to(torch.float32)
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA attention over a paged KV cache (``dbo.attention``). ``[T, H] -> [T, H]``.
+
+    The KV cache is the non-persistent buffer ``kv_cache`` ``[2, num_blocks, block_size, Hkv,
+    D]``, ``None`` until :meth:`DeepseekMoEModel.allocate_kv_cache`.
+    """
+
+    def __init__(self, cfg: DeepseekConfig, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        h, d = cfg.hidden_size, cfg.head_dim
+        mk = lambda o, i: nn.Parameter(torch.empty(o, i, dtype=dtype, device=device))  # noqa: E731
+        self.q_proj = mk(cfg.num_heads * d, h)
+        self.k_proj = mk(cfg.num_kv_heads * d, h)
+        self.v_proj = mk(cfg.num_kv_heads * d, h)
+        self.o_proj = mk(h, cfg.num_heads * d)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.register_buffer("kv_cache", None, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise ModelConfigError("KV cache not allocated: call model.allocate_kv_cache() first")
+        q = F.linear(x, self.q_proj).view(-1, self.num_heads, self.head_dim)
+        k = F.linear(x, self.k_proj).view(-1, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, self.v_proj).view(-1, self.num_kv_heads, self.head_dim)
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [T, D/2]
+        cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        o = torch.ops.dbo.attention(
+            q, k, v, self.kv_cache, md.slot_mapping, md.query_start_loc, md.seq_lens,
+            md.block_table, self.scale,
+        )
+        return F.linear(o.reshape(-1, self.num_heads * self.head_dim), self.o_proj)
+
+
+class MoE(nn.Module):
+    """Routed experts (EP-sharded) + shared experts. ``[T, H] -> [T, H]``.
+
+    Local expert weights are stacked (``w13 [E_local, 2I, H]``, ``w2 [E_local, H, I]``) so a
+    grouped GEMM can replace the per-expert loop.
+    """
+
+    def __init__(self, cfg: DeepseekConfig, ep_rank: int, ep_size: int, group_name: str,
+                 dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.ep_rank, self.ep_size, self.group_name = ep_rank, ep_size, group_name
+        self.num_local_experts = cfg.num_experts // ep_size
+        h, i, el = cfg.hidden_size, cfg.moe_intermediate_size, self.num_local_experts
+        self.gate = nn.Parameter(torch.empty(cfg.num_experts, h, dtype=dtype, device=device))
+        self.w13 = nn.Parameter(torch.empty(el, 2 * i, h, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(el, h, i, dtype=dtype, device=device))
+        self.shared_experts = (
+            SwiGLUMLP(h, i * cfg.num_shared_experts, dtype, device)
+            if cfg.num_shared_experts > 0 else None
+        )
+
+    def experts(self, recv_x: torch.Tensor, recv_ids: torch.Tensor,
+                recv_w: torch.Tensor) -> torch.Tensor:
+        """Local experts, row-local. ``recv_x [N, H]``, ``recv_ids [N, K]`` int64 local ids
+        (-1 = not here), ``recv_w [N, K]`` fp32 -> ``[N, H]`` of ``recv_x.dtype`` (weighted)."""
+        y = torch.zeros_like(recv_x, dtype=torch.float32)
+        for e in range(self.num_local_experts):
+            w_e = (recv_w * (recv_ids == e)).sum(dim=-1, keepdim=True)  # [N, 1] fp32
+            y = y + w_e * _swiglu(recv_x, self.w13[e], self.w2[e]).to(torch.float32)
+        return y.to(recv_x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate).to(torch.float32)  # [T, E]
+        probs = torch.softmax(logits, dim=-1)
+        topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        recv_x, recv_ids, recv_w = torch.ops.dbo.dispatch(
+            x, topk_ids, topk_w, self.num_experts, self.group_name)
+        y = self.experts(recv_x, recv_ids, recv_w)
+        out = torch.ops.dbo.combine(y, self.group_name)
+        if self.routed_scaling_factor != 1.0:
+            out = out * self.routed_scaling_factor
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, layer_idx: int, ep_rank: int, ep_size: int,
+                 group_name: str, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype, device)
+        if layer_idx < cfg.first_k_dense_replace:
+            self.mlp: nn.Module = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        else:
+            self.mlp = MoE(cfg, ep_rank, ep_size, group_name, dtype, device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+class DeepseekMoEModel(nn.Module):
+    """DeepSeek-style MoE decoder: ``(input_ids [T], positions [T], metadata) -> logits [T, V]``.
+
+    Args:
+        config: the model shape.
+        ep_group: EP process group; ``None`` (or world size 1) keeps all experts locally and the
+            comm ops run locally (group name ``""``).
+        dtype: parameter and activation dtype (logits are always fp32).
+        device: where parameters live; ``"meta"`` builds without allocating or initialising.
+        seed: parameters are a deterministic function of ``seed`` and their names, independent
+            of the EP rank.
+
+    Raises:
+        ModelConfigError: ``config.num_experts`` is not divisible by the EP world size.
+    """
+
+    def __init__(self, config: DeepseekConfig, ep_group: dist.ProcessGroup | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.ep_group = ep_group
+        self.group_name = ep_group_name(ep_group)
+        self.ep_size = 1 if self.group_name == "" else ep_group.size()
+        self.ep_rank = 0 if self.group_name == "" else ep_group.rank()
+        if config.num_experts % self.ep_size:
+            raise ModelConfigError(
+                f"num_experts={config.num_experts} is not divisible by the EP world size "
+                f"{self.ep_size}")
+        self.num_local_experts = config.num_experts // self.ep_size
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+        self.layers = nn.ModuleList([
+            DecoderLayer(config, i, self.ep_rank, self.ep_size, self.group_name, dtype, device)
+            for i in range(config.num_layers)
+        ])
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps, dtype, device)
+        self.lm_head = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+        self.seed = seed
+        if torch.device(device).type != "meta":
+            self.reset_parameters(seed)
+
+    @property
+    def local_expert_range(self) -> tuple[int, int]:
+        """Global ids ``[start, stop)`` of the experts this EP rank keeps."""
+        return self.ep_rank * self.num_local_experts, (self.ep_rank + 1) * self.num_local_experts
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Deterministic init from ``seed`` and each parameter's name (rank-independent).
+
+        Norm weights are 1; every other weight is ``N(0, 1) / sqrt(fan_in)`` (the embedding
+        ``N(0, 1)``). Expert weights are drawn for all ``E`` experts (fp32, CPU) and sliced to
+        this rank's range.
+        """
+        start, stop = self.local_expert_range
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+                continue
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            full_shape = list(p.shape)
+            expert = name.endswith("mlp.w13") or name.endswith("mlp.w2")
+            if expert:
+                full_shape[0] = self.config.num_experts
+            w = torch.randn(full_shape, generator=gen, dtype=torch.float32)
+            if name != "embed_tokens":
+                w = w / (full_shape[-1] ** 0.5)
+            if expert:
+                w = w[start:stop]
+            p.copy_(w.to(p.dtype))
+
+    @torch.no_grad()
+    def load_state_from_full(self, full: DeepseekMoEModel) -> None:
+        """Copy weights from a model holding all experts (``ep_group=None``), slicing experts.
+
+        Raises:
+            ModelConfigError: ``full`` does not hold all experts or its config differs.
+        """
+        if full.ep_size != 1 or full.config != self.config:
+            raise ModelConfigError("load_state_from_full needs an EP=1 model of the same config")
+        start, stop = self.local_expert_range
+        src = dict(full.named_parameters())
+        for name, p in self.named_parameters():
+            w = src[name]
+            if name.endswith("mlp.w13") or name.endswith("mlp.w2"):
+                w = w[start:stop]
+            p.copy_(w.to(device=p.device, dtype=p.dtype))
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          device: torch.device | str | None = None) -> None:
+        """Give every layer a zeroed KV cache ``[2, num_blocks, block_size, Hkv, D]`` (model
+        dtype), registered as the non-persistent buffer ``layers.<i>.self_attn.kv_cache``."""
+        cfg = self.config
+        if device is None:
+            device = self.embed_tokens.device
+        for layer in self.layers:
+            layer.self_attn.kv_cache = torch.zeros(
+                2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                dtype=self.dtype, device=device)
+
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The per-layer KV caches (raises if not allocated)."""
+        caches = [layer.self_attn.kv_cache for layer in self.layers]
+        if any(c is None for c in caches):
+            raise ModelConfigError("KV cache not allocated: call model.allocate_kv_cache() first")
+        return caches
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """One step.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids (``T`` = token dim, padding rows included).
+            positions: ``[T]`` int64 absolute positions (RoPE).
+            attn_metadata: tensor fields only are read; ``slot_mapping`` rows align with ``T``.
+
+        Returns:
+            ``[T, vocab_size]`` fp32 logits (padding rows are meaningless but finite).
+        """
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(x, positions, attn_metadata)
+        x = self.norm(x)
+        return F.linear(x, self.lm_head).to(torch.float32)

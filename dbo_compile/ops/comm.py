@@ -1,0 +1,367 @@
+"""Dispatch / combine: the MoE expert-parallel (EP) all-to-all as traceable custom ops.
+
+Both ops have **static shapes**: every rank sends a fixed capacity of ``T`` rows to every
+destination rank (``T`` = the token dim of the ubatch, the worst case: all tokens routed to one
+rank), so they never drop a token, need no ``.item()`` and are CUDA-graph capturable. The price is
+bandwidth (``W * T`` rows per rank instead of ``~T * top_k``); a counted or DeepEP backend can
+replace this later without changing the graph (see :func:`register_comm_backend`).
+
+Layout (``W`` = EP world size, ``T`` = tokens per rank, ``H`` = hidden, ``K`` = top-k)::
+
+    rank s, dispatch send buffer [W, T, H]   row (r, t) = x[t] if token t has >= 1 expert on r
+                                             else zeros
+    rank r, dispatch recv        [W*T, H]    row s*T + t = token t of source rank s
+    rank r, combine send         [W*T, H]    row s*T + t = expert output for token t of rank s
+    rank s, combine recv         [W, T, H]   summed over the W expert ranks -> [T, H]
+
+Experts are sharded contiguously: rank ``r`` owns global experts ``[r*E_local, (r+1)*E_local)``,
+``E_local = num_experts // W``.
+
+**All ranks of the group must call with the same ``T``** (the runtime pads every DP rank to the
+DP group's max, see ``runtime``); a mismatch makes ``all_to_all_single`` fail or hang.
+
+**Empty ubatch** (``T == 0``): the collectives are still issued (with zero-size buffers) so every
+rank issues the same collectives in the same order. Gloo and NCCL both accept zero-size
+``all_to_all_single`` (checked on Gloo, torch 2.13 CPU: fp32/bf16/fp16/int64), so no dummy row
+is sent.
+
+Each op issues exactly two (dispatch) or one (combine) ``all_to_all_single`` calls,
+synchronously (``async_op=False``) on the process group's stream; dispatch packs the top-k ids
+(as exact float32, ids < 2**24) and weights into one ``[W, T, 2K]`` float32 buffer so that the
+routing metadata costs one collective.
+"""
+
+import dataclasses
+import importlib
+import logging
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dbo_compile.errors import DboError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "COMM_KIND",
+    "COMM_OPS",
+    "CommBackend",
+    "CommBackendError",
+    "CommOpError",
+    "available_comm_backends",
+    "backend_for_group",
+    "ep_group_name",
+    "ep_world_size",
+    "get_comm_backend",
+    "register_comm_backend",
+    "register_lazy_comm_backend",
+]
+
+
+class CommOpError(DboError, ValueError):
+    """Arguments of ``dbo.dispatch`` / ``dbo.combine`` are inconsistent (shapes, dtypes, sharding)."""
+
+
+class CommBackendError(DboError, RuntimeError):
+    """A communication backend is unknown or cannot be loaded (its package is missing)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Process-group helpers
+# --------------------------------------------------------------------------------------------
+
+
+def ep_group_name(group: dist.ProcessGroup | None) -> str:
+    """Name under which the ops find the EP process group.
+
+    Args:
+        group: the EP process group, or ``None``.
+
+    Returns:
+        ``group.group_name``; ``""`` (local, no collective) for ``None`` or a group of world
+        size 1.
+    """
+    if group is None or group.size() == 1:
+        return ""
+    return group.group_name
+
+
+def _resolve_group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def ep_world_size(group_name: str) -> int:
+    """World size ``W`` of the EP group named ``group_name`` (1 for ``""``)."""
+    if group_name == "":
+        return 1
+    return _resolve_group(group_name).size()
+
+
+def backend_for_group(group_name: str) -> str:
+    """The comm backend the ops use for ``group_name``: ``"local"`` for ``""``, else ``"torch"``."""
+    return "local" if group_name == "" else "torch"
+
+
+# --------------------------------------------------------------------------------------------
+# Backend registry
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CommBackend:
+    """One implementation of dispatch / combine.
+
+    Attributes:
+        name: registry key (``"torch"``, ``"local"``, ``"deep_ep"``, ...).
+        dispatch: ``(x, topk_ids, topk_weights, num_experts, group_name) -> (recv_x, recv_ids,
+            recv_weights)`` with the shapes of ``torch.ops.dbo.dispatch``.
+        combine: ``(y, group_name) -> out`` with the shapes of ``torch.ops.dbo.combine``.
+        description: one line for logs and errors.
+    """
+
+    name: str
+    dispatch: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    combine: Callable[..., torch.Tensor]
+    description: str = ""
+
+
+_BACKENDS: dict[str, CommBackend] = {}
+#: name -> module path; the module is imported on first use and must call register_comm_backend.
+_LAZY_BACKENDS: dict[str, str] = {}
+
+
+def register_comm_backend(backend: CommBackend) -> None:
+    """Register (or replace) a comm backend under ``backend.name``."""
+    _BACKENDS[backend.name] = backend
+    _LAZY_BACKENDS.pop(backend.name, None)
+
+
+def register_lazy_comm_backend(name: str, module: str) -> None:
+    """Register a backend whose module is imported only when :func:`get_comm_backend` asks for it.
+
+    The module must call :func:`register_comm_backend` with a backend named ``name`` on import.
+    """
+    if name not in _BACKENDS:
+        _LAZY_BACKENDS[name] = module
+
+
+def available_comm_backends() -> list[str]:
+    """Names of the registered backends (loaded or lazy), sorted."""
+    return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
+
+
+def get_comm_backend(name: str) -> CommBackend:
+    """The backend registered as ``name``, importing its module first if it is lazy.
+
+    Raises:
+        CommBackendError: ``name`` is unknown, or its module (or the package it wraps, e.g.
+            ``deep_ep``) cannot be imported.
+    """
+    if name in _BACKENDS:
+        return _BACKENDS[name]
+    if name not in _LAZY_BACKENDS:
+        raise CommBackendError(
+            f"unknown comm backend {name!r}; registered: {available_comm_backends()}"
+        )
+    module = _LAZY_BACKENDS[name]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise CommBackendError(
+            f"comm backend {name!r} cannot be loaded: importing {module!r} failed ({e}). "
+            f"Install its package (e.g. `pip install dbo_compile[deepep]`) or use 'torch'."
+        ) from e
+    if name not in _BACKENDS:
+        raise CommBackendError(f"module {module!r} did not register comm backend {name!r}")
+    return _BACKENDS[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Reference implementation (shared by "local" and "torch")
+# --------------------------------------------------------------------------------------------
+
+
+def _check_dispatch_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         num_experts: int, world_size: int) -> int:
+    """Validate shapes/dtypes; return ``E_local``. Uses shapes only (fake-tensor safe)."""
+    if x.dim() != 2:
+        raise CommOpError(f"dbo.dispatch: x must be [num_tokens, hidden], got {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_weights.dim() != 2:
+        raise CommOpError(
+            f"dbo.dispatch: topk_ids/topk_weights must be [num_tokens, top_k], got "
+            f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}"
+        )
+    if topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32:
+        raise CommOpError(
+            f"dbo.dispatch: topk_ids must be int64 and topk_weights float32, got "
+            f"{topk_ids.dtype} / {topk_weights.dtype}"
+        )
+    if num_experts <= 0 or num_experts % world_size != 0:
+        raise CommOpError(
+            f"dbo.dispatch: num_experts={num_experts} is not a positive multiple of the EP world "
+            f"size {world_size}; choose an EP size that divides the expert count"
+        )
+    if num_experts >= 2**24:
+        raise CommOpError(f"dbo.dispatch: num_experts={num_experts} >= 2**24 is not supported")
+    return num_experts // world_size
+
+
+def _send_buffers(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  e_local: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static-capacity send buffers: x ``[W, T, H]`` and packed ids/weights ``[W, T, 2K]`` fp32.
+
+    Negative ids (masked slots) go to no rank.
+    """
+    ranks = torch.arange(world_size, device=x.device, dtype=torch.int64).view(-1, 1, 1)
+    dest = torch.div(topk_ids, e_local, rounding_mode="floor")  # [T, K]
+    mask = (dest.unsqueeze(0) == ranks) & (topk_ids.unsqueeze(0) >= 0)  # [W, T, K]
+    routed = mask.any(dim=-1, keepdim=True)  # [W, T, 1]
+    send_x = torch.where(routed, x.unsqueeze(0), torch.zeros((), dtype=x.dtype, device=x.device))
+    local_ids = topk_ids.unsqueeze(0) - ranks * e_local  # [W, T, K]
+    send_ids = torch.where(mask, local_ids, -1).to(torch.float32)
+    send_w = torch.where(mask, topk_weights.unsqueeze(0), 0.0)
+    return send_x.contiguous(), torch.cat([send_ids, send_w], dim=-1).contiguous()
+
+
+def _unpack_meta(meta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # fresh storage (offset 0) even for empty tensors, as the fake impl promises
+    return meta[:, :k].to(torch.int64), meta[:, k:].clone(memory_format=torch.contiguous_format)
+
+
+def _local_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
+    e_local = _check_dispatch_args(x, topk_ids, topk_weights, num_experts, 1)
+    send_x, meta = _send_buffers(x, topk_ids, topk_weights, e_local, 1)
+    ids, w = _unpack_meta(meta.view(-1, meta.shape[-1]), topk_ids.shape[1])
+    return send_x.view(-1, x.shape[1]), ids, w
+
+
+def _local_combine(y, group_name):
+    _check_combine_args(y, 1)
+    return y.clone()
+
+
+def _torch_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
+    group = _resolve_group(group_name)
+    w = group.size()
+    e_local = _check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
+    send_x, meta = _send_buffers(x, topk_ids, topk_weights, e_local, w)
+    send_x = send_x.view(-1, x.shape[1])
+    meta = meta.view(-1, meta.shape[-1])
+    recv_x = torch.empty_like(send_x)
+    recv_meta = torch.empty_like(meta)
+    dist.all_to_all_single(recv_x, send_x, group=group)
+    dist.all_to_all_single(recv_meta, meta, group=group)
+    ids, wts = _unpack_meta(recv_meta, topk_ids.shape[1])
+    return recv_x, ids, wts
+
+
+def _torch_combine(y, group_name):
+    group = _resolve_group(group_name)
+    w = group.size()
+    _check_combine_args(y, w)
+    y = y.contiguous()
+    recv = torch.empty_like(y)
+    dist.all_to_all_single(recv, y, group=group)
+    return _sum_sources(recv, w)
+
+
+def _sum_sources(recv: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``[W*T, H] -> [T, H]``: sum over the W source ranks, accumulating in fp32."""
+    acc_dtype = torch.float32 if recv.dtype in (torch.float16, torch.bfloat16) else recv.dtype
+    return recv.view(world_size, -1, recv.shape[-1]).to(acc_dtype).sum(dim=0).to(recv.dtype)
+
+
+register_comm_backend(CommBackend(
+    "local", _local_dispatch, _local_combine, "world size 1: no collective"))
+register_comm_backend(CommBackend(
+    "torch", _torch_dispatch, _torch_combine,
+    "static-capacity all_to_all_single over a torch.distributed process group (NCCL/Gloo)"))
+register_lazy_comm_backend("deep_ep", "dbo_compile.ops.deep_ep")
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dbo::dispatch", mutates_args=())
+def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             num_experts: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MoE dispatch: send each token to the EP ranks that own its top-k experts.
+
+    Args:
+        x: ``[T, H]`` activations (any float dtype); ``T`` is the token dim, equal on all ranks.
+        topk_ids: ``[T, K]`` int64 global expert ids (negative = masked slot, routed nowhere).
+        topk_weights: ``[T, K]`` float32 routing weights.
+        num_experts: global expert count ``E``; must be divisible by the EP world size ``W``.
+        group_name: EP process group name (:func:`ep_group_name`); ``""`` = local, ``W = 1``.
+
+    Returns:
+        ``(recv_x [W*T, H] x.dtype, recv_topk_ids [W*T, K] int64, recv_topk_weights [W*T, K]
+        float32)``, rank-major: row ``r*T + t`` is token ``t`` of source rank ``r``. Ids are the
+        local expert index ``0..E_local-1`` for slots owned by this rank and ``-1`` otherwise
+        (weight 0); rows not routed here are zeros with all ids ``-1``.
+
+    Raises:
+        CommOpError: bad shapes/dtypes or ``num_experts % W != 0``.
+    """
+    backend = get_comm_backend(backend_for_group(group_name))
+    return backend.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
+
+
+@dispatch.register_fake
+def _dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name):
+    w = ep_world_size(group_name)
+    _check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
+    n, h = x.shape
+    k = topk_ids.shape[1]
+    return (x.new_empty((w * n, h)), topk_ids.new_empty((w * n, k)),
+            topk_weights.new_empty((w * n, k)))
+
+
+@torch.library.custom_op("dbo::combine", mutates_args=())
+def combine(y: torch.Tensor, group_name: str) -> torch.Tensor:
+    """MoE combine: return expert outputs to the token's rank and sum them.
+
+    Args:
+        y: ``[W*T, H]`` expert outputs in the dispatch receive layout (row ``r*T + t`` belongs
+            to token ``t`` of rank ``r``), already multiplied by the top-k weights.
+        group_name: the EP process group name used for the matching dispatch.
+
+    Returns:
+        ``[T, H]`` of ``y.dtype``: ``out[t] = sum_r recv[r*T + t]`` (accumulated in fp32 for
+        fp16/bf16).
+
+    Raises:
+        CommOpError: ``y`` is not 2-D or its rows are not a multiple of ``W``.
+    """
+    backend = get_comm_backend(backend_for_group(group_name))
+    return backend.combine(y, group_name)
+
+
+def _check_combine_args(y: torch.Tensor, world_size: int) -> None:
+    if y.dim() != 2:
+        raise CommOpError(f"dbo.combine: y must be [W*num_tokens, hidden], got {tuple(y.shape)}")
+    if world_size > 1 and y.shape[0] % world_size != 0:
+        raise CommOpError(
+            f"dbo.combine: y has {y.shape[0]} rows, not a multiple of the EP world size "
+            f"{world_size}"
+        )
+
+
+@combine.register_fake
+def _combine_fake(y, group_name):
+    w = ep_world_size(group_name)
+    _check_combine_args(y, w)
+    return y.new_empty((y.shape[0] // w, y.shape[1]))
+
+
+#: Op overloads that are communication; the backend finds comm nodes by ``node.target``.
+COMM_KIND: dict[torch._ops.OpOverload, str] = {
+    torch.ops.dbo.dispatch.default: "dispatch",
+    torch.ops.dbo.combine.default: "combine",
+}
+COMM_OPS: frozenset[torch._ops.OpOverload] = frozenset(COMM_KIND)

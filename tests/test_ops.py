@@ -1,0 +1,288 @@
+"""Tests of the ``dbo`` custom ops: opcheck, dispatch/combine (local and 2 Gloo ranks),
+paged attention against a naive dense-causal reference."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import dbo_compile.ops  # noqa: F401
+from dbo_compile.models.batch import make_step
+from dbo_compile.ops import COMM_KIND, COMM_OPS, CommBackendError, CommOpError, get_comm_backend
+from dbo_compile.testing import run_multirank
+
+attention_mod = importlib.import_module("dbo_compile.ops.attention")
+
+
+# ------------------------------------------------------------------------------------------
+# dispatch / combine
+# ------------------------------------------------------------------------------------------
+
+
+def _routing(t: int, h: int, k: int, num_experts: int, seed: int, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    scores = torch.rand(t, num_experts, generator=gen)
+    w, ids = scores.topk(k, dim=-1)
+    return x, ids, w.float()
+
+
+def _reference_dispatch(inputs, rank, world_size, num_experts):
+    """Naive per-row reference of what ``rank`` receives. inputs[s] = (x, ids, w) of rank s."""
+    e_local = num_experts // world_size
+    xs, idss, ws = [], [], []
+    for x, ids, w in inputs:
+        t, k = ids.shape
+        rx = torch.zeros_like(x)
+        rid = torch.full((t, k), -1, dtype=torch.int64)
+        rw = torch.zeros(t, k)
+        for i in range(t):
+            for j in range(k):
+                g = int(ids[i, j])
+                if g >= 0 and g // e_local == rank:
+                    rx[i] = x[i]
+                    rid[i, j] = g - rank * e_local
+                    rw[i, j] = w[i, j]
+        xs.append(rx), idss.append(rid), ws.append(rw)
+    return torch.cat(xs), torch.cat(idss), torch.cat(ws)
+
+
+def _fake_experts(recv_x, recv_ids, recv_w):
+    """Expert e multiplies by (e + 1); weighted by the routing weights, row-local."""
+    scale = (recv_w * (recv_ids + 1).clamp(min=0).float()).sum(-1, keepdim=True)
+    return (recv_x.float() * scale).to(recv_x.dtype)
+
+
+def test_comm_op_registry():
+    assert COMM_KIND == {torch.ops.dbo.dispatch.default: "dispatch",
+                         torch.ops.dbo.combine.default: "combine"}
+    assert COMM_OPS == set(COMM_KIND)
+    assert torch.ops.dbo.attention.default not in COMM_OPS
+    assert get_comm_backend("local").name == "local"
+    assert get_comm_backend("torch").name == "torch"
+    with pytest.raises(CommBackendError, match="unknown comm backend"):
+        get_comm_backend("nope")
+    with pytest.raises(CommBackendError, match="deep_ep"):
+        get_comm_backend("deep_ep")  # lazily imported; not available in this build
+
+
+def test_opcheck_comm():
+    x, ids, w = _routing(5, 8, 2, 4, seed=0)
+    torch.library.opcheck(torch.ops.dbo.dispatch.default, (x, ids, w, 4, ""))
+    torch.library.opcheck(torch.ops.dbo.combine.default, (torch.randn(5, 8), ""))
+    x0, ids0, w0 = _routing(0, 8, 2, 4, seed=0)
+    torch.library.opcheck(torch.ops.dbo.dispatch.default, (x0, ids0, w0, 4, ""))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_combine_local(dtype):
+    x, ids, w = _routing(7, 16, 3, 6, seed=1, dtype=dtype)
+    ids[2, 1] = -1  # a masked slot routes nowhere
+    rx, rid, rw = torch.ops.dbo.dispatch(x, ids, w, 6, "")
+    ex, eid, ew = _reference_dispatch([(x, ids, w)], 0, 1, 6)
+    assert rx.dtype == dtype and rid.dtype == torch.int64 and rw.dtype == torch.float32
+    assert torch.equal(rx, ex) and torch.equal(rid, eid) and torch.equal(rw, ew)
+    out = torch.ops.dbo.combine(_fake_experts(rx, rid, rw), "")
+    assert_close(out, _fake_experts(ex, eid, ew))
+
+
+def test_dispatch_combine_local_empty():
+    x, ids, w = _routing(0, 16, 2, 4, seed=0)
+    rx, rid, rw = torch.ops.dbo.dispatch(x, ids, w, 4, "")
+    assert rx.shape == (0, 16) and rid.shape == (0, 2) and rw.shape == (0, 2)
+    assert torch.ops.dbo.combine(rx, "").shape == (0, 16)
+
+
+def test_dispatch_errors():
+    x, ids, w = _routing(3, 4, 2, 4, seed=0)
+    with pytest.raises(CommOpError, match="int64"):
+        torch.ops.dbo.dispatch(x, ids.int(), w, 4, "")
+    with pytest.raises(CommOpError, match="num_tokens, hidden"):
+        torch.ops.dbo.dispatch(x[0], ids, w, 4, "")
+
+
+def _multirank_comm(rank, world_size, cases):
+    """Each case ``(t, num_experts, dtype_name)`` runs dispatch -> fake experts -> combine."""
+    import torch.distributed as dist
+
+    from dbo_compile.ops import ep_group_name
+
+    group = dist.new_group(list(range(world_size)))
+    name = ep_group_name(group)
+    assert name != ""
+    results = []
+    for t, num_experts, dtype_name in cases:
+        dtype = getattr(torch, dtype_name)
+        inputs = [_routing(t, 16, 3, num_experts, seed=100 + s, dtype=dtype)
+                  for s in range(world_size)]
+        for _, ids, _ in inputs:  # a masked slot on every rank's first token
+            if t:
+                ids[0, 0] = -1
+        x, ids, w = inputs[rank]
+        rx, rid, rw = torch.ops.dbo.dispatch(x, ids, w, num_experts, name)
+        ex, eid, ew = _reference_dispatch(inputs, rank, world_size, num_experts)
+        assert rx.shape == (world_size * t, 16)
+        assert torch.equal(rx, ex), "recv_x differs from the reference"
+        assert torch.equal(rid, eid), "recv_topk_ids differ from the reference"
+        assert torch.equal(rw, ew), "recv_topk_weights differ from the reference"
+        # combine: expert with global id g multiplies by (g + 1)
+        e_local = num_experts // world_size
+        gid = torch.where(rid >= 0, rid + rank * e_local, -1)
+        out = torch.ops.dbo.combine(_fake_experts(rx, gid, rw), name)
+        expected = _fake_experts(x, ids, torch.where(ids >= 0, w, 0.0))
+        tol = {} if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+        assert_close(out, expected, **tol)
+        results.append(tuple(out.shape))
+    return results
+
+
+@pytest.mark.multirank
+def test_dispatch_combine_two_ranks():
+    """fp32, bf16 and an empty ubatch (T == 0: the collectives still run on every rank)."""
+    cases = [(6, 8, "float32"), (5, 8, "bfloat16"), (0, 8, "float32"), (4, 4, "float32")]
+    outs = run_multirank(_multirank_comm, 2, args=(cases,), timeout_s=120)
+    assert outs == [[(t, 16) for t, _, _ in cases]] * 2
+
+
+# ------------------------------------------------------------------------------------------
+# attention
+# ------------------------------------------------------------------------------------------
+
+
+class _Case:
+    """A step with a seeded cache and the dense per-request K/V history for the reference."""
+
+    def __init__(self, decodes, prefills, hq, hkv, d=8, block_size=4, pad_to=None,
+                 dtype=torch.float32, seed=0):
+        cfg = type("C", (), {"vocab_size": 10})
+        self.step = make_step(cfg, decode_context_lens=decodes, prefills=prefills,
+                              block_size=block_size, num_blocks=None, seed=seed, pad_to=pad_to)
+        st = self.step
+        md = st.attn_metadata
+        self.md = md
+        gen = torch.Generator().manual_seed(seed + 1)
+        t = st.num_tokens
+        nb = st.num_blocks + 2  # spare blocks never written
+        self.q = torch.randn(t, hq, d, generator=gen).to(dtype)
+        self.k = torch.randn(t, hkv, d, generator=gen).to(dtype)
+        self.v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+        self.cache = torch.randn(2, nb, block_size, hkv, d, generator=gen).to(dtype)
+        self.scale = d ** -0.5
+        # dense history per request: context from the cache, then the step's new k/v
+        self.hist = []
+        bt = md.block_table.long()
+        qsl = md.query_start_loc.tolist()
+        for i, (ctx, ql) in enumerate(zip(st.context_lens, st.num_scheduled_tokens)):
+            pos = torch.arange(ctx)
+            slots = bt[i][pos // block_size] * block_size + pos % block_size
+            flat = self.cache.view(2, -1, hkv, d)
+            hk = torch.cat([flat[0, slots], self.k[qsl[i]:qsl[i + 1]]])
+            hv = torch.cat([flat[1, slots], self.v[qsl[i]:qsl[i + 1]]])
+            self.hist.append((hk, hv))
+
+    def run(self):
+        cache = self.cache.clone()
+        out = torch.ops.dbo.attention(self.q, self.k, self.v, cache, self.md.slot_mapping,
+                                      self.md.query_start_loc, self.md.seq_lens,
+                                      self.md.block_table, self.scale)
+        return out, cache
+
+    def reference(self):
+        t, hq, d = self.q.shape
+        out = torch.zeros(t, hq, d)
+        qsl = self.md.query_start_loc.tolist()
+        for i, (hk, hv) in enumerate(self.hist):
+            ctx = self.step.context_lens[i]
+            g = hq // hk.shape[1]
+            kk = hk.float().repeat_interleave(g, dim=1)  # [S, Hq, D]
+            vv = hv.float().repeat_interleave(g, dim=1)
+            for j, row in enumerate(range(qsl[i], qsl[i + 1])):
+                p = ctx + j
+                s = torch.einsum("hd,shd->hs", self.q[row].float(), kk[:p + 1]) * self.scale
+                out[row] = torch.einsum("hs,shd->hd", s.softmax(-1), vv[:p + 1])
+        return out.to(self.q.dtype)
+
+    def expected_cache(self):
+        cache = self.cache.clone()
+        flat = cache.view(2, -1, *cache.shape[3:])
+        for row, slot in enumerate(self.md.slot_mapping.tolist()):
+            if slot >= 0:
+                flat[0, slot] = self.k[row]
+                flat[1, slot] = self.v[row]
+        return cache
+
+
+ATTN_CASES = {
+    "prefill": dict(decodes=[], prefills=[(0, 7), (0, 3)], hq=4, hkv=4),
+    "decode_long": dict(decodes=[230, 1, 37, 480], prefills=[], hq=4, hkv=2, block_size=16),
+    "chunked_prefill": dict(decodes=[], prefills=[(9, 5), (16, 4)], hq=2, hkv=2),
+    "mixed_gqa": dict(decodes=[13, 0, 200], prefills=[(0, 6), (11, 9)], hq=8, hkv=2),
+    "mqa_padding": dict(decodes=[5, 21], prefills=[(3, 4)], hq=4, hkv=1, pad_to=12),
+    "decode_padding": dict(decodes=[300, 17], prefills=[], hq=4, hkv=2, block_size=16, pad_to=5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTN_CASES))
+def test_attention_matches_dense_reference(name):
+    case = _Case(**ATTN_CASES[name])
+    out, cache = case.run()
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert_close(out, case.reference(), atol=1e-5, rtol=1e-5)
+    n = case.md.num_actual_tokens
+    assert torch.count_nonzero(out[n:]) == 0, "padding rows must be zero"
+    assert torch.equal(cache, case.expected_cache()), "KV write wrong (or padding wrote)"
+
+
+def test_attention_bf16():
+    case = _Case(decodes=[40, 3], prefills=[(5, 6)], hq=4, hkv=2, dtype=torch.bfloat16, pad_to=10)
+    out, cache = case.run()
+    assert out.dtype == torch.bfloat16
+    assert_close(out, case.reference(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(cache, case.expected_cache())
+
+
+def test_attention_chunked_gather(monkeypatch):
+    """The memory cap on the gathered context splits the queries into chunks; same result."""
+    monkeypatch.setattr(attention_mod, "_GATHER_ELEMS", 1)
+    case = _Case(**ATTN_CASES["mixed_gqa"])
+    out, _ = case.run()
+    assert_close(out, case.reference(), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_zero_tokens_and_requests():
+    q = torch.zeros(0, 4, 8)
+    k = torch.zeros(0, 2, 8)
+    cache = torch.randn(2, 3, 4, 2, 8)
+    before = cache.clone()
+    i32 = torch.int32
+    out = torch.ops.dbo.attention(q, k, k, cache, torch.zeros(0, dtype=torch.int64),
+                                  torch.zeros(1, dtype=i32), torch.zeros(0, dtype=i32),
+                                  torch.zeros(0, 1, dtype=i32), 0.5)
+    assert out.shape == (0, 4, 8) and torch.equal(cache, before)
+    # three padding rows, no request: zeros out, nothing written
+    q3, k3 = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    out = torch.ops.dbo.attention(q3, k3, k3, cache, torch.full((3,), -1, dtype=torch.int64),
+                                  torch.zeros(1, dtype=i32), torch.zeros(0, dtype=i32),
+                                  torch.zeros(0, 1, dtype=i32), 0.5)
+    assert torch.count_nonzero(out) == 0 and torch.equal(cache, before)
+
+
+def test_attention_errors():
+    case = _Case(decodes=[3], prefills=[], hq=3, hkv=3)
+    with pytest.raises(attention_mod.AttentionOpError, match="multiple"):
+        torch.ops.dbo.attention(case.q, case.k[:, :2], case.v[:, :2], case.cache,
+                                case.md.slot_mapping, case.md.query_start_loc,
+                                case.md.seq_lens, case.md.block_table, 1.0)
+
+
+def test_opcheck_attention():
+    case = _Case(**ATTN_CASES["mqa_padding"])
+    md = case.md
+    torch.library.opcheck(
+        torch.ops.dbo.attention.default,
+        (case.q, case.k, case.v, case.cache.clone(), md.slot_mapping, md.query_start_loc,
+         md.seq_lens, md.block_table, case.scale),
+    )
