@@ -1,0 +1,341 @@
+"""Cut one step into ubatches: token/request slices and per-ubatch attention metadata.
+
+Host-side, run once per step after the DP vote (:mod:`dbo_compile.runtime.vote`) said "split".
+The rules are vLLM DBO's (``--enable-dbo``), pinned by the golden cases of
+../shared/REFERENCES.md §Slicing:
+
+1. ``cu`` = cumulative scheduled tokens with a leading 0 (``cu[i]`` = first token of request i).
+2. Split points are fixed on the **padded** token count, identical on every DP rank:
+   ``b_k = k * num_tokens_padded // num_ubatches`` (for two ubatches: one split point at
+   ``num_tokens_padded // 2``). Because they depend only on the voted padded count, every rank
+   cuts its token dim into the same ubatch sizes, so the collectives of ubatch ``k`` have the
+   same shapes everywhere and one CUDA graph per (bucket, split) serves all ranks.
+3. Ubatch ``k`` owns the real tokens ``[min(b_k, T), min(b_{k+1}, T))`` (``T`` = real tokens)
+   and the requests ``[searchsorted(cu, tok_start, right) - 1, searchsorted(cu, tok_stop,
+   left))``. A request straddling a split point appears in both ubatches: the first part keeps
+   the tokens before the split point (its query and ``seq_len`` are trimmed), the continuation
+   the rest (full ``seq_len``, ``num_computed_tokens`` advanced by the tokens already placed).
+4. Padded slices partition ``[0, num_tokens_padded)`` at the same split points: rows past the
+   real tokens are padding (``slot_mapping == -1``). When ``T >= b_{n-1}`` all padding lands in
+   the last ubatch; when a rank has fewer real tokens than that (DP padding to another rank's
+   count), its earlier ubatches end in padding rows too and its last ubatches are empty.
+
+Empty-ubatch rule
+-----------------
+A ubatch whose real-token slice is empty (``token_slice.start == token_slice.stop``, request
+slice ``[R, R)``) is **not** dropped and does not abort the split (vLLM aborts instead): it runs
+as padding, with its padded rows (or 0 rows), and still issues every dispatch/combine, so all
+DP ranks stay in step and issue the same collectives in the same order (DESIGN.md invariants 2
+and 6). Its attention metadata has ``num_reqs == 0`` (``query_start_loc == [0]``) and one
+``slot_mapping == -1`` row per padded row. Empty ubatches arise only from DP padding: the vote
+never splits a step in which any rank has fewer than ``num_ubatches`` real tokens (thresholds
+are ``>= num_ubatches``, and ``split="always"`` checks that bound explicitly), so a step with
+fewer real tokens than ``num_ubatches`` (a 1-token step, an idle rank) runs unsplit everywhere.
+:func:`make_ubatch_slices` itself accepts any counts, so callers and tests can build such
+slices.
+
+Requests with zero scheduled tokens are rejected (:class:`MetadataError`): the searchsorted rule
+cannot place them (vLLM's scheduler never schedules them).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from dbo_compile.errors import MetadataError
+from dbo_compile.runtime.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+#: ``slot_mapping`` value of a padding token (writes no KV), as in vLLM (``PAD_SLOT_ID``).
+PAD_SLOT_ID = -1
+
+__all__ = [
+    "PAD_SLOT_ID",
+    "UBatchSlice",
+    "make_ubatch_slices",
+    "make_ubatch_slices_at",
+    "slice_token_tensor",
+    "split_attn_metadata",
+]
+
+
+@dataclass(frozen=True)
+class UBatchSlice:
+    """The requests and token rows of one ubatch.
+
+    Attributes:
+        request_slice: ``slice(start, stop)`` over the request dim (step 1). A request cut by a
+            split point is in the request slices of both ubatches.
+        token_slice: ``slice(start, stop)`` over the token dim (step 1), in tokens.
+    """
+
+    request_slice: slice
+    token_slice: slice
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the token dim in this ubatch (tokens)."""
+        return self.token_slice.stop - self.token_slice.start
+
+    @property
+    def num_reqs(self) -> int:
+        return self.request_slice.stop - self.request_slice.start
+
+    def is_empty(self) -> bool:
+        """True when the ubatch has no token rows (see the module's empty-ubatch rule)."""
+        return self.num_tokens == 0
+
+
+def _as_int_list(num_scheduled_tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(num_scheduled_tokens, torch.Tensor):
+        if num_scheduled_tokens.dim() != 1:
+            raise MetadataError(
+                "num_scheduled_tokens must be 1-D [num_reqs], got shape "
+                f"{tuple(num_scheduled_tokens.shape)}"
+            )
+        if num_scheduled_tokens.dtype.is_floating_point or num_scheduled_tokens.dtype == torch.bool:
+            raise MetadataError(
+                f"num_scheduled_tokens must be an integer tensor, got {num_scheduled_tokens.dtype}"
+            )
+        return [int(x) for x in num_scheduled_tokens.tolist()]
+    return [int(x) for x in num_scheduled_tokens]
+
+
+def _request_slice(cu: list[int], tok_start: int, tok_stop: int) -> slice:
+    """vLLM's rule: requests overlapping ``[tok_start, tok_stop)``; ``[R, R)`` when empty."""
+    if tok_start >= tok_stop:
+        r = len(cu) - 1 if tok_start >= cu[-1] else bisect.bisect_right(cu, tok_start) - 1
+        return slice(r, r)
+    return slice(bisect.bisect_right(cu, tok_start) - 1, bisect.bisect_left(cu, tok_stop))
+
+
+def make_ubatch_slices(
+    num_scheduled_tokens: Sequence[int] | torch.Tensor,
+    num_tokens_padded: int,
+    num_ubatches: int = 2,
+) -> tuple[list[UBatchSlice], list[UBatchSlice]]:
+    """Cut one step into ``num_ubatches`` ubatches at split points on the padded token count.
+
+    Args:
+        num_scheduled_tokens: tokens of each request this step, ``[num_reqs]`` (list or integer
+            tensor, any device; read on the host). Every entry must be ``>= 1``.
+        num_tokens_padded: token rows of the step after padding (the DP vote's
+            ``num_tokens_padded``), ``>= sum(num_scheduled_tokens)``.
+        num_ubatches: number of ubatches (``>= 1``).
+
+    Returns:
+        ``(slices, padded_slices)``, each a list of ``num_ubatches`` :class:`UBatchSlice`.
+        ``slices`` cover the real tokens (``[0, T)``, possibly empty per ubatch: see the
+        empty-ubatch rule in the module docstring); ``padded_slices`` have the same request
+        slices and token slices that partition ``[0, num_tokens_padded)`` at
+        ``k * num_tokens_padded // num_ubatches``.
+
+    Raises:
+        MetadataError: a count is negative or zero, ``num_tokens_padded`` is smaller than the
+            real token count, or ``num_ubatches < 1``.
+
+    Example::
+
+        >>> s, p = make_ubatch_slices([8, 8], 24)
+        >>> s[0]
+        UBatchSlice(request_slice=slice(0, 2, None), token_slice=slice(0, 12, None))
+        >>> s[1].token_slice, p[1].token_slice
+        (slice(12, 16, None), slice(12, 24, None))
+    """
+    if not isinstance(num_ubatches, int) or num_ubatches < 1:
+        raise MetadataError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
+    num_tokens_padded = int(num_tokens_padded)
+    points = [k * num_tokens_padded // num_ubatches for k in range(1, num_ubatches)]
+    return make_ubatch_slices_at(num_scheduled_tokens, points, num_tokens_padded)
+
+
+def make_ubatch_slices_at(
+    num_scheduled_tokens: Sequence[int] | torch.Tensor,
+    split_points: Sequence[int],
+    num_tokens_padded: int | None = None,
+) -> tuple[list[UBatchSlice], list[UBatchSlice]]:
+    """Like :func:`make_ubatch_slices`, with explicit split points (tokens).
+
+    ``len(split_points) + 1`` ubatches; the points must be non-decreasing and within
+    ``[0, num_tokens_padded]`` (``num_tokens_padded`` defaults to the real token count). This is
+    the form of vLLM's ``create_ubatch_slices(num_scheduled_tokens, split_point)`` and of the
+    golden cases; :func:`make_ubatch_slices` calls it with ``k * num_tokens_padded //
+    num_ubatches``.
+
+    Raises:
+        MetadataError: a count is ``< 1``, ``num_tokens_padded`` is smaller than the real token
+            count, or a split point is out of order or out of range.
+    """
+    counts = _as_int_list(num_scheduled_tokens)
+    bad = [(i, c) for i, c in enumerate(counts) if c < 1]
+    if bad:
+        raise MetadataError(
+            f"num_scheduled_tokens must be >= 1 for every request; (request, tokens) {bad[:8]} "
+            "are not (drop requests with no tokens before slicing)"
+        )
+    cu = [0]
+    for c in counts:
+        cu.append(cu[-1] + c)
+    num_tokens = cu[-1]
+    num_tokens_padded = num_tokens if num_tokens_padded is None else int(num_tokens_padded)
+    if num_tokens_padded < num_tokens:
+        raise MetadataError(
+            f"num_tokens_padded={num_tokens_padded} is smaller than the real token count "
+            f"{num_tokens} (sum of num_scheduled_tokens over {len(counts)} requests)"
+        )
+    bounds = [0, *(int(p) for p in split_points), num_tokens_padded]
+    if any(b > c for b, c in zip(bounds, bounds[1:])):
+        raise MetadataError(
+            f"split points {list(split_points)} must be non-decreasing within "
+            f"[0, num_tokens_padded={num_tokens_padded}]"
+        )
+    slices: list[UBatchSlice] = []
+    padded: list[UBatchSlice] = []
+    for k in range(len(bounds) - 1):
+        start, stop = min(bounds[k], num_tokens), min(bounds[k + 1], num_tokens)
+        req = _request_slice(cu, start, stop)
+        slices.append(UBatchSlice(req, slice(start, stop)))
+        padded.append(UBatchSlice(req, slice(bounds[k], bounds[k + 1])))
+    log.debug(
+        "ubatch slices: %d reqs, %d tokens padded to %d -> %s", len(counts), num_tokens,
+        num_tokens_padded, [(s.request_slice, s.token_slice) for s in padded],
+    )
+    return slices, padded
+
+
+def slice_token_tensor(
+    t: torch.Tensor,
+    token_slice: slice,
+    *,
+    num_real_tokens: int | None = None,
+    pad_value: int | float = 0,
+    dim: int = 0,
+) -> torch.Tensor:
+    """Rows ``token_slice`` of ``t`` along its token dim, padded, as a fresh tensor.
+
+    Rows at or past ``num_real_tokens`` (default: ``t.shape[dim]``), including rows beyond the
+    end of ``t``, are filled with ``pad_value``. The result never shares storage with ``t``.
+
+    Args:
+        t: any tensor whose ``dim`` is the token dim ``[num_tokens, ...]``.
+        token_slice: ``slice(start, stop)`` in tokens, ``0 <= start <= stop``.
+        num_real_tokens: rows of ``t`` that are real tokens.
+        pad_value: value of the padding rows.
+        dim: the token dim of ``t``.
+
+    Returns:
+        A tensor of ``t``'s dtype and device with ``stop - start`` rows along ``dim``.
+
+    Raises:
+        MetadataError: the slice is negative or reversed.
+    """
+    start, stop = token_slice.start, token_slice.stop
+    if start is None or stop is None or start < 0 or stop < start:
+        raise MetadataError(f"token slice {token_slice} must have 0 <= start <= stop")
+    real = t.shape[dim] if num_real_tokens is None else min(int(num_real_tokens), t.shape[dim])
+    shape = list(t.shape)
+    shape[dim] = stop - start
+    out = torch.full(shape, pad_value, dtype=t.dtype, device=t.device)
+    n = max(0, min(stop, real) - start)
+    if n:
+        out.narrow(dim, 0, n).copy_(t.narrow(dim, start, n))
+    return out
+
+
+def _check_slice(s: UBatchSlice, cu: list[int], index: int) -> tuple[int, int, int, int]:
+    """Validate one slice against the metadata; returns (tok_start, real_stop, r0, r1)."""
+    ts, rs = s.token_slice, s.request_slice
+    if (ts.start is None or ts.stop is None or ts.start < 0 or ts.stop < ts.start
+            or ts.step not in (None, 1)):
+        raise MetadataError(
+            f"ubatch {index}: token_slice {ts} must be slice(start, stop) with 0 <= start <= stop"
+        )
+    if rs.start is None or rs.stop is None or rs.step not in (None, 1):
+        raise MetadataError(f"ubatch {index}: request_slice {rs} must be slice(start, stop)")
+    num_real = cu[-1]
+    start, real_stop = min(ts.start, num_real), min(ts.stop, num_real)
+    expected = _request_slice(cu, start, real_stop)
+    if (rs.start, rs.stop) != (expected.start, expected.stop):
+        raise MetadataError(
+            f"ubatch {index}: request_slice [{rs.start}, {rs.stop}) does not match token_slice "
+            f"[{ts.start}, {ts.stop}) of a step with query_start_loc {cu}: the requests of those "
+            f"tokens are [{expected.start}, {expected.stop}) (build slices with make_ubatch_slices)"
+        )
+    return start, real_stop, rs.start, rs.stop
+
+
+def split_attn_metadata(
+    slices: Sequence[UBatchSlice], metadata: AttentionMetadata
+) -> list[AttentionMetadata]:
+    """One :class:`AttentionMetadata` per ubatch, following REFERENCES.md §Slicing (vLLM DBO).
+
+    For ubatch ``k`` with requests ``[r0, r1)`` and real tokens ``[a, b)``:
+
+    - ``query_start_loc`` int32 ``[r1 - r0 + 1]``: the original offsets clamped to ``[a, b]``
+      and rebased to 0;
+    - ``seq_lens`` int32 ``[r1 - r0]``: a request cut after this part loses the tokens that come
+      later (``seq_len - tokens after b``); a continuation keeps its full ``seq_len``;
+    - ``num_computed_tokens`` int32: ``seq_lens - query_lens`` of this part (a continuation's is
+      advanced by the tokens already placed in earlier ubatches);
+    - ``block_table`` int32 ``[r1 - r0, max_blocks]``: the rows of its requests;
+    - ``slot_mapping`` int64 ``[token_slice rows]``: the rows of its token slice; rows at or past
+      the real tokens (padding of padded slices) are ``-1``, even if the input held other
+      values there;
+    - ``max_query_len`` / ``max_seq_len``: recomputed (0 for an empty ubatch).
+
+    An empty ubatch (no real tokens) gets ``num_reqs == 0``, ``query_start_loc == [0]`` and one
+    ``-1`` slot per token row. Every tensor is freshly allocated (no storage is shared with the
+    input or another ubatch) on the device of the corresponding input field.
+
+    Args:
+        slices: from :func:`make_ubatch_slices` (real or padded), or any slices whose request
+            slice matches their token slice by the searchsorted rule.
+        metadata: the step's metadata; validated first.
+
+    Returns:
+        A list with one validated metadata per slice, in ubatch order.
+
+    Raises:
+        MetadataError: the metadata is inconsistent (see :meth:`AttentionMetadata.validate`), a
+            request has zero query tokens, or a slice does not match the metadata.
+    """
+    metadata.validate()
+    qsl = [int(x) for x in metadata.query_start_loc.tolist()]
+    zero = [i for i in range(len(qsl) - 1) if qsl[i + 1] == qsl[i]]
+    if zero:
+        raise MetadataError(
+            f"requests {zero[:8]} have zero query tokens (query_start_loc {qsl[:16]}...); "
+            "ubatch slicing needs >= 1 token per request"
+        )
+    seq = [int(x) for x in metadata.seq_lens.tolist()]
+    qsl_dev = metadata.query_start_loc.device
+    seq_dev = metadata.seq_lens.device
+    ctx_dev = metadata.num_computed_tokens.device
+    num_real = qsl[-1]
+    out: list[AttentionMetadata] = []
+    for k, s in enumerate(slices):
+        a, b, r0, r1 = _check_slice(s, qsl, k)
+        new_qsl = [min(max(x, a), b) - a for x in qsl[r0 : r1 + 1]] if r1 > r0 else [0]
+        qlens = [new_qsl[i + 1] - new_qsl[i] for i in range(r1 - r0)]
+        new_seq = [seq[i] - max(0, qsl[i + 1] - b) for i in range(r0, r1)]
+        new_ctx = [sl - ql for sl, ql in zip(new_seq, qlens)]
+        slot = slice_token_tensor(
+            metadata.slot_mapping, s.token_slice, num_real_tokens=num_real, pad_value=PAD_SLOT_ID
+        )
+        part = AttentionMetadata(
+            query_start_loc=torch.tensor(new_qsl, dtype=torch.int32, device=qsl_dev),
+            seq_lens=torch.tensor(new_seq, dtype=torch.int32, device=seq_dev),
+            num_computed_tokens=torch.tensor(new_ctx, dtype=torch.int32, device=ctx_dev),
+            block_table=metadata.block_table[r0:r1].clone(),
+            slot_mapping=slot,
+            max_query_len=max(qlens, default=0),
+            max_seq_len=max(new_seq, default=0),
+        )
+        out.append(part.validate())
+    return out
