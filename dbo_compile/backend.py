@@ -1,0 +1,194 @@
+"""The ``dbo`` torch.compile backend: ``torch.compile(model, backend="dbo", options={...})``.
+
+Pipeline (../shared/DESIGN.md)::
+
+    Dynamo FX graph
+      -> lowering.lower_to_aten       functional ATen inference graph, symbolic token dim
+      -> passes.reinplace             KV-cache writes back in place
+      -> passes.token_dim             token dim of every node; reject token-mixing graphs
+      -> passes.split_ubatch          one copy per ubatch over token-dim slices
+      -> passes.insert_yields         comm ops -> issue + wait (the yield points)
+      -> passes.stream_assign         stages, list schedule on comm/compute streams, events
+      -> codegen.SplitProgram         one generated single-threaded function
+      -> runtime.DboCompiledModule    guards + slicing per step; unsplit program as way out
+
+A graph that cannot be split (no comm op, or an op mixing tokens) is compiled unsplit and the
+reason is logged at WARNING, naming the node (``DboConfig.on_unsplittable="raise"`` raises).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from dbo_compile.config import DboConfig
+from dbo_compile.errors import UnsplittableGraphError
+
+log = logging.getLogger(__name__)
+
+_ARTIFACTS: list[Any] = []
+
+
+def compiled_artifacts() -> list[Any]:
+    """What the backend returned, oldest first (``DboCompiledModule`` or ``UnsplitProgram``).
+
+    Tests and tools read the schedule, the generated code and the step counters from here;
+    :func:`reset_artifacts` empties the list (``torch._dynamo.reset()`` does not).
+    """
+    return list(_ARTIFACTS)
+
+
+def reset_artifacts() -> None:
+    _ARTIFACTS.clear()
+
+
+def _ensure_ops_registered() -> None:
+    import dbo_compile.ops  # noqa: F401 - registers torch.ops.dbo.*
+
+
+def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
+                  input_kinds: Sequence[str] | None = None):
+    """Run the whole pipeline; return a :class:`~dbo_compile.runtime.program.DboCompiledModule`.
+
+    Args:
+        gm: a Dynamo graph (or any FX graph with ``input_kinds``).
+        example_inputs: one value per placeholder.
+        config: options.
+        input_kinds: explicit input classification for graphs not from Dynamo.
+
+    Raises:
+        UnsplittableGraphError: the graph has no comm op or mixes tokens across the split.
+    """
+    from dbo_compile.codegen import SplitProgram
+    from dbo_compile.lowering import classify_inputs, lower_to_aten
+    from dbo_compile.passes.comm_ops import comm_nodes
+    from dbo_compile.passes.insert_yields import insert_yields
+    from dbo_compile.passes.reinplace import reinplace_graph_input_mutations
+    from dbo_compile.passes.split_ubatch import split_ubatch
+    from dbo_compile.passes.stream_assign import stream_assign
+    from dbo_compile.passes.token_dim import annotate_token_dims, check_outputs
+    from dbo_compile.runtime.program import DboCompiledModule
+
+    _ensure_ops_registered()
+    t0 = time.perf_counter()
+    specs = classify_inputs(gm, example_inputs, input_kinds)
+    if not any(s.kind == "token" for s in specs):
+        raise UnsplittableGraphError("the graph has no token-indexed tensor input")
+    lowered = lower_to_aten(gm, example_inputs, specs)
+    graph = lowered.gm.graph
+    reinplace_graph_input_mutations(graph)
+    graph.eliminate_dead_code()
+    comms = comm_nodes(graph)
+    if not comms:
+        raise UnsplittableGraphError(
+            "the graph has no comm op (dbo.dispatch / dbo.combine / "
+            "_c10d_functional.all_to_all_single): nothing to overlap"
+        )
+    annotate_token_dims(graph, lowered.token_symbols)
+    check_outputs(graph)
+    lowered.gm.recompile()
+    _dump_graph("lowered", lowered.gm)
+    split_gm, signature = split_ubatch(lowered.gm, specs, config.num_ubatches)
+    insert_yields(split_gm.graph)
+    split_gm.graph.lint()
+    split_gm.recompile()
+    schedule = stream_assign(split_gm.graph, config, lowered.token_symbols, config.num_ubatches)
+    schedule.meta.update(
+        comm_ops_per_ubatch=len(comms),
+        num_graph_inputs=len(specs),
+    )
+    _dump_graph("split", split_gm)
+    program = SplitProgram(split_gm, schedule, _unit_compiler(config))
+    _dump_schedule(schedule, program.code, config)
+    log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
+             "(%.2f s)", config.num_ubatches, len(comms), len(schedule.units),
+             len(schedule.event_edges), time.perf_counter() - t0)
+    compiled = DboCompiledModule(gm.forward, program, specs, signature, config)
+    compiled.split_gm = split_gm
+    compiled.lowered_gm = lowered.gm
+    return compiled
+
+
+def _unit_compiler(config: DboConfig):
+    if config.compute_backend == "aten":
+        return None
+
+    def compile_unit(gm: fx.GraphModule, unit_id: int):
+        from dbo_compile.codegen.inductor import compile_unit_with_inductor
+
+        return compile_unit_with_inductor(gm, unit_id)
+
+    return compile_unit
+
+
+def _dump_graph(name: str, gm: fx.GraphModule) -> None:
+    try:
+        from torch._logging import trace_structured
+
+        trace_structured("artifact", metadata_fn=lambda: {"name": f"dbo_{name}_graph",
+                                                          "encoding": "string"},
+                         payload_fn=lambda: gm.print_readable(print_output=False))
+    except Exception:  # noqa: BLE001 - logging must never break compilation
+        pass
+    log.debug("dbo %s graph:\n%s", name, gm.code)
+
+
+def _dump_schedule(schedule: Any, code: str, config: DboConfig) -> None:
+    payload = schedule.to_json()
+    try:
+        from torch._logging import trace_structured
+
+        trace_structured("artifact", metadata_fn=lambda: {"name": "dbo_schedule", "encoding": "json"},
+                         payload_fn=lambda: payload)
+    except Exception:  # noqa: BLE001
+        pass
+    if config.dump_dir:
+        os.makedirs(config.dump_dir, exist_ok=True)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        base = os.path.join(config.dump_dir, f"schedule_rank{rank}_{config.fingerprint()}")
+        with open(base + ".json", "w") as f:
+            f.write(payload)
+        with open(base + ".py", "w") as f:
+            f.write(code)
+
+
+def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                options: dict[str, Any] | DboConfig | None = None, mode: str | None = None):
+    """The ``dbo`` Dynamo backend (registered through the ``torch_dynamo_backends`` entry point).
+
+    Args:
+        gm: the graph Dynamo captured.
+        example_inputs: its example inputs.
+        options: ``torch.compile(..., options=...)``, mapped onto :class:`DboConfig`.
+        mode: ignored (accepted for compatibility with ``torch.compile(mode=...)``).
+
+    Raises:
+        DboConfigError: an unknown or invalid option.
+        UnsplittableGraphError: only with ``on_unsplittable="raise"``.
+    """
+    config = DboConfig.from_options(options)
+    try:
+        compiled = compile_split(gm, example_inputs, config)
+    except UnsplittableGraphError as e:
+        if config.on_unsplittable == "raise":
+            raise
+        from dbo_compile.runtime.program import UnsplitProgram
+
+        log.warning("dbo: compiling this graph unsplit: %s", e)
+        compiled = UnsplitProgram(gm.forward, str(e))
+    _ARTIFACTS.append(compiled)
+    return compiled
+
+
+def register() -> None:
+    """Register ``backend="dbo"`` in this process (the entry point does it without imports)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "dbo" not in _BACKENDS:
+        register_backend(name="dbo")(dbo_backend)

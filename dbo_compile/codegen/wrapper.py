@@ -1,0 +1,189 @@
+"""Codegen: the schedule as ONE Python function with stream switches and event edges.
+
+For every unit, in host order, the generated function
+
+1. waits on its stream for the events of its incoming event edges,
+2. calls the unit (a GraphModule holding the stage's ATen ops, or the one comm op) — comm
+   units inside ``with use(s_comm):``,
+3. ``record_stream``s every input made on the other stream (allocator safety, invariant 4),
+4. records its event if a unit on the other stream waits for it,
+5. drops values after their last use, as eager execution would.
+
+At the end the compute stream joins the comm stream (required for CUDA-graph capture: every
+forked stream must rejoin the origin stream). No thread, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from dbo_compile.errors import ScheduleError
+from dbo_compile.passes.insert_yields import is_wait
+from dbo_compile.passes.stream_assign import COMM, Schedule, range_name
+from dbo_compile.runtime import streams as _streams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UnitIO:
+    """Names of the values a unit reads and writes (split-graph node names)."""
+
+    inputs: list[str]
+    outputs: list[str]
+
+
+def _resolve(node: fx.Node) -> fx.Node:
+    """A wait node stands for its issue node's value."""
+    while is_wait(node):
+        node = node.args[0]
+    return node
+
+
+def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
+                       compile_unit: Callable[[fx.GraphModule, int], Callable] | None = None
+                       ) -> tuple[list[Callable], list[UnitIO]]:
+    """Extract one GraphModule per unit; its inputs are values made outside the unit."""
+    graph = split_gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    unit_of = schedule.unit_of_node()
+    users_outside: dict[str, set[int]] = {}
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output") or is_wait(n):
+            continue
+        if n.name not in unit_of:
+            raise ScheduleError(f"node {n.name} belongs to no schedule unit")
+    modules: list[Callable] = []
+    ios: list[UnitIO] = []
+    for unit in schedule.units:
+        members = [by_name[n] for n in unit.nodes]
+        member_set = set(members)
+        inputs: list[fx.Node] = []
+        for n in members:
+            for a in n.all_input_nodes:
+                src = _resolve(a)
+                if src not in member_set and src not in inputs:
+                    inputs.append(src)
+        outputs = []
+        for n in members:
+            used_outside = False
+            for user in n.users:
+                targets = [user] if not is_wait(user) else list(user.users)
+                for t in targets:
+                    if t is out_node or (t not in member_set):
+                        used_outside = True
+            if used_outside:
+                outputs.append(n)
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for a in inputs:
+            ph = sub.placeholder(a.name)
+            ph.meta = dict(a.meta)
+            env[a] = ph
+        for n in members:
+            new = sub.node_copy(n, lambda x: env[_resolve(x)] if _resolve(x) in env else env[x])
+            env[n] = new
+        sub.output(tuple(env[o] for o in outputs))
+        gm = fx.GraphModule(split_gm, sub, class_name=f"DboUnit{unit.id}")
+        modules.append(compile_unit(gm, unit.id) if compile_unit is not None else gm)
+        ios.append(UnitIO([a.name for a in inputs], [o.name for o in outputs]))
+    return modules, ios
+
+
+def generate(split_gm: fx.GraphModule, schedule: Schedule, ios: list[UnitIO]) -> tuple[str, int]:
+    """Python source of ``dbo_step(self, *inputs)`` and the number of events it uses."""
+    graph = split_gm.graph
+    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outputs = [(_resolve(a).name if isinstance(a, fx.Node) else repr(a)) for a in out_node.args[0]]
+    stream_of_value: dict[str, str] = {p: "compute" for p in placeholders}
+    for unit, io in zip(schedule.units, ios):
+        for o in io.outputs:
+            stream_of_value[o] = unit.stream
+    producers_with_events = sorted({a for a, _ in schedule.event_edges})
+    event_index = {u: i for i, u in enumerate(producers_with_events)}
+    join_event = len(event_index)
+    num_events = join_event + 1
+    waits_for: dict[int, list[int]] = {}
+    for a, b in schedule.event_edges:
+        waits_for.setdefault(b, []).append(a)
+    last_use: dict[str, int] = {}
+    for unit, io in zip(schedule.units, ios):
+        for name in io.inputs:
+            last_use[name] = unit.id
+    keep_alive = set(outputs) | set(placeholders)
+
+    lines = [
+        "def dbo_step(self, " + ", ".join(placeholders) + "):",
+        f"    # {len(schedule.units)} units, {len(schedule.event_edges)} event edges, "
+        f"scheduler={schedule.scheduler}, predicted {schedule.predicted_step_us:.1f} us "
+        f"(serial {schedule.serial_us:.1f} us)",
+        "    s_compute, s_comm, ev = self.streams.get(device_of((" + ", ".join(placeholders) + ",)))",
+        "    units = self.units",
+    ]
+    for unit, io in zip(schedule.units, ios):
+        stream = "s_comm" if unit.stream == COMM else "s_compute"
+        lines.append(f"    # [{unit.id}] {unit.name} ({unit.kind}, {len(unit.nodes)} nodes, "
+                     f"est {unit.cost_us:.1f} us)")
+        indent = "    "
+        if unit.stream == COMM:
+            lines.append(f"    with use(s_comm), rf({range_name(unit)!r}):")
+            indent = "        "
+        else:
+            lines.append(f"    with rf({range_name(unit)!r}):")
+            indent = "        "
+        for p in sorted(waits_for.get(unit.id, [])):
+            lines.append(f"{indent}wait({stream}, ev[{event_index[p]}])  # after [{p}]")
+        outs = ", ".join(io.outputs)
+        call = f"units[{unit.id}](" + ", ".join(io.inputs) + ")"
+        if io.outputs:
+            lines.append(f"{indent}({outs},) = {call}")
+        else:
+            lines.append(f"{indent}{call}")
+        for name in io.inputs:
+            if stream_of_value.get(name, "compute") != unit.stream:
+                lines.append(f"{indent}keep({name}, {stream})")
+        if unit.id in event_index:
+            lines.append(f"{indent}record(ev[{event_index[unit.id]}], {stream})")
+        dead = [n for n in io.inputs if last_use.get(n) == unit.id and n not in keep_alive]
+        if dead:
+            lines.append(f"{indent}del {', '.join(dead)}")
+    lines.append("    # join: the compute stream waits for the comm stream's last op")
+    lines.append(f"    record(ev[{join_event}], s_comm)")
+    lines.append(f"    wait(s_compute, ev[{join_event}])")
+    lines.append("    return (" + "".join(f"{o}, " for o in outputs) + ")")
+    return "\n".join(lines) + "\n", num_events
+
+
+class SplitProgram:
+    """The compiled split program: unit callables plus the generated ``dbo_step``.
+
+    Attributes:
+        code: the generated Python source (also logged at DEBUG under ``dbo_compile``).
+        schedule: the :class:`~dbo_compile.passes.stream_assign.Schedule` it runs.
+    """
+
+    def __init__(self, split_gm: fx.GraphModule, schedule: Schedule,
+                 compile_unit: Callable[[fx.GraphModule, int], Callable] | None = None):
+        self.schedule = schedule
+        self.units, self.unit_io = build_unit_modules(split_gm, schedule, compile_unit)
+        self.code, num_events = generate(split_gm, schedule, self.unit_io)
+        self.streams = _streams.StreamSet(num_events)
+        namespace: dict[str, Any] = {
+            "use": _streams.use, "record": _streams.record, "wait": _streams.wait,
+            "keep": _streams.keep, "device_of": _streams.device_of, "operator": operator,
+            "torch": torch, "rf": torch.profiler.record_function,
+        }
+        exec(compile(self.code, "<dbo_step>", "exec"), namespace)  # noqa: S102 - our own codegen
+        self._fn = namespace["dbo_step"]
+        log.debug("generated dbo_step:\n%s", self.code)
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        return self._fn(self, *args)

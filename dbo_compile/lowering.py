@@ -1,0 +1,263 @@
+"""Lower a Dynamo FX graph to a functional ATen inference graph with a symbolic token dim.
+
+Dynamo hands the backend a torch-level graph whose shapes may be static (the first compile
+specialises every size). We re-trace it through AOTAutograd (functionalised, inference,
+input mutations kept in the graph) on fake inputs whose token dim — and the request dim of the
+attention metadata — are fresh symbols, so one graph serves every ubatch size and
+``node.meta["val"]`` tells which values are token-indexed.
+
+Graph inputs are classified from Dynamo's sources (``node.meta["grapharg"].source``):
+
+- ``shared``: module parameters and buffers (weights, KV caches): one tensor for all ubatches;
+- ``token``: any other tensor input; dim 0 is the token dim and is sliced per ubatch;
+- ``request``: a field of :class:`~dbo_compile.runtime.metadata.AttentionMetadata` indexed by
+  request (``query_start_loc``, ``seq_lens``, ...): rebuilt per ubatch by the runtime;
+- ``size``: a SymInt input that is the size of another input's dim (dynamic Dynamo graphs);
+- ``scalar``: any other non-tensor input (passed through unchanged).
+
+Duck shaping is off (``ShapeEnv(duck_shape=False)``): in a pure-decode step the request count
+equals the token count, and the two must stay distinct symbols (../shared/DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import sympy
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+from dbo_compile.errors import UnsplittableGraphError
+from dbo_compile.runtime.metadata import FIELD_LAYOUT
+
+log = logging.getLogger(__name__)
+
+_SHARED_SOURCE = re.compile(r"(_parameters\[|_buffers\[|_modules\[|^G\[|^L\['self'\]|\['self'\]\.)")
+_SIZE_SOURCE = re.compile(r"^(?P<base>.*)\.size\(\)\[(?P<dim>\d+)\]$")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """How one graph input is treated by the split.
+
+    Attributes:
+        index: position among the graph's placeholders.
+        name: placeholder name.
+        source: Dynamo source (``L['input_ids']``) or ``""`` when the graph did not come from
+            Dynamo.
+        kind: ``"shared"``, ``"token"``, ``"request"``, ``"size"`` or ``"scalar"``.
+        field: the ``AttentionMetadata`` field of a ``request``/``token`` metadata input.
+        size_of: ``(input index, dim)`` of the tensor dim a ``size`` input measures.
+    """
+
+    index: int
+    name: str
+    source: str
+    kind: str
+    field: str | None = None
+    size_of: tuple[int, int] | None = None
+
+    @property
+    def per_ubatch(self) -> bool:
+        return self.kind in ("token", "request", "size")
+
+
+def _source_name(node: fx.Node) -> str:
+    ga = node.meta.get("grapharg")
+    if ga is None or getattr(ga, "source", None) is None:
+        return ""
+    name = ga.source.name
+    return name() if callable(name) else str(name)
+
+
+def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                    kinds: Sequence[str] | None = None) -> list[InputSpec]:
+    """Classify the placeholders of ``gm`` (see the module docstring).
+
+    Args:
+        gm: the Dynamo graph (or any FX graph when ``kinds`` is given).
+        example_inputs: one value per placeholder.
+        kinds: explicit kinds per placeholder for graphs that did not come from Dynamo
+            (``"shared"``, ``"token"``, ``"request"``, ``"scalar"``); metadata fields are
+            recognised by placeholder name then.
+
+    Raises:
+        UnsplittableGraphError: a SymInt input whose source we cannot map.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise UnsplittableGraphError(
+            f"graph has {len(placeholders)} inputs but {len(example_inputs)} example inputs"
+        )
+    sources = [_source_name(n) for n in placeholders]
+    by_source = {s: i for i, s in enumerate(sources) if s}
+    specs = []
+    for i, (node, value, source) in enumerate(zip(placeholders, example_inputs, sources)):
+        field = None
+        for f in FIELD_LAYOUT:
+            if source.endswith(f".{f}") or (not source and node.name.endswith(f)):
+                field = f
+        if kinds is not None:
+            kind = kinds[i]
+            if kind == "token" and field is None:
+                field = None
+        elif isinstance(value, torch.Tensor):
+            if _SHARED_SOURCE.search(source):
+                kind = "shared"
+            elif field is not None:
+                kind = FIELD_LAYOUT[field]
+            else:
+                kind = "token"
+        elif isinstance(value, torch.SymInt):
+            m = _SIZE_SOURCE.match(source)
+            if m is None or m.group("base") not in by_source:
+                raise UnsplittableGraphError(
+                    f"SymInt input {node.name} (source {source!r}) is not the size of a graph "
+                    "input; cannot tell whether it is per-ubatch"
+                )
+            specs.append(InputSpec(i, node.name, source, "size", None,
+                                   (by_source[m.group("base")], int(m.group("dim")))))
+            continue
+        else:
+            kind = "scalar"
+        if kind in ("token", "request") and not (isinstance(value, torch.Tensor) and value.dim() >= 1):
+            raise UnsplittableGraphError(
+                f"input {node.name} (source {source!r}) is classified {kind}-indexed but is not a "
+                "tensor with a dim 0"
+            )
+        specs.append(InputSpec(i, node.name, source, kind, field if kind != "shared" else None))
+    return specs
+
+
+@dataclass
+class LoweredGraph:
+    """The functional ATen inference graph and what the split needs to know about it.
+
+    Attributes:
+        gm: ATen graph, one placeholder per Dynamo input (same order), ``meta["val"]`` set.
+        specs: per-input classification.
+        token_symbols: symbols of the token and request dims.
+        token_symbol: the symbol of the token dim (``num_tokens``).
+        shape_env: the ShapeEnv the symbols live in.
+    """
+
+    gm: fx.GraphModule
+    specs: list[InputSpec]
+    token_symbols: frozenset
+    token_symbol: sympy.Symbol | None
+    shape_env: ShapeEnv
+
+
+def _fakeify(specs: list[InputSpec], example_inputs: Sequence[Any],
+             fake_mode: FakeTensorMode) -> list[Any]:
+    """Fake inputs whose token/request dims (and dims Dynamo made dynamic) are symbols."""
+    dynamic_dims: dict[int, set[int]] = {}
+    for spec in specs:
+        if spec.kind in ("token", "request"):
+            dynamic_dims.setdefault(spec.index, set()).add(0)
+        if spec.kind == "size":
+            dynamic_dims.setdefault(spec.size_of[0], set()).add(spec.size_of[1])
+    fakes: list[Any] = [None] * len(specs)
+    for spec in specs:
+        value = example_inputs[spec.index]
+        if isinstance(value, torch.Tensor):
+            if isinstance(value, torch._subclasses.FakeTensor) or value.device.type == "meta":
+                # Dynamo may hand fakes; their hints give the example sizes
+                value = _realish(value)
+            dims = dynamic_dims.get(spec.index, set())
+            ctx = StatelessSymbolicContext(
+                dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC
+                               for d in range(value.dim())]
+            )
+            fakes[spec.index] = fake_mode.from_tensor(value, symbolic_context=ctx)
+    for spec in specs:
+        if spec.kind == "size":
+            src, dim = spec.size_of
+            fakes[spec.index] = fakes[src].shape[dim]
+        elif spec.kind == "scalar":
+            value = example_inputs[spec.index]
+            fakes[spec.index] = _hint(value)
+    return fakes
+
+
+def _hint(value: Any) -> Any:
+    if isinstance(value, torch.SymInt):
+        return value.node.hint if value.node.hint is not None else int(value)
+    return value
+
+
+def _realish(t: torch.Tensor) -> torch.Tensor:
+    shape = [_hint(s) for s in t.shape]
+    return torch.empty(shape, dtype=t.dtype, device="meta" if t.device.type == "meta" else t.device)
+
+
+def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                  specs: list[InputSpec]) -> LoweredGraph:
+    """Trace ``gm`` to a functional ATen inference graph with symbolic token/request dims.
+
+    Raises:
+        UnsplittableGraphError: the token dim was specialised during tracing (a size baked
+            into the graph, e.g. ``x.view(64, ...)`` from a static Dynamo trace); compile with
+            ``dynamic=True`` or write the view with ``-1``.
+    """
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
+    fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
+    fakes = _fakeify(specs, example_inputs, fake_mode)
+    token_specs = [s for s in specs if s.kind == "token"]
+    request_specs = [s for s in specs if s.kind == "request"]
+    with fake_mode:
+        # one symbol for the token dim, one for the request dim (query_start_loc is [R + 1])
+        for group in (token_specs, [s for s in request_specs if s.field != "query_start_loc"]):
+            for s in group[1:]:
+                torch._check(fakes[s.index].shape[0] == fakes[group[0].index].shape[0])
+        qsl = [s for s in request_specs if s.field == "query_start_loc"]
+        other_req = [s for s in request_specs if s.field != "query_start_loc"]
+        if qsl and other_req:
+            torch._check(fakes[qsl[0].index].shape[0] == fakes[other_req[0].index].shape[0] + 1)
+    token_symbol = None
+    if token_specs:
+        token_symbol = fakes[token_specs[0].index].shape[0].node.expr
+    captured: dict[str, fx.GraphModule] = {}
+
+    def fw_compiler(aten_gm: fx.GraphModule, _inputs: Any) -> Any:
+        captured["gm"] = aten_gm
+        return aten_gm.forward
+
+    with torch.no_grad():
+        aot_module_simplified(gm, fakes, fw_compiler=fw_compiler,
+                              keep_inference_input_mutations=True)
+    aten_gm = captured["gm"]
+    syms = set()
+    for s in token_specs + request_specs:
+        size0 = fakes[s.index].shape[0]
+        expr = size0.node.expr if isinstance(size0, torch.SymInt) else sympy.Integer(size0)
+        expr = shape_env.replace(expr)
+        if not expr.free_symbols:
+            raise UnsplittableGraphError(
+                f"dim 0 of input {s.name} ({s.source or s.kind}) was specialised to {expr} while "
+                "tracing: a size is baked into the graph (e.g. x.view(64, ...) from a static "
+                "Dynamo trace). Compile with torch.compile(..., dynamic=True), mark the token "
+                "dim dynamic, or write views with -1."
+            )
+        syms |= expr.free_symbols
+    if token_symbol is not None:
+        token_symbol = shape_env.replace(token_symbol)
+    n_in = sum(1 for n in aten_gm.graph.nodes if n.op == "placeholder")
+    if n_in != len(specs):
+        raise UnsplittableGraphError(
+            f"AOT lowering changed the number of inputs ({len(specs)} -> {n_in}); aliased "
+            "inputs are not supported"
+        )
+    return LoweredGraph(aten_gm, specs, frozenset(syms), token_symbol, shape_env)
+
+
+def replace_specs(specs: list[InputSpec], **changes: Any) -> list[InputSpec]:
+    return [dataclasses.replace(s, **changes) for s in specs]

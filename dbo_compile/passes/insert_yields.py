@@ -1,0 +1,83 @@
+"""Split every comm op into an issue phase and a wait phase: the ubatch's yield points.
+
+Before::
+
+    r = dbo.dispatch(x, ids, w, E, group)         # blocks until the tokens have arrived
+    recv_x = r[0]
+
+After::
+
+    r = dbo.dispatch(x, ids, w, E, group)         # meta["dbo"]: phase="issue" (comm stream)
+    r_wait = comm_wait(r)                         # meta["dbo"]: phase="wait", comm_node="r"
+    recv_x = r_wait[0]
+
+Between the issue and the wait the other ubatch computes. User-written functional collectives
+(``_c10d_functional.all_to_all_single`` + ``wait_tensor``) are already split; they are only
+annotated. In generated code the wait is an event wait of the consumer's stream on the event
+recorded after the issue; the value itself is passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.fx as fx
+
+from dbo_compile.passes.comm_ops import comm_kind, is_c10d_wait
+from dbo_compile.passes.meta import dbo_meta
+
+log = logging.getLogger(__name__)
+
+
+def comm_wait(value: Any) -> Any:
+    """The wait phase of a comm op: returns ``value`` once the comm has completed.
+
+    In generated code the synchronisation is an event wait on the consumer's stream; this
+    function only passes the value through (eager execution of an FX graph is synchronous).
+    """
+    return value
+
+
+comm_wait._dbo_row_local = True  # type: ignore[attr-defined]
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and (node.target is comm_wait or is_c10d_wait(node))
+
+
+def insert_yields(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """Give each comm node a wait node; return the ``(issue, wait)`` pairs in graph order.
+
+    Idempotent: a comm node that already has its wait is only re-annotated.
+    """
+    pairs = []
+    for node in list(graph.nodes):
+        kind = comm_kind(node)
+        if kind is None:
+            continue
+        meta = dbo_meta(node)
+        meta["comm"] = kind
+        meta["phase"] = "issue"
+        if kind == "all_to_all":
+            waits = [u for u in node.users if is_c10d_wait(u)]
+            if len(waits) != 1:
+                raise ValueError(f"{node.name}: all_to_all_single must have exactly one wait_tensor")
+            wait = waits[0]
+        else:
+            existing = [u for u in node.users if u.target is comm_wait]
+            if existing:
+                wait = existing[0]
+            else:
+                with graph.inserting_after(node):
+                    wait = graph.call_function(comm_wait, (node,))
+                node.replace_all_uses_with(wait, delete_user_cb=lambda u: u is not wait)
+                wait.meta["val"] = node.meta.get("val")
+                for k in ("stack_trace", "nn_module_stack"):
+                    if k in node.meta:
+                        wait.meta[k] = node.meta[k]
+        wmeta = dbo_meta(wait)
+        wmeta.update(phase="wait", comm=kind, comm_node=node.name,
+                     ubatch=meta.get("ubatch"), token_dim=meta.get("token_dim"))
+        pairs.append((node, wait))
+    return pairs

@@ -1,0 +1,32 @@
+"""Our facts about FX nodes, kept under ``node.meta["dbo"]`` (one place documents them all).
+
+Keys of ``node.meta["dbo"]`` (a dict):
+
+- ``ubatch``: int ubatch id of a per-ubatch node; ``None`` for shared nodes (weights, their views).
+- ``token_dim``: 0 when dim 0 of the node's value is indexed by tokens (or requests), else
+  ``None``. Only dim 0 may be a token dim (checked by :mod:`dbo_compile.passes.token_dim`).
+- ``comm``: ``"dispatch"`` / ``"combine"`` / ``"all_to_all"`` on communication nodes.
+- ``phase``: ``"issue"`` on a comm node, ``"wait"`` on the wait node that ends it.
+- ``comm_node``: on a wait node, the name of the issue node it waits for.
+- ``mutates``: names of the placeholders an in-place op writes (after re-inplacing), e.g. the KV
+  cache written by ``dbo.attention``.
+- ``unit``: id of the schedule unit (stage or comm op) the node belongs to.
+- ``stream``: ``"compute"`` or ``"comm"``; also written to ``node.meta["custom"]["stream"]``,
+  the key Dynamo and Inductor use for stream annotations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+
+def dbo_meta(node: fx.Node) -> dict[str, Any]:
+    """The ``node.meta["dbo"]`` dict of ``node``, created empty on first use."""
+    return node.meta.setdefault("dbo", {})
+
+
+def set_stream(node: fx.Node, stream: str) -> None:
+    dbo_meta(node)["stream"] = stream
+    node.meta.setdefault("custom", {})["stream"] = stream

@@ -1,0 +1,132 @@
+"""Clone the graph body into one copy per ubatch over slices of the token dim.
+
+Before (one step, ``T`` tokens)::
+
+    x: [T, H], w: [H, H]
+    y = mm(x, w); r = dbo.dispatch(y, ...); ...; return (out [T, V],)
+
+After (``num_ubatches=2``; the runtime passes each ubatch its own slice)::
+
+    w: [H, H]                                  # shared: weights, KV caches (never copied)
+    x_u0: [T0, H], x_u1: [T1, H]               # per-ubatch inputs
+    y_u0 = mm(x_u0, w); r_u0 = dbo.dispatch(y_u0, ...)   # meta["dbo"]["ubatch"] = 0
+    y_u1 = mm(x_u1, w); r_u1 = dbo.dispatch(y_u1, ...)   # meta["dbo"]["ubatch"] = 1
+    return (out_u0, out_u1)                    # the runtime concatenates in ubatch order
+
+Algorithm:
+  1. Shared nodes (not depending on any per-ubatch input) are copied once, ubatch ``None``.
+  2. Every other node is copied once per ubatch, reading that ubatch's inputs and the shared
+     nodes; ``node.meta`` (``val`` included) is carried over.
+  3. Outputs: per-ubatch outputs are returned once per ubatch; token-free outputs once.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from dbo_compile.lowering import InputSpec
+from dbo_compile.passes.meta import dbo_meta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SplitSignature:
+    """How the split graph's inputs and outputs map to the unsplit graph's.
+
+    Attributes:
+        inputs: per split-graph placeholder, ``(original input index, ubatch or None)``.
+        outputs: per original output, the split-graph output indices: one per ubatch for a
+            per-ubatch output (concatenate them along dim 0 in ubatch order), one for a shared
+            output.
+        num_ubatches: number of ubatch copies.
+    """
+
+    inputs: tuple[tuple[int, int | None], ...]
+    outputs: tuple[tuple[int, ...], ...]
+    num_ubatches: int
+
+
+def _copy_meta(dst: fx.Node, src: fx.Node, ubatch: int | None) -> None:
+    for k, v in src.meta.items():
+        dst.meta[k] = copy.copy(v) if k in ("dbo", "custom") else v
+    dbo_meta(dst)["ubatch"] = ubatch
+
+
+def split_ubatch(gm: fx.GraphModule, specs: list[InputSpec],
+                 num_ubatches: int = 2) -> tuple[fx.GraphModule, SplitSignature]:
+    """Return a new GraphModule holding ``num_ubatches`` copies of ``gm``'s per-ubatch body.
+
+    Args:
+        gm: lowered ATen graph, one placeholder per entry of ``specs``.
+        specs: input classification; ``per_ubatch`` inputs get one placeholder per ubatch.
+        num_ubatches: number of copies (>= 2).
+
+    Returns:
+        The split GraphModule (shares ``gm``'s attributes) and its :class:`SplitSignature`.
+    """
+    src = gm.graph
+    placeholders = [n for n in src.nodes if n.op == "placeholder"]
+    per_ubatch: set[fx.Node] = {placeholders[s.index] for s in specs if s.per_ubatch}
+    for node in src.nodes:
+        if node.op != "placeholder" and any(a in per_ubatch for a in node.all_input_nodes):
+            per_ubatch.add(node)
+
+    graph = fx.Graph()
+    shared_env: dict[fx.Node, fx.Node] = {}
+    envs: list[dict[fx.Node, fx.Node]] = [{} for _ in range(num_ubatches)]
+    sig_inputs: list[tuple[int, int | None]] = []
+    for spec, node in zip(specs, placeholders):
+        if not spec.per_ubatch:
+            new = graph.placeholder(node.name)
+            _copy_meta(new, node, None)
+            shared_env[node] = new
+            sig_inputs.append((spec.index, None))
+    for u in range(num_ubatches):
+        for spec, node in zip(specs, placeholders):
+            if spec.per_ubatch:
+                new = graph.placeholder(f"{node.name}_u{u}")
+                _copy_meta(new, node, u)
+                envs[u][node] = new
+                sig_inputs.append((spec.index, u))
+
+    def lookup(env: dict[fx.Node, fx.Node]):
+        return lambda n: env[n] if n in env else shared_env[n]
+
+    output_node = None
+    for node in src.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            output_node = node
+            continue
+        if node not in per_ubatch:
+            new = graph.node_copy(node, lookup(shared_env))
+            _copy_meta(new, node, None)
+            shared_env[node] = new
+            continue
+        for u in range(num_ubatches):
+            new = graph.node_copy(node, lookup(envs[u]))
+            new._rename(f"{node.name}_u{u}")
+            _copy_meta(new, node, u)
+            envs[u][node] = new
+
+    outs: list[fx.Node] = []
+    sig_outputs: list[tuple[int, ...]] = []
+    for arg in output_node.args[0]:
+        if isinstance(arg, fx.Node) and arg in per_ubatch:
+            idx = []
+            for u in range(num_ubatches):
+                idx.append(len(outs))
+                outs.append(envs[u][arg])
+            sig_outputs.append(tuple(idx))
+        else:
+            sig_outputs.append((len(outs),))
+            outs.append(shared_env[arg] if isinstance(arg, fx.Node) else arg)
+    graph.output(tuple(outs))
+    split = fx.GraphModule(gm, graph, class_name="DboSplitGraph")
+    return split, SplitSignature(tuple(sig_inputs), tuple(sig_outputs), num_ubatches)

@@ -1,0 +1,459 @@
+"""Group the split graph into schedule units, list-schedule them on two streams, add events.
+
+A *unit* is either one comm op (its issue phase, on the comm stream) or a *stage*: a maximal
+run of one ubatch's compute between its yield points (on the compute stream). The scheduler
+orders units over the whole graph, both ubatches and every layer at once, so it can run
+ubatch 0's next-layer attention while ubatch 1's combine of the previous layer is in flight.
+
+Algorithm:
+  1. Stages. A compute node of ubatch ``u`` belongs to the stage keyed by
+     ``(u, waits it depends on, first comm op depending on it)``. The key is monotone along
+     every path, so stages are convex (no path leaves a stage and comes back). Nodes that no
+     ubatch input reaches (weight views) form one shared prologue stage.
+  2. Dependencies. Data edges between units (a wait node stands for its issue's unit), plus
+     the edges FX cannot see: every access of ubatch ``u`` to an input that some op mutates in
+     place (the KV cache) precedes ubatch ``u + 1``'s accesses (DESIGN.md invariant 3).
+  3. List scheduling. Simulate the two in-order streams with the cost model; repeatedly issue
+     the ready unit with the earliest possible start (ties: comm first, so the collective is
+     launched before the compute it hides behind; then the longest path to the end of the
+     step, the critical path; then lower ubatch; then graph order).
+     Deterministic: no timing, data, rank or set order enters.
+  4. Event edges. The transitive reduction of (stream order + cross-stream dependencies)
+     keeps exactly the cross-stream edges no other path implies: each is one event record on
+     the producer's stream and one wait on the consumer's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch.fx as fx
+
+from dbo_compile.config import DboConfig
+from dbo_compile.errors import ScheduleError
+from dbo_compile.passes.comm_ops import comm_kind
+from dbo_compile.passes.cost_model import CostModel
+from dbo_compile.passes.insert_yields import is_wait
+from dbo_compile.passes.meta import dbo_meta, set_stream
+
+log = logging.getLogger(__name__)
+
+COMPUTE, COMM = "compute", "comm"
+SCHEDULE_VERSION = 1
+#: prefix of the ``record_function`` range generated code opens around each unit
+RANGE_PREFIX = "dbo.u"
+
+
+@dataclass
+class Unit:
+    """One schedulable unit: a compute stage or a comm op.
+
+    Attributes:
+        id: index in the schedule's host (issue) order.
+        kind: ``"compute"`` or ``"comm"``.
+        stream: ``"compute"`` or ``"comm"``.
+        ubatch: ubatch id, ``None`` for the shared prologue.
+        label: ``A`` (attention part, with the previous layer's tail), ``S`` (shared experts),
+            ``MLP`` (routed experts), ``D`` (dispatch), ``C`` (combine), ``T`` (final tail),
+            ``P`` (shared prologue), ``X`` (any other comm / stage).
+        layer: MoE layer index (``None`` if unknown).
+        nodes: names of the split-graph nodes it runs, in graph order.
+        cost_us: estimated duration (µs).
+        start_us / end_us: predicted start/end on its stream (µs from step start).
+    """
+
+    id: int
+    kind: str
+    stream: str
+    ubatch: int | None
+    label: str
+    layer: int | None
+    nodes: list[str]
+    cost_us: float
+    start_us: float = 0.0
+    end_us: float = 0.0
+
+    @property
+    def name(self) -> str:
+        sub = "" if self.ubatch is None else str(self.ubatch)
+        layer = "" if self.layer is None else f"L{self.layer}."
+        return f"{layer}{self.label}{sub}"
+
+
+@dataclass
+class Schedule:
+    """The schedule as data (JSON-serialisable through :meth:`to_json`).
+
+    Attributes:
+        units: in host issue order.
+        deps: unit dependencies ``(src, dst)``: data edges and hidden (KV-cache) edges.
+        hidden_deps: the subset of ``deps`` that are not FX data edges.
+        event_edges: the minimal cross-stream edges; each is one event record/wait.
+        num_ubatches, scheduler, config_fingerprint: what produced it.
+        predicted_step_us: makespan of the simulated two-stream timeline (µs).
+        serial_us: sum of all unit costs (everything on one stream), µs.
+    """
+
+    units: list[Unit]
+    deps: list[tuple[int, int]]
+    hidden_deps: list[tuple[int, int]]
+    event_edges: list[tuple[int, int]]
+    num_ubatches: int
+    scheduler: str
+    config_fingerprint: str
+    predicted_step_us: float = 0.0
+    serial_us: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["version"] = SCHEDULE_VERSION
+        d["deps"] = [list(e) for e in self.deps]
+        d["hidden_deps"] = [list(e) for e in self.hidden_deps]
+        d["event_edges"] = [list(e) for e in self.event_edges]
+        for u, unit in zip(d["units"], self.units):
+            u["name"] = unit.name
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Schedule:
+        units = [Unit(**{k: v for k, v in u.items() if k != "name"}) for u in d["units"]]
+        return cls(
+            units=units,
+            deps=[tuple(e) for e in d["deps"]],
+            hidden_deps=[tuple(e) for e in d["hidden_deps"]],
+            event_edges=[tuple(e) for e in d["event_edges"]],
+            num_ubatches=d["num_ubatches"],
+            scheduler=d["scheduler"],
+            config_fingerprint=d["config_fingerprint"],
+            predicted_step_us=d.get("predicted_step_us", 0.0),
+            serial_us=d.get("serial_us", 0.0),
+            meta=d.get("meta", {}),
+        )
+
+    def unit_of_node(self) -> dict[str, int]:
+        return {n: u.id for u in self.units for n in u.nodes}
+
+
+def range_name(unit: Unit) -> str:
+    """Profiler range of ``unit`` in generated code: ``dbo.u{id}.{name}`` (e.g. ``dbo.u5.L0.MLP0``);
+    ``python -m dbo_compile.viz --profile`` matches kernels to units by it."""
+    return f"{RANGE_PREFIX}{unit.id}.{unit.name}"
+
+
+def _stage_keys(graph: fx.Graph) -> dict[fx.Node, tuple]:
+    """Stage key of every compute node (see step 1 of the module docstring)."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    waits: dict[fx.Node, frozenset] = {}
+    for n in nodes:
+        acc = frozenset()
+        for a in n.all_input_nodes:
+            acc |= waits[a]
+        if is_wait(n):
+            acc |= {order[n]}
+        waits[n] = acc
+    first_comm: dict[fx.Node, int] = {}
+    big = len(nodes) + 1
+    for n in reversed(nodes):
+        best = big
+        for u in n.users:
+            if comm_kind(u) is not None:
+                best = min(best, order[u])
+            best = min(best, first_comm.get(u, big))
+        first_comm[n] = best
+    keys = {}
+    for n in nodes:
+        if n.op in ("placeholder", "output") or comm_kind(n) is not None or is_wait(n):
+            continue
+        u = dbo_meta(n).get("ubatch")
+        keys[n] = ("P",) if u is None else (u, len(waits[n]), first_comm[n])
+    return keys
+
+
+def build_units(graph: fx.Graph, cost: CostModel) -> tuple[list[Unit], list[tuple[int, int]], list[tuple[int, int]]]:
+    """Units in graph order (not yet scheduled), their deps and the hidden deps."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    keys = _stage_keys(graph)
+    unit_nodes: dict[tuple, list[fx.Node]] = {}
+    for n in nodes:
+        if comm_kind(n) is not None:
+            unit_nodes[("comm", order[n])] = [n]
+        elif n in keys:
+            unit_nodes.setdefault(keys[n], []).append(n)
+    # units in order of their first node
+    ordered = sorted(unit_nodes.values(), key=lambda ns: order[ns[0]])
+    node_unit: dict[fx.Node, int] = {}
+    for i, ns in enumerate(ordered):
+        for n in ns:
+            node_unit[n] = i
+    wait_issue = {}
+    for n in nodes:
+        if is_wait(n):
+            wait_issue[n] = n.args[0]
+
+    def producer(a: fx.Node) -> int | None:
+        while a in wait_issue:
+            a = wait_issue[a]
+        return node_unit.get(a)
+
+    deps: set[tuple[int, int]] = set()
+    for i, ns in enumerate(ordered):
+        for n in ns:
+            for a in n.all_input_nodes:
+                p = producer(a)
+                if p is not None and p != i:
+                    deps.add((p, i))
+    # hidden deps: accesses of inputs mutated in place, ordered by ubatch then graph order
+    hidden: set[tuple[int, int]] = set()
+    mutated = sorted({m for n in nodes for m in dbo_meta(n).get("mutates", [])})
+    by_name = {n.name: n for n in nodes}
+    for m in mutated:
+        ph = by_name.get(m)
+        if ph is None:
+            continue
+        accesses = sorted({node_unit[u] for u in ph.users if u in node_unit},
+                          key=lambda i: (ordered[i][0].meta.get("dbo", {}).get("ubatch") or 0,
+                                         order[ordered[i][0]]))
+        for a, b in zip(accesses, accesses[1:]):
+            if (a, b) not in deps and a != b:
+                hidden.add((a, b))
+    deps |= hidden
+    g = nx.DiGraph(sorted(deps))
+    g.add_nodes_from(range(len(ordered)))
+    if not nx.is_directed_acyclic_graph(g):
+        cycle = nx.find_cycle(g)
+        raise ScheduleError(f"unit graph has a cycle: {cycle}")
+    units = _label_units(ordered, cost, [keys.get(ns[0]) for ns in ordered])
+    return units, sorted(deps), sorted(hidden)
+
+
+def _label_units(ordered: list[list[fx.Node]], cost: CostModel,
+                 keys: list[tuple | None]) -> list[Unit]:
+    units = []
+    comm_index: dict[tuple, int] = {}
+    comm_layer: dict[str, int] = {}
+    for i, ns in enumerate(ordered):
+        head = ns[0]
+        meta = dbo_meta(head)
+        ubatch = meta.get("ubatch")
+        kind = comm_kind(head)
+        c = sum(cost.node_cost_us(n) for n in ns)
+        if kind is not None:
+            k = (ubatch, kind)
+            layer = comm_index.get(k, 0)
+            comm_index[k] = layer + 1
+            comm_layer[head.name] = layer
+            label = {"dispatch": "D", "combine": "C"}.get(kind, "X")
+            units.append(Unit(i, COMM, COMM, ubatch, label, layer, [n.name for n in ns], c))
+        else:
+            units.append(Unit(i, COMPUTE, COMPUTE, ubatch, "P" if ubatch is None else "?", None,
+                              [n.name for n in ns], c))
+    _assign_stage_labels(units, ordered, [k[1] if k and len(k) == 3 else 0 for k in keys])
+    return units
+
+
+def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
+                         waits: list[int]) -> None:
+    """Name each compute stage after the comm ops around it (labels are for people and viz).
+
+    With ``w`` the number of comm waits a stage depends on and ``k`` the layer of the first comm
+    op depending on it: first dependent op combine ``k`` and ``w == 2k + 1``: routed experts
+    (``MLP``) of layer ``k``; dispatch ``k`` and ``w == 2k``: attention part (``A``, with the
+    previous layer's tail) of layer ``k``; dispatch ``k`` and ``w == 2k - 2``: shared experts
+    (``S``) of layer ``k - 1``, computed beside the routed ones; no dependent comm op and all
+    waits: the final tail (``T``). Anything else (e.g. RoPE tables computed ahead) is ``X``.
+    """
+    comm_units = {u.nodes[0]: u for u in units if u.kind == COMM}
+    num_layers = 1 + max((u.layer for u in comm_units.values()), default=0)
+    for u, ns, w in zip(units, ordered, waits):
+        if u.kind == COMM or u.ubatch is None:
+            continue
+        first: Unit | None = None
+        seen: set[fx.Node] = set()
+        frontier = list(ns)
+        while frontier:
+            n = frontier.pop()
+            for user in n.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                cu = comm_units.get(user.name)
+                if cu is not None:
+                    first = cu if first is None or cu.id < first.id else first
+                else:
+                    frontier.append(user)
+        if first is None:
+            k, kind = num_layers, "D"  # the end of the step acts as dispatch of layer L
+        else:
+            k, kind = first.layer, first.label
+        if kind == "C" and w == 2 * k + 1:
+            u.label, u.layer = "MLP", k
+        elif kind == "D" and w == 2 * k:
+            u.label, u.layer = ("A", k) if first is not None else ("T", k - 1)
+        elif kind == "D" and w == 2 * k - 2:
+            u.label, u.layer = "S", k - 1
+        else:
+            u.label, u.layer = "X", min(k, num_layers - 1)
+
+
+def _list_order(units: list[Unit], deps: list[tuple[int, int]]) -> list[int]:
+    """Step 3: earliest-start list scheduling over two in-order streams (simulated)."""
+    preds: dict[int, list[int]] = {u.id: [] for u in units}
+    succs: dict[int, list[int]] = {u.id: [] for u in units}
+    for a, b in deps:
+        preds[b].append(a)
+        succs[a].append(b)
+    missing = {u.id: len(preds[u.id]) for u in units}
+    ready = sorted(i for i, m in missing.items() if m == 0)
+    free = {COMPUTE: 0.0, COMM: 0.0}
+    end: dict[int, float] = {}
+    order: list[int] = []
+    by_id = {u.id: u for u in units}
+    # bottom level: the longest cost path from a unit to the end of the step
+    bottom: dict[int, float] = {}
+    dag = nx.DiGraph(sorted(deps))
+    dag.add_nodes_from(by_id)
+    for i in reversed(list(nx.lexicographical_topological_sort(dag))):
+        bottom[i] = by_id[i].cost_us + max((bottom[s] for s in succs[i]), default=0.0)
+    while ready:
+        def key(i: int) -> tuple:
+            u = by_id[i]
+            start = max([free[u.stream]] + [end[p] for p in preds[i]])
+            return (round(start, 6), 0 if u.kind == COMM else 1, -round(bottom[i], 6),
+                    -1 if u.ubatch is None else u.ubatch, i)
+
+        best = min(ready, key=key)
+        ready.remove(best)
+        u = by_id[best]
+        start = max([free[u.stream]] + [end[p] for p in preds[best]])
+        end[best] = start + u.cost_us
+        free[u.stream] = end[best]
+        order.append(best)
+        for s in succs[best]:
+            missing[s] -= 1
+            if missing[s] == 0:
+                ready.append(s)
+    if len(order) != len(units):
+        raise ScheduleError("list scheduler could not place every unit (cyclic deps)")
+    return order
+
+
+def _naive_order(units: list[Unit], deps: list[tuple[int, int]]) -> list[int]:
+    """Per-ubatch stage lists interleaved round-robin: A0 A1 | D0 D1 | ... (no cross-layer)."""
+    dag = nx.DiGraph(sorted(deps))
+    dag.add_nodes_from(u.id for u in units)
+    by_id = {u.id: u for u in units}
+    per_ubatch: dict[Any, list[int]] = {}
+    for i in nx.lexicographical_topological_sort(dag):
+        u = by_id[i]
+        per_ubatch.setdefault(-1 if u.ubatch is None else u.ubatch, []).append(u.id)
+    lanes = [per_ubatch[k] for k in sorted(per_ubatch)]
+    order: list[int] = []
+    placed: set[int] = set()
+    preds: dict[int, set[int]] = {u.id: set() for u in units}
+    for a, b in deps:
+        preds[b].add(a)
+    pos = [0] * len(lanes)
+    while len(order) < len(units):
+        progressed = False
+        for li, lane in enumerate(lanes):
+            if pos[li] < len(lane) and preds[lane[pos[li]]] <= placed:
+                order.append(lane[pos[li]])
+                placed.add(lane[pos[li]])
+                pos[li] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("naive order is blocked (a ubatch depends on a later unit)")
+    return order
+
+
+def simulate(units: list[Unit], deps: list[tuple[int, int]]) -> float:
+    """Set ``start_us``/``end_us`` of units (already in host order); return the makespan."""
+    preds: dict[int, list[int]] = {u.id: [] for u in units}
+    for a, b in deps:
+        preds[b].append(a)
+    free = {COMPUTE: 0.0, COMM: 0.0}
+    end: dict[int, float] = {}
+    for u in units:
+        u.start_us = max([free[u.stream]] + [end[p] for p in preds[u.id]])
+        u.end_us = u.start_us + u.cost_us
+        end[u.id] = u.end_us
+        free[u.stream] = u.end_us
+    return max(end.values(), default=0.0)
+
+
+def minimal_event_edges(units: list[Unit], deps: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Step 4: cross-stream edges of the transitive reduction of stream order + deps."""
+    g = nx.DiGraph()
+    g.add_nodes_from(u.id for u in units)
+    last: dict[str, int] = {}
+    for u in units:  # host order
+        if u.stream in last:
+            g.add_edge(last[u.stream], u.id)
+        last[u.stream] = u.id
+    stream = {u.id: u.stream for u in units}
+    g.add_edges_from(sorted(deps))
+    reduced = nx.transitive_reduction(g)
+    return sorted((a, b) for a, b in reduced.edges if stream[a] != stream[b])
+
+
+def schedule_units(units: list[Unit], deps: list[tuple[int, int]], hidden: list[tuple[int, int]],
+                   config: DboConfig, num_ubatches: int) -> Schedule:
+    """Order ``units`` (steps 3-4) and return the :class:`Schedule` with ids in host order."""
+    order = (_list_order if config.scheduler == "list" else _naive_order)(units, deps)
+    remap = {old: new for new, old in enumerate(order)}
+    new_units = []
+    for old in order:
+        u = units[old]
+        u.id = remap[old]
+        new_units.append(u)
+    deps = sorted((remap[a], remap[b]) for a, b in deps)
+    hidden = sorted((remap[a], remap[b]) for a, b in hidden)
+    makespan = simulate(new_units, deps)
+    events = minimal_event_edges(new_units, deps)
+    return Schedule(
+        units=new_units, deps=deps, hidden_deps=hidden, event_edges=events,
+        num_ubatches=num_ubatches, scheduler=config.scheduler,
+        config_fingerprint=config.fingerprint(),
+        predicted_step_us=round(makespan, 3),
+        serial_us=round(sum(u.cost_us for u in new_units), 3),
+    )
+
+
+def stream_assign(graph: fx.Graph, config: DboConfig, token_symbols: frozenset,
+                  num_ubatches: int) -> Schedule:
+    """Build units, schedule them and annotate nodes with ``unit`` and ``stream``.
+
+    Args:
+        graph: the split graph after :func:`~dbo_compile.passes.insert_yields.insert_yields`.
+        config: scheduler choice and cost-model figures.
+        token_symbols: symbols of the token/request dims (substituted by the cost model).
+        num_ubatches: number of ubatch copies in ``graph``.
+
+    Raises:
+        ScheduleError: the unit graph has a cycle.
+    """
+    cost = CostModel(config, token_symbols, num_ubatches)
+    units, deps, hidden = build_units(graph, cost)
+    for u in units:
+        u.cost_us = round(u.cost_us, 3)
+    schedule = schedule_units(units, deps, hidden, config, num_ubatches)
+    by_name = {n.name: n for n in graph.nodes}
+    for u in schedule.units:
+        for name in u.nodes:
+            node = by_name[name]
+            dbo_meta(node)["unit"] = u.id
+            set_stream(node, u.stream)
+    for n in graph.nodes:
+        if is_wait(n):
+            set_stream(n, COMPUTE)
+    return schedule
