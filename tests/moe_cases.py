@@ -1,0 +1,35 @@
+"""Model + step builders shared by tests (importable from spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+from dbo_compile.models.batch import fill_kv_cache, make_step
+from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+
+DECODE_64 = dict(decode_context_lens=[100 + 7 * i for i in range(64)], prefills=[])
+# 24 decodes then a 40-token prefill: 64 tokens, split point 32 cuts the prefill in two
+MIXED_CUT = dict(decode_context_lens=[200 + 37 * i for i in range(24)], prefills=[(0, 40)])
+MIXED_CHUNKED = dict(decode_context_lens=[64, 90, 300], prefills=[(48, 29), (0, 12)])
+
+
+def build(case: dict, *, dtype=torch.float32, group=None, layers: int = 2, seed: int = 0):
+    cfg = get_config("tiny", num_layers=layers)
+    model = DeepseekMoEModel(cfg, ep_group=group, dtype=dtype, seed=0)
+    step = make_step(cfg, block_size=16, seed=seed, **case)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    fill_kv_cache(model, step, seed=seed)
+    return model, step
+
+
+def eager_and_compiled(model, step, options):
+    """Eager logits and compiled logits from the same KV-cache state."""
+    saved = [c.clone() for c in model.kv_caches()]
+    with torch.no_grad():
+        eager = model(step.input_ids, step.positions, step.attn_metadata)
+        eager_caches = [c.clone() for c in model.kv_caches()]
+        for c, s in zip(model.kv_caches(), saved):
+            c.copy_(s)
+        compiled = torch.compile(model, backend="dbo", options=options)
+        out = compiled(step.input_ids, step.positions, step.attn_metadata)
+    return eager, out, eager_caches, [c.clone() for c in model.kv_caches()]

@@ -1,0 +1,94 @@
+"""Backend entry: options, the entry point, and graphs that must compile unsplit."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import last_artifact
+from dbo_compile import DboConfig, DboConfigError, UnsplittableGraphError
+from dbo_compile.runtime.program import UnsplitProgram
+
+
+def test_unknown_option_names_the_valid_ones():
+    with pytest.raises(DboConfigError, match="valid options are: .*decode_token_threshold"):
+        DboConfig.from_options({"num_ubatch": 2})
+    m = torch.compile(nn.Linear(4, 4), backend="dbo", options={"bogus": 1})
+    with pytest.raises(Exception, match="unknown dbo option"):
+        m(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("bad", [dict(num_ubatches=1), dict(decode_token_threshold=1),
+                                 dict(prefill_token_threshold=0), dict(split="sometimes"),
+                                 dict(comm_sms=0), dict(link_gbps=0)])
+def test_invalid_values_raise(bad):
+    with pytest.raises(DboConfigError):
+        DboConfig(**bad)
+
+
+class NoComm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class SumsOverTokens(nn.Module):
+    """Has a comm op, but normalises by a statistic over all tokens (mixes the split)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.int64)
+        w = torch.ones(x.shape[0], 1)
+        recv, rid, rw = torch.ops.dbo.dispatch(self.lin(x), ids, w, 1, "")
+        y = torch.ops.dbo.combine(recv * rw.sum(-1, keepdim=True), "")
+        return y - y.sum(dim=0, keepdim=True)
+
+
+@pytest.mark.parametrize("cls,why", [(NoComm, "no comm op"),
+                                     (SumsOverTokens, "mixes tokens across the split")])
+def test_unsplittable_models_compile_unsplit_and_say_why(cls, why, caplog):
+    import dbo_compile.ops  # noqa: F401
+
+    torch.manual_seed(0)
+    model = cls()
+    x = torch.randn(64, 8)
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        out = torch.compile(model, backend="dbo", options={"split": "always"})(x)
+    torch.testing.assert_close(out, model(x))
+    art = last_artifact()
+    assert isinstance(art, UnsplitProgram)
+    assert why in art.reason and why in caplog.text
+    if cls is SumsOverTokens:
+        assert "sum" in art.reason  # names the node
+
+
+def test_on_unsplittable_raise():
+    with pytest.raises(Exception, match="no comm op") as info:
+        torch.compile(NoComm(), backend="dbo", options={"on_unsplittable": "raise"})(torch.randn(4, 8))
+    assert isinstance(info.value, UnsplittableGraphError) or "UnsplittableGraphError" in str(info.value)
+
+
+def test_backend_works_in_a_fresh_process_without_importing_the_package():
+    code = textwrap.dedent("""
+        import sys, torch
+        m = torch.nn.Linear(4, 4)
+        out = torch.compile(m, backend="dbo")(torch.randn(2, 4))
+        assert out.shape == (2, 4)
+        assert "dbo_compile" in sys.modules   # loaded through the entry point
+        print("ok")
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().endswith("ok")
