@@ -26,3 +26,19 @@ __all__ = [
     "UnsplittableGraphError",
 ]
 __version__ = "0.1.0"
+
+
+def _register_torch_log() -> None:
+    """Make ``TORCH_LOGS="+dbo_compile"`` show our DEBUG logs (the generated wrapper, graphs)."""
+    try:
+        from torch._logging._internal import register_log
+
+        register_log("dbo_compile", "dbo_compile")
+        import torch._logging
+
+        torch._logging._internal._init_logs()
+    except Exception:  # noqa: BLE001 - logging setup must never break import
+        pass
+
+
+_register_torch_log()
