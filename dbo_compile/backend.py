@@ -109,7 +109,9 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
              "(%.2f s)", config.num_ubatches, len(comms), len(schedule.units),
              len(schedule.event_edges), time.perf_counter() - t0)
-    compiled = DboCompiledModule(gm.forward, program, specs, signature, config)
+    # the unsplit program is the lowered graph: symbolic in the token dim, so it also runs at
+    # the padded token count the DP vote agrees on
+    compiled = DboCompiledModule(lowered.gm, program, specs, signature, config)
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered.gm
     return compiled
@@ -119,12 +121,12 @@ def _unit_compiler(config: DboConfig):
     if config.compute_backend == "aten":
         return None
 
-    def compile_unit(gm: fx.GraphModule, unit_id: int):
-        from dbo_compile.codegen.inductor import compile_unit_with_inductor
+    from dbo_compile.errors import DboConfigError
 
-        return compile_unit_with_inductor(gm, unit_id)
-
-    return compile_unit
+    raise DboConfigError(
+        f"compute_backend={config.compute_backend!r} is not implemented yet; use 'aten' "
+        "(each compute stage then runs its ATen ops as traced)"
+    )
 
 
 def _dump_graph(name: str, gm: fx.GraphModule) -> None:
@@ -181,9 +183,26 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         from dbo_compile.runtime.program import UnsplitProgram
 
         log.warning("dbo: compiling this graph unsplit: %s", e)
-        compiled = UnsplitProgram(gm.forward, str(e))
+        compiled = _unsplit_program(gm, example_inputs, config, str(e))
     _ARTIFACTS.append(compiled)
     return compiled
+
+
+def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
+                     reason: str):
+    """The way out for a graph we do not split; it still votes if it issues collectives."""
+    from dbo_compile.lowering import classify_inputs
+    from dbo_compile.passes.comm_ops import comm_kind
+    from dbo_compile.runtime.program import UnsplitProgram
+
+    try:
+        specs = classify_inputs(gm, example_inputs)
+    except UnsplittableGraphError:
+        specs = None
+    has_comm = any(comm_kind(n) is not None for n in gm.graph.nodes)
+    # a graph Dynamo traced with symbolic sizes runs at any token count; a static one cannot
+    dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
+    return UnsplitProgram(gm.forward, reason, config, specs, has_comm, fixed_num_tokens=not dynamic)
 
 
 def register() -> None:

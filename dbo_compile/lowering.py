@@ -8,12 +8,14 @@ attention metadata — are fresh symbols, so one graph serves every ubatch size 
 
 Graph inputs are classified from Dynamo's sources (``node.meta["grapharg"].source``):
 
-- ``shared``: module parameters and buffers (weights, KV caches): one tensor for all ubatches;
+- ``shared``: module parameters and buffers (weights, KV caches) and 0-dim tensors: one tensor
+  for all ubatches;
 - ``token``: any other tensor input; dim 0 is the token dim and is sliced per ubatch;
 - ``request``: a field of :class:`~dbo_compile.runtime.metadata.AttentionMetadata` indexed by
   request (``query_start_loc``, ``seq_lens``, ...): rebuilt per ubatch by the runtime;
 - ``size``: a SymInt input that is the size of another input's dim (dynamic Dynamo graphs);
-- ``scalar``: any other non-tensor input (passed through unchanged).
+- ``scalar``: any other non-tensor input (passed through unchanged); a SymInt that is not a
+  size (a dynamic int argument) is traced as its own symbol, shared by the ubatches.
 
 Duck shaping is off (``ShapeEnv(duck_shape=False)``): in a pure-decode step the request count
 equals the token count, and the two must stay distinct symbols (../shared/DESIGN.md).
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 _SHARED_SOURCE = re.compile(r"(_parameters\[|_buffers\[|_modules\[|^G\[|^L\['self'\]|\['self'\]\.)")
 _SIZE_SOURCE = re.compile(r"^(?P<base>.*)\.size\(\)\[(?P<dim>\d+)\]$")
+_SHAPE_LIKE = re.compile(r"\.(size|stride|numel|storage_offset|dim)\(\)")
 
 
 @dataclass(frozen=True)
@@ -108,14 +111,19 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
             if kind == "token" and field is None:
                 field = None
         elif isinstance(value, torch.Tensor):
-            if _SHARED_SOURCE.search(source):
-                kind = "shared"
+            if _SHARED_SOURCE.search(source) or value.dim() == 0:
+                kind = "shared"  # a 0-dim tensor has no token dim (e.g. a cache's step counter)
             elif field is not None:
                 kind = FIELD_LAYOUT[field]
             else:
                 kind = "token"
         elif isinstance(value, torch.SymInt):
             m = _SIZE_SOURCE.match(source)
+            if m is None and source and not _SHAPE_LIKE.search(source):
+                # a dynamic int argument (a cache's Python step counter, logits_to_keep):
+                # the same for every ubatch, kept symbolic so the graph serves every value
+                specs.append(InputSpec(i, node.name, source, "scalar"))
+                continue
             if m is None or m.group("base") not in by_source:
                 raise UnsplittableGraphError(
                     f"SymInt input {node.name} (source {source!r}) is not the size of a graph "
@@ -183,6 +191,11 @@ def _fakeify(specs: list[InputSpec], example_inputs: Sequence[Any],
         elif spec.kind == "scalar":
             value = example_inputs[spec.index]
             fakes[spec.index] = _hint(value)
+            if isinstance(value, torch.SymInt):
+                from torch._dynamo.source import ConstantSource
+
+                fakes[spec.index] = fake_mode.shape_env.create_unspecified_symint_and_symbol(
+                    _hint(value), ConstantSource(spec.source or spec.name), DimDynamic.DYNAMIC)
     return fakes
 
 
@@ -204,7 +217,8 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
     Raises:
         UnsplittableGraphError: the token dim was specialised during tracing (a size baked
             into the graph, e.g. ``x.view(64, ...)`` from a static Dynamo trace); compile with
-            ``dynamic=True`` or write the view with ``-1``.
+            ``dynamic=True`` or write the view with ``-1``. Also raised, with the cause, when
+            the re-trace itself fails (e.g. a data-dependent ``.item()`` of a 0-dim input).
     """
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -231,15 +245,32 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
         captured["gm"] = aten_gm
         return aten_gm.forward
 
-    with torch.no_grad():
-        aot_module_simplified(gm, fakes, fw_compiler=fw_compiler,
-                              keep_inference_input_mutations=True)
+    # Outside Dynamo's TracingContext: AOT would otherwise trace in Dynamo's fake mode and
+    # ShapeEnv (detect_fake_mode prefers the ambient context), re-fakeify our inputs there and
+    # silently drop the symbolic token dim of a static Dynamo graph instead of specialising it
+    # in ``shape_env``, where the check below sees it.
+    try:
+        with torch.no_grad(), torch._guards.tracing(None):
+            aot_module_simplified(gm, fakes, fw_compiler=fw_compiler,
+                                  keep_inference_input_mutations=True)
+    except Exception as e:  # noqa: BLE001 - any failure here means: compile unsplit
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UnsplittableGraphError(
+            f"re-tracing the graph with a symbolic token dim failed ({type(e).__name__}: "
+            f"{first}); if the graph was captured with dynamic=True, mark only the token dim "
+            "dynamic instead (torch._dynamo.mark_dynamic(input_ids, 0))"
+        ) from e
     aten_gm = captured["gm"]
     syms = set()
+    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     for s in token_specs + request_specs:
         size0 = fakes[s.index].shape[0]
         expr = size0.node.expr if isinstance(size0, torch.SymInt) else sympy.Integer(size0)
         expr = shape_env.replace(expr)
+        if not expr.free_symbols and s.kind == "request" and _only_dbo_users(placeholders[s.index]):
+            # Dynamo specialised the request count (e.g. 1 request), but only our ops read the
+            # tensor and they take any request count: the graph is still generic in it
+            continue
         if not expr.free_symbols:
             raise UnsplittableGraphError(
                 f"dim 0 of input {s.name} ({s.source or s.kind}) was specialised to {expr} while "
@@ -248,6 +279,13 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
                 "dim dynamic, or write views with -1."
             )
         syms |= expr.free_symbols
+    for s in specs:
+        value = fakes[s.index]
+        if s.kind == "scalar" and isinstance(value, torch.SymInt):
+            if not shape_env.replace(value.node.expr).free_symbols:
+                raise UnsplittableGraphError(
+                    f"int input {s.name} ({s.source}) was specialised while tracing; Dynamo "
+                    "treats it as dynamic, so the traced graph would be wrong for other values")
     if token_symbol is not None:
         token_symbol = shape_env.replace(token_symbol)
     n_in = sum(1 for n in aten_gm.graph.nodes if n.op == "placeholder")
@@ -257,6 +295,19 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
             "inputs are not supported"
         )
     return LoweredGraph(aten_gm, specs, frozenset(syms), token_symbol, shape_env)
+
+
+def _only_dbo_users(node: fx.Node) -> bool:
+    """Every user of ``node`` is one of our ``dbo`` ops (possibly functionalised)."""
+    for user in node.users:
+        target = user.target
+        if user.op != "call_function":
+            return False
+        if isinstance(target, torch._ops.HigherOrderOperator) and user.args:
+            target = user.args[0]
+        if not (isinstance(target, torch._ops.OpOverload) and target.namespace == "dbo"):
+            return False
+    return True
 
 
 def replace_specs(specs: list[InputSpec], **changes: Any) -> list[InputSpec]:

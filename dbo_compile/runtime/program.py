@@ -14,10 +14,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dbo_compile.config import DboConfig
-from dbo_compile.errors import UBatchExecutionError
+from dbo_compile.errors import MetadataError, UBatchExecutionError
 from dbo_compile.lowering import InputSpec
 from dbo_compile.passes.split_ubatch import SplitSignature
-from dbo_compile.runtime.metadata import FIELD_LAYOUT, AttentionMetadata
+from dbo_compile.runtime.context import current_step_context
+from dbo_compile.runtime.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -40,37 +41,118 @@ class StepStats:
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
 
+_LAST_CALLED: list[Any] = [None]
+
+
+def last_called() -> Any:
+    """The compiled artifact that ran the most recent step in this process (Dynamo may hold
+    several for one model: a static and a dynamic graph); its ``last_vote`` is that step's."""
+    return _LAST_CALLED[0]
+
+
 class UnsplitProgram:
     """A graph compiled without a split (no comm op, or it mixes tokens): runs as traced.
+
+    When the graph issues collectives and torch.distributed is initialised, it still takes part
+    in the DP vote every call (voting "no split"), so that ranks holding a split program and
+    ranks holding this one issue the same collectives in the same order.
 
     Attributes:
         reason: why the graph was not split (also logged at WARNING when compiled).
     """
 
-    def __init__(self, fn: Callable[..., Any], reason: str):
+    def __init__(self, fn: Callable[..., Any], reason: str, config: DboConfig | None = None,
+                 specs: list[InputSpec] | None = None, has_comm: bool = False,
+                 fixed_num_tokens: bool = True):
         self.fn = fn
         self.reason = reason
         self.split_program = None
         self.stats = StepStats()
+        self.config = config or DboConfig()
+        self.specs = specs
+        self.has_comm = has_comm
+        self.fixed_num_tokens = fixed_num_tokens
+        self.last_vote: Any = None
 
     def __call__(self, *args: Any) -> Any:
+        _LAST_CALLED[0] = self
+        token = next((s.index for s in self.specs or [] if s.kind == "token"), None)
+        group = _dp_group(self.config)
+        if not self.has_comm or token is None or group is None:
+            self.stats.count(False, "unsplittable")
+            return self.fn(*args)
+        from dbo_compile.runtime.vote import coordinate_across_dp
+
+        num_tokens = int(args[token].shape[0])
+        vote = coordinate_across_dp(num_tokens, uniform_decode=False, allow_split=False,
+                                    config=self.config, group=group, fingerprint=None,
+                                    fixed_num_tokens=self.fixed_num_tokens)
+        self.last_vote = vote
         self.stats.count(False, "unsplittable")
-        return self.fn(*args)
+        if vote.num_tokens_padded == num_tokens:
+            return self.fn(*args)
+        outs = self.fn(*_pad_args(self.specs, args, num_tokens, vote.num_tokens_padded))
+        return tuple(_unpad(o, num_tokens, vote.num_tokens_padded) for o in outs)
+
+
+def _dp_group(config: DboConfig) -> Any:
+    """The group of the DP vote: ``config.dp_group_name``, else WORLD when distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if config.dp_group_name:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(config.dp_group_name)
+    return dist.group.WORLD if dist.get_world_size() > 1 else None
+
+
+def _pad_args(specs: list[InputSpec], args: Sequence[Any], num_tokens: int,
+              padded: int) -> list[Any]:
+    """Token-indexed inputs padded with rows that write nothing (slot -1, zeros)."""
+    out = list(args)
+    if padded == num_tokens:
+        return out
+    for spec in specs:
+        if spec.kind == "token":
+            t = args[spec.index]
+            fill = -1 if spec.field == "slot_mapping" else 0
+            pad = t.new_full((padded - num_tokens, *t.shape[1:]), fill)
+            out[spec.index] = torch.cat([t, pad], dim=0)
+        elif spec.kind == "size":
+            src, dim = spec.size_of
+            if dim == 0 and specs[src].kind == "token":
+                out[spec.index] = padded
+    return out
 
 
 class DboCompiledModule:
     """What the ``dbo`` backend returns to Dynamo for a splittable graph.
 
+    Per call (one step): read the host-side step facts (:mod:`.context`), check the vetoes,
+    vote with the other DP ranks (:func:`~dbo_compile.runtime.vote.coordinate_across_dp`:
+    split?, padded token count), pad the token-indexed inputs to the agreed count (padding
+    rows: slot -1, zeros), run the split program (inputs and attention metadata cut per ubatch)
+    or the unsplit one, and return the outputs without the padding rows, concatenated in
+    ubatch order.
+
     Args:
-        unsplit: the unsplit program (same inputs/outputs as the Dynamo graph).
+        unsplit: the unsplit program; takes the graph's inputs at any token count.
         split_program: the generated split program (:class:`~dbo_compile.codegen.SplitProgram`).
         specs: classification of the graph inputs.
         signature: how split-program inputs/outputs map to the graph's.
         config: options.
+
+    Raises (per call):
+        DpVoteError: the DP ranks compiled different schedules or configs.
+        UBatchExecutionError: an op of the split program raised; the next step runs normally.
     """
 
     def __init__(self, unsplit: Callable[..., Any], split_program: Any, specs: list[InputSpec],
                  signature: SplitSignature, config: DboConfig):
+        import hashlib
+
         self.unsplit = unsplit
         self.split_program = split_program
         self.specs = specs
@@ -79,8 +161,16 @@ class DboCompiledModule:
         self.stats = StepStats()
         self.reason = None
         self.last_slices: list[Any] = []
+        self.last_vote: Any = None
         self._token_index = next(s.index for s in specs if s.kind == "token")
         self._fields = {s.field: s.index for s in specs if s.field is not None}
+        #: the order of collectives the split program issues: must be identical on every DP
+        #: rank (checked by the DP vote). Not the code itself: ranks that saw different token
+        #: counts may hold a static and a dynamic Dynamo graph with the same schedule.
+        comm_order = [(u.ubatch, u.label, u.layer) for u in split_program.schedule.units
+                      if u.kind == "comm"]
+        self.fingerprint = hashlib.sha256(
+            repr((config.num_ubatches, comm_order)).encode()).hexdigest()[:16]
 
     @property
     def code(self) -> str:
@@ -92,28 +182,53 @@ class DboCompiledModule:
 
     # -- the guards -----------------------------------------------------------------------
     def _query_lens(self, args: Sequence[Any], num_tokens: int) -> list[int]:
+        ctx = current_step_context()
+        if ctx.num_scheduled_tokens is not None:
+            return [int(q) for q in ctx.num_scheduled_tokens]
         qsl_index = self._fields.get("query_start_loc")
         if qsl_index is None:
             return [1] * num_tokens  # no metadata: every token is its own request
-        qsl = args[qsl_index].detach().to("cpu", torch.int64)
+        qsl = args[qsl_index].detach().to("cpu", torch.int64)  # host sync: use step_context
         return (qsl[1:] - qsl[:-1]).tolist()
 
-    def decide(self, args: Sequence[Any]) -> tuple[bool, str, list[int]]:
-        """``(split?, reason, query lens)`` for this step, from thresholds and split mode."""
-        cfg = self.config
+
+    def _veto(self, args: Sequence[Any], qlens: list[int]) -> str | None:
+        from dbo_compile.runtime.vetoes import check_vetoes
+
+        ctx = current_step_context()
+        if not ctx.allow_split:
+            return "engine: allow_split=False"
+        if "query_start_loc" not in self._fields or (ctx.block_size is None and not ctx.vetoes):
+            return None
+        md = self._metadata(args, int(args[self._token_index].shape[0]))
+        return check_vetoes(md, qlens, block_size=ctx.block_size, vetoes=ctx.vetoes)
+
+    def decide(self, args: Sequence[Any]) -> tuple[Any, str, list[int]]:
+        """The DP vote for this step: ``(VoteResult, reason, query lens)``.
+
+        Every rank of the DP group calls this once per step (ranks with zero tokens too)."""
+        from dbo_compile.runtime.vote import coordinate_across_dp
+
         num_tokens = int(args[self._token_index].shape[0])
         qlens = self._query_lens(args, num_tokens)
-        if cfg.split == "never":
-            return False, "split=never", qlens
-        if num_tokens < cfg.num_ubatches:
-            return False, f"{num_tokens} tokens < num_ubatches", qlens
-        if cfg.split == "always":
-            return True, "split=always", qlens
+        real = sum(qlens) if "query_start_loc" in self._fields else num_tokens
         uniform_decode = bool(qlens) and all(q == 1 for q in qlens)
-        threshold = cfg.decode_token_threshold if uniform_decode else cfg.prefill_token_threshold
-        if num_tokens >= threshold:
-            return True, f">= {'decode' if uniform_decode else 'prefill'} threshold", qlens
-        return False, f"< {'decode' if uniform_decode else 'prefill'} threshold {threshold}", qlens
+        local_error = None
+        veto = None
+        try:
+            if "query_start_loc" in self._fields:
+                self._metadata(args, num_tokens).validate()
+                if real > num_tokens:
+                    raise MetadataError(f"{real} scheduled tokens but only {num_tokens} rows")
+            veto = self._veto(args, qlens) if self.config.split != "never" else None
+        except MetadataError as e:
+            local_error = f"{type(e).__name__}: {e}"
+        vote = coordinate_across_dp(
+            real, uniform_decode=uniform_decode, allow_split=veto is None, config=self.config,
+            group=_dp_group(self.config), fingerprint=self.fingerprint,
+            num_tokens_padded=max(num_tokens, real), local_error=local_error)
+        reason = "split" if vote.should_split else (veto or vote.reason or "not split")
+        return vote, reason, qlens
 
     # -- the split ------------------------------------------------------------------------
     def split_args(self, args: Sequence[Any], qlens: list[int]) -> list[Any]:
@@ -122,6 +237,8 @@ class DboCompiledModule:
 
         n = self.config.num_ubatches
         num_tokens = int(args[self._token_index].shape[0])
+        if "query_start_loc" not in self._fields:
+            qlens = [1] * num_tokens
         _, padded = make_ubatch_slices(qlens, num_tokens, n)
         self.last_slices = padded
         per_ubatch_md: list[dict[str, torch.Tensor]] | None = None
@@ -133,7 +250,7 @@ class DboCompiledModule:
             spec = self.specs[index]
             if ubatch is None:
                 out.append(args[index])
-            elif spec.kind == "request" or (spec.field is not None and per_ubatch_md is not None):
+            elif spec.field is not None and per_ubatch_md is not None:
                 out.append(per_ubatch_md[ubatch][spec.field])
             elif spec.kind == "token":
                 sl = padded[ubatch].token_slice
@@ -158,7 +275,7 @@ class DboCompiledModule:
 
         seq_lens = get("seq_lens", lambda: (qsl[1:] - qsl[:-1]).to(torch.int32))
         qlens = (qsl[1:] - qsl[:-1]).to(torch.int32)
-        md = AttentionMetadata(
+        return AttentionMetadata(
             query_start_loc=qsl,
             seq_lens=seq_lens,
             num_computed_tokens=get("num_computed_tokens", lambda: (seq_lens - qlens).to(torch.int32)),
@@ -167,25 +284,37 @@ class DboCompiledModule:
             max_query_len=int(qlens.max()) if num_reqs else 0,
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
         )
-        return md
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
-        split, reason, qlens = self.decide(args)
-        self.stats.count(split, reason)
-        if not split:
-            return self.unsplit(*args)
+        vote, reason, qlens = self.decide(args)
+        self.last_vote = vote
+        _LAST_CALLED[0] = self
+        self.stats.count(vote.should_split, reason)
+        num_tokens = int(args[self._token_index].shape[0])
+        args = _pad_args(self.specs, args, num_tokens, vote.num_tokens_padded)
+        if not vote.should_split:
+            outs = self.unsplit(*args)
+            return tuple(_unpad(o, num_tokens, vote.num_tokens_padded) if len(idx) > 1 else o
+                         for o, idx in zip(outs, self.signature.outputs))
         split_args = self.split_args(args, qlens)
         try:
             outs = self.split_program(*split_args)
         except Exception as e:  # noqa: BLE001 - re-raised with the ubatch context
             raise UBatchExecutionError(
-                f"the split program failed ({type(e).__name__}: {e}); the step was aborted, the "
-                "next step runs normally"
+                f"the split program failed in a ubatch ({type(e).__name__}: {e}); the step was "
+                "aborted, the next step runs normally"
             ) from e
         result = []
         for idx in self.signature.outputs:
             if len(idx) == 1:
                 result.append(outs[idx[0]])
             else:
-                result.append(torch.cat([outs[i] for i in idx], dim=0))
+                result.append(_unpad(torch.cat([outs[i] for i in idx], dim=0), num_tokens,
+                                     vote.num_tokens_padded))
         return tuple(result)
+
+
+def _unpad(out: Any, num_tokens: int, padded: int) -> Any:
+    if padded != num_tokens and isinstance(out, torch.Tensor) and out.dim() and out.shape[0] == padded:
+        return out[:num_tokens]
+    return out

@@ -52,7 +52,8 @@ _UNIFORM = 4  # 1 if the rank's batch is uniform decode
 _CONFIG = 5  # int64 hash of DboConfig.fingerprint()
 _FINGERPRINT = 6  # int64 hash of the caller's fingerprint (0 if None)
 _INVALID = 7  # 1 if the rank's local inputs are invalid (raises on every rank)
-_NUM_ROWS = 8
+_FIXED = 8  # 1 if the rank's program runs only at its own token count (cannot pad)
+_NUM_ROWS = 9
 
 
 @dataclass(frozen=True)
@@ -121,14 +122,22 @@ def decide_from_table(table: torch.Tensor, config: DboConfig) -> VoteResult:
             f"{[rows[_PADDED][r] for r in invalid]}); every rank raises so that none hangs. "
             "Fix the caller on those ranks."
         )
+    # a rank without a split program votes fingerprint 0: it cannot split, the others may differ
+    no_program = _ranks([v == 0 for v in rows[_FINGERPRINT]])
+    if len(no_program) == world:
+        no_program = []
     for row, what, fix in (
         (_CONFIG, "DboConfig fingerprints", "pass the same options to torch.compile on every rank"),
         (_FINGERPRINT, "fingerprints", "every rank must run the same compiled schedule/bucket"),
     ):
-        values = rows[row]
+        values = [v for r, v in enumerate(rows[row]) if not (row == _FINGERPRINT and r in no_program)]
+        if row == _FINGERPRINT:
+            values_ranks = [r for r in range(world) if r not in no_program]
+        else:
+            values_ranks = list(range(world))
         if len(set(values)) > 1:
             groups: dict[int, list[int]] = {}
-            for r, v in enumerate(values):
+            for r, v in zip(values_ranks, values):
                 groups.setdefault(v, []).append(r)
             ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
             desc = "; ".join(f"ranks {rs} have {v:#x}" for v, rs in ordered)
@@ -144,6 +153,8 @@ def decide_from_table(table: torch.Tensor, config: DboConfig) -> VoteResult:
     reason = ""
     if config.split == "never":
         reason = "split='never'"
+    elif no_program:
+        reason = f"ranks {no_program} run a graph compiled without a split program"
     elif not all(allow):
         reason = f"vetoed on ranks {_ranks([not a for a in allow])}"
     elif config.split == "always":
@@ -167,6 +178,14 @@ def decide_from_table(table: torch.Tensor, config: DboConfig) -> VoteResult:
     num_tokens_padded = max(padded) if padded else 0
     if should_split:
         num_tokens_padded = -(-num_tokens_padded // n) * n
+    fixed = _ranks([v != 0 and padded[r] != num_tokens_padded for r, v in enumerate(rows[_FIXED])])
+    if fixed:
+        raise DpVoteError(
+            f"DP vote: ranks {fixed} run a program compiled for exactly their own token count "
+            f"({[padded[r] for r in fixed]}) but the group pads to {num_tokens_padded}; every "
+            "rank raises so that none hangs. Call through dbo_compile.runtime.engine.run_step "
+            "(one dynamic graph per model) or compile with dynamic=True."
+        )
     return VoteResult(
         should_split=should_split,
         num_tokens_padded=num_tokens_padded,
@@ -195,6 +214,8 @@ def coordinate_across_dp(
     fingerprint: int | str | bytes | None = None,
     prefer_split: bool = True,
     num_tokens_padded: int | None = None,
+    local_error: str | None = None,
+    fixed_num_tokens: bool = False,
 ) -> VoteResult:
     """Agree with the other DP ranks on whether this step splits and on its padded token count.
 
@@ -215,6 +236,11 @@ def coordinate_across_dp(
             ``split="auto"`` every rank must prefer splitting; ignored by ``"always"``.
         num_tokens_padded: this rank's own padded count (e.g. its CUDA-graph bucket), >=
             ``num_tokens``; default ``num_tokens``.
+        local_error: a problem this rank found in its own step (e.g. inconsistent metadata).
+            It still takes part in the collective, then every rank raises ``DpVoteError``:
+            raising before the vote would leave the other ranks hanging in it.
+        fixed_num_tokens: this rank's program cannot run at another token count (a static
+            graph): if the group pads beyond it, every rank raises ``DpVoteError``.
 
     Returns:
         The :class:`VoteResult`, identical on every rank.
@@ -225,10 +251,11 @@ def coordinate_across_dp(
     """
     padded = num_tokens if num_tokens_padded is None else int(num_tokens_padded)
     num_tokens = int(num_tokens)
-    invalid = num_tokens < 0 or padded < num_tokens
+    invalid = num_tokens < 0 or padded < num_tokens or local_error is not None
     if invalid:
         log.error(
-            "DP vote: invalid local inputs num_tokens=%d num_tokens_padded=%d", num_tokens, padded
+            "DP vote: invalid local inputs num_tokens=%d num_tokens_padded=%d %s", num_tokens,
+            padded, local_error or "",
         )
     world, rank, device = 1, 0, torch.device("cpu")
     if group is not None:
@@ -249,6 +276,7 @@ def coordinate_across_dp(
             fingerprint_to_int64(config.fingerprint()),
             fingerprint_to_int64(fingerprint),
             int(invalid),
+            int(bool(fixed_num_tokens)),
         ],
         dtype=torch.int64,
     )
@@ -257,7 +285,12 @@ def coordinate_across_dp(
 
         table = table.to(device)
         dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
-    result = decide_from_table(table, config)
+    try:
+        result = decide_from_table(table, config)
+    except DpVoteError as e:
+        if local_error is not None:
+            raise DpVoteError(f"{e}; this rank: {local_error}") from None
+        raise
     log.debug(
         "DP vote (rank %d/%d): split=%s padded=%d tokens=%s uniform_decode=%s %s",
         rank, world, result.should_split, result.num_tokens_padded, result.num_tokens_across_dp,

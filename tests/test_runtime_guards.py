@@ -1,0 +1,218 @@
+"""Runtime guards through the compiled model: DP vote over Gloo, thresholds, vetoes, padding,
+mismatched programs, and a failing ubatch (issue 4)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import last_artifact
+from dbo_compile.models.batch import fill_kv_cache, make_step
+from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+from dbo_compile.runtime.engine import run_step
+from dbo_compile.runtime.metadata import AttentionMetadata
+from dbo_compile.testing import run_multirank
+
+NUM_BLOCKS = 320
+
+
+def _model(group=None, layers=1):
+    cfg = get_config("tiny", num_layers=layers)
+    model = DeepseekMoEModel(cfg, ep_group=group, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    return cfg, model
+
+
+def _random_step(cfg, rng: random.Random, seed: int, pad_to=None):
+    kind = rng.choice(["zero", "decode", "decode", "mixed"])
+    if kind == "zero":
+        dec, pre = [], []
+    elif kind == "decode":
+        dec, pre = [rng.randint(1, 60) for _ in range(rng.randint(1, 48))], []
+    else:
+        dec = [rng.randint(1, 60) for _ in range(rng.randint(0, 12))]
+        pre = [(rng.choice([0, 16, 21]), rng.randint(2, 30)) for _ in range(rng.randint(1, 2))]
+    return make_step(cfg, decode_context_lens=dec, prefills=pre, block_size=16,
+                     num_blocks=NUM_BLOCKS, seed=seed, pad_to=pad_to)
+
+
+def _expected(counts, uniform, cfg):
+    """The vote rule, recomputed independently from every rank's step."""
+    thr = cfg["decode_token_threshold"] if all(uniform) else cfg["prefill_token_threshold"]
+    return all(c >= thr for c in counts)
+
+
+OPTIONS = {"decode_token_threshold": 8, "prefill_token_threshold": 24}
+
+
+def _dp_steps_body(rank, world_size, num_steps, seed):
+    import torch.distributed as dist
+
+    from dbo_compile.backend import register
+    from dbo_compile.runtime.program import last_called
+
+    register()
+    cfg, model = _model(dist.group.WORLD)
+    compiled = torch.compile(model, backend="dbo", options=OPTIONS)
+    decisions, max_err = [], 0.0
+    for i in range(num_steps):
+        rng = random.Random(seed * 100003 + i * 31 + rank)  # only this rank's own counts
+        step = _random_step(cfg, rng, seed=i * 7 + rank)
+        # eager reference: every rank pads to the group max, as the vote does
+        n = torch.tensor([step.num_tokens])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        ref_step = _random_step(cfg, random.Random(seed * 100003 + i * 31 + rank),
+                                seed=i * 7 + rank, pad_to=int(n))
+        fill_kv_cache(model, step, seed=i)
+        saved = [c.clone() for c in model.kv_caches()]
+        with torch.no_grad():
+            eager = model(ref_step.input_ids, ref_step.positions, ref_step.attn_metadata)
+            for c, s in zip(model.kv_caches(), saved):
+                c.copy_(s)
+            out = run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                           step.num_scheduled_tokens, block_size=16)
+        assert out.shape[0] == step.num_tokens
+        if step.num_tokens:
+            max_err = max(max_err, (out - eager[:step.num_tokens]).abs().max().item())
+        vote = last_called().last_vote
+        decisions.append((vote.should_split, vote.num_tokens_padded, step.num_actual_tokens,
+                          step.is_uniform_decode))
+    return {"decisions": decisions, "max_err": max_err}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size,num_steps", [(2, 500), (4, 500)])
+def test_dp_ranks_agree_every_step_and_match_eager(world_size, num_steps):
+    results = run_multirank(_dp_steps_body, world_size, args=(num_steps, world_size),
+                            timeout_s=600)
+    splits = 0
+    for i in range(num_steps):
+        per_rank = [r["decisions"][i] for r in results]
+        assert len({(d[0], d[1]) for d in per_rank}) == 1, (i, per_rank)  # one decision
+        counts = [d[2] for d in per_rank]
+        uniform = [d[3] for d in per_rank]
+        expected = _expected(counts, uniform, OPTIONS)
+        assert per_rank[0][0] == expected, (i, per_rank)
+        assert per_rank[0][1] >= max(counts)
+        splits += expected
+    assert 20 < splits < num_steps - 20  # both paths exercised
+    for r in results:
+        assert r["max_err"] <= 1e-5
+
+
+@pytest.mark.parametrize("tokens,split", [(31, False), (32, True), (33, True)])
+def test_decode_threshold_boundary(tokens, split):
+    cfg, model = _model()
+    step = make_step(cfg, decode_context_lens=[40] * tokens, prefills=[], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    compiled = torch.compile(model, backend="dbo")
+    with torch.no_grad():
+        run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                 step.num_scheduled_tokens)
+    assert last_artifact().stats.split_steps == int(split)
+
+
+def test_prefix_read_veto_keeps_the_step_unsplit():
+    cfg, model = _model()
+    step = make_step(cfg, decode_context_lens=[40] * 40, prefills=[], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    md = step.attn_metadata
+    # request 0 reads (as cached prefix) a whole block that request 39 writes this step
+    written_block = int(md.slot_mapping[39]) // 16
+    md.block_table[0, 0] = written_block
+    compiled = torch.compile(model, backend="dbo")
+    with torch.no_grad():
+        run_step(compiled, step.input_ids, step.positions, md, step.num_scheduled_tokens,
+                 block_size=16)
+    art = last_artifact()
+    assert art.stats.unsplit_steps == 1 and "prefix_read" in art.stats.last_decision
+    # an engine veto works the same way
+    with torch.no_grad():
+        run_step(compiled, step.input_ids, step.positions, md, step.num_scheduled_tokens,
+                 vetoes=[lambda m, n: "engine says no"])
+    assert art.stats.unsplit_steps == 2 and "engine says no" in art.stats.last_decision
+
+
+def _mismatch_body(rank, world_size):
+    import torch.distributed as dist
+
+    from dbo_compile import DpVoteError
+    from dbo_compile.backend import register
+
+    register()
+    cfg, model = _model(dist.group.WORLD, layers=1 + rank)  # different programs per rank
+    step = make_step(cfg, decode_context_lens=[40] * 40, prefills=[], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    compiled = torch.compile(model, backend="dbo")
+    try:
+        with torch.no_grad():
+            run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+    except Exception as e:  # noqa: BLE001
+        cause = e
+        while cause is not None and not isinstance(cause, DpVoteError):
+            cause = cause.__cause__ or cause.__context__
+        return type(cause).__name__ if cause is not None else repr(e)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_rank_with_a_different_program_fails_loudly():
+    results = run_multirank(_mismatch_body, 2, timeout_s=240)
+    assert results == ["DpVoteError", "DpVoteError"]
+
+
+def test_bad_metadata_is_a_clear_error_not_a_wrong_answer():
+    cfg, model = _model()
+    step = make_step(cfg, decode_context_lens=[40] * 40, prefills=[], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    md = step.attn_metadata
+    seq_lens = md.seq_lens.clone()
+    seq_lens[3] = 0  # shorter than its query
+    bad = AttentionMetadata(md.query_start_loc, seq_lens, md.num_computed_tokens,
+                            md.block_table, md.slot_mapping, md.max_query_len, md.max_seq_len)
+    compiled = torch.compile(model, backend="dbo")
+    with pytest.raises(Exception, match="seq_lens .* shorter than the query lens"):
+        with torch.no_grad():
+            run_step(compiled, step.input_ids, step.positions, bad, step.num_scheduled_tokens)
+
+
+_FAIL = {"on": False}
+
+
+@torch.library.custom_op("dbo_test::maybe_fail", mutates_args=())
+def maybe_fail(x: torch.Tensor) -> torch.Tensor:
+    if _FAIL["on"] and x.shape[0] < 48:  # only inside a ubatch
+        raise RuntimeError("injected failure in one ubatch")
+    return x.clone()
+
+
+@maybe_fail.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_exception_in_one_ubatch_surfaces_and_next_step_works():
+    from dbo_compile import UBatchExecutionError
+    from dbo_compile.passes.token_dim import register_row_local
+
+    register_row_local(torch.ops.dbo_test.maybe_fail.default)
+    cfg, model = _model()
+    orig = model.norm.forward
+    model.norm.forward = lambda x: orig(torch.ops.dbo_test.maybe_fail(x))
+    step = make_step(cfg, decode_context_lens=[40] * 64, prefills=[], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    compiled = torch.compile(model, backend="dbo")
+    with torch.no_grad():
+        ref = model(step.input_ids, step.positions, step.attn_metadata)
+        _FAIL["on"] = True
+        try:
+            with pytest.raises(UBatchExecutionError, match="injected failure"):
+                compiled(step.input_ids, step.positions, step.attn_metadata)
+        finally:
+            _FAIL["on"] = False
+        out = compiled(step.input_ids, step.positions, step.attn_metadata)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert last_artifact().stats.split_steps == 2
