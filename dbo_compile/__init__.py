@@ -30,13 +30,14 @@ __version__ = "0.1.0"
 
 def _register_torch_log() -> None:
     """Make ``TORCH_LOGS="+dbo_compile"`` show our DEBUG logs (the generated wrapper, graphs)."""
+    import os
+
     try:
-        from torch._logging._internal import register_log
+        from torch._logging._internal import _init_logs, register_log
 
         register_log("dbo_compile", "dbo_compile")
-        import torch._logging
-
-        torch._logging._internal._init_logs()
+        if "dbo_compile" in os.environ.get("TORCH_LOGS", ""):
+            _init_logs()  # re-read TORCH_LOGS now that the name exists
     except Exception:  # noqa: BLE001 - logging setup must never break import
         pass
 
