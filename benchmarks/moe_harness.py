@@ -1,0 +1,217 @@
+"""Shared by benchmarks/bench_moe.py and tests/test_gpu.py: model, steps, GPU stand-in kernels.
+
+GPU stand-ins (installed per process by :func:`install_kernels`; they change nothing in the
+package, only what this process runs):
+
+- ``experts="grouped"``: the routed experts of ``DeepseekMoEModel`` run as ONE opaque, row-local
+  custom op ``dbo_bench::moe_experts`` (sort the (row, slot) pairs by local expert, two
+  ``torch._grouped_mm`` calls, weighted ``index_add_`` back to rows; static shapes, no host
+  sync). ``"loop"`` keeps the reference per-expert dense loop (every expert on every received row).
+- ``attention="proj"``: ``dbo.attention`` on the benchmark's device type writes the KV cache and
+  returns ``q`` (projection-only attention, as in the hand-written schedule of
+  ../shared/REFERENCES.md); ``"ref"`` keeps the reference implementation (a Python chunk loop:
+  correct, capturable, but far slower than a fused kernel).
+- :func:`no_comm`: the ``torch`` comm backend replaced by a local stand-in of the same shapes
+  (packs the send buffers, copies instead of all_to_all): "split program without comm".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import dbo_compile.ops  # noqa: F401
+from dbo_compile.passes.token_dim import register_row_local
+from dbo_compile.models import DeepseekMoEModel, get_config, make_step
+from dbo_compile.models import deepseek as _deepseek
+from dbo_compile.ops import comm as _comm
+
+_STATE: dict[str, Any] = {"experts": "loop", "attention": "ref", "grouped_ok": None}
+
+
+# ----------------------------------------------------------------------------- experts
+def _experts_loop(x, ids, wts, w13, w2):
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for e in range(w13.shape[0]):
+        w_e = (wts * (ids == e)).sum(dim=-1, keepdim=True)
+        y = y + w_e * _deepseek._swiglu(x, w13[e], w2[e]).to(torch.float32)
+    return y.to(x.dtype)
+
+
+def _experts_grouped(x, ids, wts, w13, w2):
+    n, k = ids.shape
+    e = w13.shape[0]
+    if n == 0:
+        return torch.zeros_like(x)
+    flat = ids.reshape(-1)
+    key = torch.where(flat >= 0, flat, e)                       # not-here slots sort last
+    order = torch.argsort(key, stable=True)
+    rows = torch.div(order, k, rounding_mode="floor")
+    counts = torch.zeros(e + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = torch.cumsum(counts[:e], 0, dtype=torch.int32)
+    xs = x[rows]
+    h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)  # rows past offs[-1]: unused
+    gate, up = h.chunk(2, dim=-1)
+    o = torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(-2, -1), offs=offs)
+    valid = (key[order] < e).unsqueeze(-1)
+    contrib = torch.where(valid, o.to(torch.float32) * wts.reshape(-1)[order].unsqueeze(-1), 0.0)
+    y = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+    y.index_add_(0, rows, contrib)
+    return y.to(x.dtype)
+
+
+@torch.library.custom_op("dbo_bench::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor) -> torch.Tensor:
+    if _STATE["experts"] == "grouped" and _STATE["grouped_ok"]:
+        return _experts_grouped(x, ids, wts, w13, w2)
+    return _experts_loop(x, ids, wts, w13, w2)
+
+
+@moe_experts.register_fake
+def _(x, ids, wts, w13, w2):
+    return torch.empty_like(x)
+
+
+# each recv row's output depends only on that row: the split may cut the rows anywhere
+register_row_local(torch.ops.dbo_bench.moe_experts.default)
+
+
+def _moe_experts_method(self, recv_x, recv_ids, recv_w):
+    return torch.ops.dbo_bench.moe_experts(recv_x, recv_ids, recv_w, self.w13, self.w2)
+
+
+def _check_grouped(device: str) -> bool:
+    """Does the grouped path run and agree with the loop here?"""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(64, 256, generator=g).to(device, torch.bfloat16)
+        ids = torch.randint(-1, 4, (64, 3), generator=g).to(device)
+        w = torch.rand(64, 3, generator=g).to(device)
+        w13 = (torch.randn(4, 2 * 128, 256, generator=g) / 16).to(device, torch.bfloat16)
+        w2 = (torch.randn(4, 256, 128, generator=g) / 11).to(device, torch.bfloat16)
+        a, b = _experts_grouped(x, ids, w, w13, w2), _experts_loop(x, ids, w, w13, w2)
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+        return True
+    except Exception as e:  # noqa: BLE001
+        print(f"[harness] grouped experts unavailable on {device}: {type(e).__name__}: {e}")
+        return False
+
+
+# ----------------------------------------------------------------------------- attention
+def _attention_proj(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
+                    scale):
+    from dbo_compile.ops.attention import _write_kv
+
+    _write_kv(kv_cache, k, v, slot_mapping)
+    return q.clone()
+
+
+def install_kernels(device_type: str, experts: str = "grouped", attention: str = "proj") -> dict:
+    """Switch this process's expert / attention implementations (see the module docstring)."""
+    from dbo_compile.ops.attention import _check_args, _paged_attention, _write_kv
+
+    _STATE["experts"] = experts
+    if experts == "grouped" and _STATE["grouped_ok"] is None:
+        _STATE["grouped_ok"] = _check_grouped(device_type)
+    _deepseek.MoE.experts = _moe_experts_method
+    _STATE["attention"] = attention
+
+    def attn(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, scale):
+        _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
+        if _STATE["attention"] == "proj":
+            return _attention_proj(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
+                                   block_table, scale)
+        _write_kv(kv_cache, k, v, slot_mapping)
+        return _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
+
+    torch.library.register_kernel("dbo::attention", device_type, attn)
+    return {"experts": "grouped" if (experts == "grouped" and _STATE["grouped_ok"]) else "loop",
+            "attention": attention}
+
+
+# ----------------------------------------------------------------------------- no comm
+def _nocomm_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
+    w = _comm.ep_world_size(group_name)
+    e_local = _comm._check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
+    send_x, meta = _comm._send_buffers(x, topk_ids, topk_weights, e_local, w)
+    recv_x = send_x.view(-1, x.shape[1]).clone()
+    ids, wts = _comm._unpack_meta(meta.view(-1, meta.shape[-1]).clone(), topk_ids.shape[1])
+    return recv_x, ids, wts
+
+
+def _nocomm_combine(y, group_name):
+    w = _comm.ep_world_size(group_name)
+    return _comm._sum_sources(y.contiguous().clone(), w)
+
+
+@contextlib.contextmanager
+def no_comm():
+    """Within the block, ``dbo.dispatch``/``combine`` over a process group move no data."""
+    old = _comm._BACKENDS["torch"]
+    _comm._BACKENDS["torch"] = _comm.CommBackend("torch", _nocomm_dispatch, _nocomm_combine,
+                                                 "benchmark stand-in: no collective")
+    try:
+        yield
+    finally:
+        _comm._BACKENDS["torch"] = old
+
+
+# ----------------------------------------------------------------------------- model, steps
+def build_model(preset: str, layers: int, group: Any, device: str, dtype=torch.bfloat16,
+                seed: int = 0, **overrides: Any) -> DeepseekMoEModel:
+    """The preset with ``layers`` layers, initialised on ``device`` (fast, no CPU randn).
+
+    Non-expert weights are identical on every rank (same seed, same draw order); each rank's
+    local experts are drawn from the same stream too (the benchmark does not need distinct ones).
+    """
+    cfg = get_config(preset, num_layers=layers, **overrides)
+    model = DeepseekMoEModel(cfg, ep_group=group, dtype=dtype, device="meta")
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            else:
+                std = 1.0 if name == "embed_tokens" else 1.0 / math.sqrt(p.shape[-1])
+                p.normal_(0.0, std, generator=gen)
+        for layer in model.layers:
+            a = layer.self_attn
+            d = a.head_dim
+            a.inv_freq = 1.0 / (cfg.rope_theta ** (
+                torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    model.eval()
+    return model
+
+
+def make_bucket_step(cfg: Any, phase: str, tokens: int, device: str, seed: int = 0,
+                     decode_ctx: int = 128, prompt: int = 512, block_size: int = 16):
+    """A decode step (``tokens`` requests of 1 token after ``decode_ctx`` cached tokens) or a
+    prefill step (fresh prompts of ``prompt`` tokens, the last one shorter), ``tokens`` rows."""
+    if phase == "decode":
+        return make_step(cfg, decode_context_lens=[decode_ctx + (i % 7) for i in range(tokens)],
+                         prefills=[], block_size=block_size, seed=seed, device=device)
+    prompts, left = [], tokens
+    while left > 0:
+        q = min(prompt, left)
+        prompts.append((0, q))
+        left -= q
+    return make_step(cfg, decode_context_lens=[], prefills=prompts, block_size=block_size,
+                     seed=seed, device=device)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Error figures of ``a`` against reference ``b`` (fp32)."""
+    a, b = a.float(), b.float()
+    diff = (a - b).abs()
+    scale = b.abs().max().clamp(min=1e-6)
+    row_bad = (diff.amax(dim=-1) > 0.05 * b.abs().amax(dim=-1).clamp(min=1e-6))
+    return {"max_abs": float(diff.max()), "max_rel": float(diff.max() / scale),
+            "mean_abs": float(diff.mean()), "rows_off_5pct": float(row_bad.float().mean()),
+            "finite": bool(torch.isfinite(a).all())}

@@ -1,0 +1,80 @@
+"""Profile one DBO step on 2 GPUs and write what the viewer needs to compare it with the schedule.
+
+Run (2 GPUs)::
+
+    torchrun --nproc-per-node 2 benchmarks/profile_dbo.py --out prof/
+    python -m dbo_compile.viz prof/schedule.json --profile prof/trace_rank0.json
+
+Writes ``schedule.json`` (the compiled schedule), ``trace_rank{r}.json`` (torch.profiler Chrome
+trace of one eager DBO step, with the ``dbo.u<id>`` ranges the generated wrapper opens) and
+``measured.txt`` / ``measured.png`` (measured beside predicted, rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import moe_harness as H  # noqa: E402
+
+from dbo_compile import backend as dbo_backend  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="prof")
+    p.add_argument("--phase", default="prefill", choices=("decode", "prefill"))
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    args = p.parse_args(argv)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    rank = dist.get_rank()
+    dbo_backend.register()
+    H.install_kernels("cuda", experts="grouped", attention="proj")
+    model = H.build_model("deepseek-v2-lite", args.layers, dist.group.WORLD, str(device),
+                          vocab_size=args.vocab)
+    step = H.make_bucket_step(model.config, args.phase, args.tokens, str(device), seed=rank)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    with torch.no_grad():
+        for _ in range(3):  # compile + warm up
+            compiled(step.input_ids, step.positions, step.attn_metadata)
+        torch.cuda.synchronize()
+        dist.barrier()
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            compiled(step.input_ids, step.positions, step.attn_metadata)
+            torch.cuda.synchronize()
+    os.makedirs(args.out, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(args.out, f"trace_rank{rank}.json"))
+    art = dbo_backend.compiled_artifacts()[-1]
+    if rank == 0:
+        with open(os.path.join(args.out, "schedule.json"), "w") as f:
+            f.write(art.schedule.to_json())
+        from dbo_compile.viz.png import to_png
+        from dbo_compile.viz.profile import load_trace, match_profile
+        from dbo_compile.viz.text import render_text
+
+        measured = match_profile(art.schedule, load_trace(os.path.join(args.out, "trace_rank0.json")))
+        text = render_text(art.schedule, measured=measured)
+        with open(os.path.join(args.out, "measured.txt"), "w") as f:
+            f.write(text)
+        to_png(art.schedule, os.path.join(args.out, "measured.png"), measured=measured)
+        print(text)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""CUDA-graph capture of the split (DBO) program and of plain callables, plus measurement aids.
+
+Stand-alone helpers (no core file depends on them yet):
+
+- :func:`capture`: warm up a zero-argument callable on a side stream, capture it with
+  ``torch.cuda.graph`` (optionally into a shared memory pool), return ``(graph, static_out)``.
+- :class:`SplitStep`: the split program of a :class:`~dbo_compile.runtime.program.DboCompiledModule`
+  as a zero-argument callable over *static* per-ubatch inputs. It records the split inputs of one
+  eager step (token-indexed inputs are views of the caller's buffers, so copying new tokens into
+  those buffers is enough), runs the split program and concatenates the outputs in ubatch order.
+  :meth:`SplitStep.refresh` re-cuts new attention metadata (same shapes) and copies it into the
+  recorded per-ubatch tensors, so a captured graph replays a new step without recapture.
+- :func:`serial_comm`: run a split program with the comm stream replaced by the compute stream
+  ("split serial": the same kernels in the same order on one stream, the denominator of η).
+
+The wrapper itself never synchronises with the host, so it captures whole; the per-step guard
+(``DboCompiledModule.decide``) reads ``query_start_loc`` on the host and therefore must run
+*outside* the graph (here: once, at record time / in :meth:`SplitStep.refresh`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
+            stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture ``fn()`` as one CUDA graph after ``warmup`` eager calls on a side stream.
+
+    Returns:
+        ``(graph, static_out)``: ``graph.replay()`` rewrites ``static_out`` in place.
+    """
+    side = stream or torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+class _Recorder:
+    def __init__(self, inner: Callable[..., Any]):
+        self.inner = inner
+        self.args: tuple[Any, ...] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        self.args = args
+        return self.inner(*args)
+
+    def __getattr__(self, name: str) -> Any:  # schedule, code, streams, units ...
+        return getattr(self.inner, name)
+
+
+class SplitStep:
+    """The split program of ``compiled`` over the inputs of one recorded step.
+
+    Args:
+        compiled: a ``DboCompiledModule`` (``dbo_compile.backend.compiled_artifacts()[-1]``).
+        run_step: runs one eager step through the compiled model (e.g.
+            ``lambda: cmodel(ids, pos, md)`` on static buffers); it must take the split path.
+
+    Raises:
+        RuntimeError: the recorded step did not split.
+    """
+
+    def __init__(self, compiled: Any, run_step: Callable[[], Any]):
+        self.compiled = compiled
+        self.program = compiled.split_program
+        rec_prog = _Recorder(self.program)
+        orig_split_args = compiled.split_args
+        seen: dict[str, Any] = {}
+
+        def split_args(args: Sequence[Any], qlens: list[int]) -> list[Any]:
+            seen["graph_args"], seen["qlens"] = list(args), list(qlens)
+            return orig_split_args(args, qlens)
+
+        compiled.split_program = rec_prog
+        compiled.split_args = split_args
+        try:
+            run_step()
+        finally:
+            compiled.split_program = self.program
+            del compiled.split_args  # back to the class method
+        if rec_prog.args is None:
+            raise RuntimeError(f"the recorded step did not split ({compiled.stats.last_decision})")
+        self.split_args = list(rec_prog.args)
+        self.graph_args = seen["graph_args"]
+        self.outputs = compiled.signature.outputs
+
+    def __call__(self) -> tuple[Any, ...]:
+        outs = self.program(*self.split_args)
+        result = []
+        for idx in self.outputs:
+            result.append(outs[idx[0]] if len(idx) == 1 else torch.cat([outs[i] for i in idx], 0))
+        return tuple(result)
+
+    def refresh(self) -> None:
+        """Re-cut the (already updated, same-shaped) graph inputs into the static split inputs.
+
+        Call after copying a new step's tokens and metadata into the caller's static buffers.
+
+        Raises:
+            RuntimeError: the new cut has other shapes (needs a new capture for this layout).
+        """
+        vote, reason, qlens = self.compiled.decide(self.graph_args)
+        if not vote.should_split:
+            raise RuntimeError(f"new step does not split: {reason}")
+        new = self.compiled.split_args(self.graph_args, qlens)
+        for i, (old, val) in enumerate(zip(self.split_args, new)):
+            if isinstance(old, torch.Tensor):
+                if old.shape != val.shape:
+                    raise RuntimeError(f"split input {i}: shape {tuple(val.shape)} != captured "
+                                       f"{tuple(old.shape)}; capture a graph for this layout")
+                if old.data_ptr() != val.data_ptr():
+                    old.copy_(val)
+            elif old != val:
+                raise RuntimeError(f"split input {i}: {val!r} != captured {old!r}")
+
+
+class _SameStream:
+    """A StreamSet whose comm stream is the compute stream."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def get(self, device: Any) -> tuple[Any, Any, list[Any]]:
+        compute, _comm, events = self.inner.get(device)
+        return compute, compute, events
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def serial_comm(program: Any):
+    """Within the block, ``program`` (a ``SplitProgram``) issues its comm on the compute stream.
+
+    Same generated code, same kernels, same order; only the stream switch is gone, so every
+    collective serialises with the compute around it.
+    """
+    old = program.streams
+    program.streams = _SameStream(old)
+    try:
+        yield program
+    finally:
+        program.streams = old
