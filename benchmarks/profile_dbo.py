@@ -5,8 +5,8 @@ Run (2 GPUs)::
     torchrun --nproc-per-node 2 benchmarks/profile_dbo.py --out prof/
     python -m dbo_compile.viz prof/schedule.json --profile prof/trace_rank0.json
 
-Writes ``schedule.json`` (the compiled schedule), ``trace_rank{r}.json`` (torch.profiler Chrome
-trace of one eager DBO step, with the ``dbo.u<id>`` ranges the generated wrapper opens) and
+Writes ``schedule.json`` (the compiled schedule), ``trace_rank0.json`` (torch.profiler Chrome
+trace of one eager DBO step; every rank's with ``--all-ranks``, with the ``dbo.u<id>`` ranges the generated wrapper opens) and
 ``measured.txt`` / ``measured.png`` (measured beside predicted, rank 0).
 """
 
@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--all-ranks", action="store_true", help="write every rank's trace")
     args = p.parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -57,7 +58,8 @@ def main(argv=None) -> int:
             compiled(step.input_ids, step.positions, step.attn_metadata)
             torch.cuda.synchronize()
     os.makedirs(args.out, exist_ok=True)
-    prof.export_chrome_trace(os.path.join(args.out, f"trace_rank{rank}.json"))
+    if rank == 0 or args.all_ranks:
+        prof.export_chrome_trace(os.path.join(args.out, f"trace_rank{rank}.json"))
     art = dbo_backend.compiled_artifacts()[-1]
     if rank == 0:
         with open(os.path.join(args.out, "schedule.json"), "w") as f:
