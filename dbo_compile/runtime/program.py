@@ -91,7 +91,10 @@ class UnsplitProgram:
         self.stats.count(False, "unsplittable")
         if vote.num_tokens_padded == num_tokens:
             return self.fn(*args)
-        outs = self.fn(*_pad_args(self.specs, args, num_tokens, vote.num_tokens_padded))
+        padded_args = _pad_args(self.specs, args, num_tokens, vote.num_tokens_padded)
+        write_back = _WriteBack(args, padded_args, num_tokens)
+        outs = self.fn(*padded_args)
+        write_back()
         return tuple(_unpad(o, num_tokens, vote.num_tokens_padded) for o in outs)
 
 
@@ -291,12 +294,14 @@ class DboCompiledModule:
         _LAST_CALLED[0] = self
         self.stats.count(vote.should_split, reason)
         num_tokens = int(args[self._token_index].shape[0])
-        args = _pad_args(self.specs, args, num_tokens, vote.num_tokens_padded)
+        padded_args = _pad_args(self.specs, args, num_tokens, vote.num_tokens_padded)
+        write_back = _WriteBack(args, padded_args, num_tokens)
         if not vote.should_split:
-            outs = self.unsplit(*args)
+            outs = self.unsplit(*padded_args)
+            write_back()
             return tuple(_unpad(o, num_tokens, vote.num_tokens_padded) if len(idx) > 1 else o
                          for o, idx in zip(outs, self.signature.outputs))
-        split_args = self.split_args(args, qlens)
+        split_args = self.split_args(padded_args, qlens)
         try:
             outs = self.split_program(*split_args)
         except Exception as e:  # noqa: BLE001 - re-raised with the ubatch context
@@ -304,6 +309,7 @@ class DboCompiledModule:
                 f"the split program failed in a ubatch ({type(e).__name__}: {e}); the step was "
                 "aborted, the next step runs normally"
             ) from e
+        write_back()
         result = []
         for idx in self.signature.outputs:
             if len(idx) == 1:
@@ -312,6 +318,22 @@ class DboCompiledModule:
                 result.append(_unpad(torch.cat([outs[i] for i in idx], dim=0), num_tokens,
                                      vote.num_tokens_padded))
         return tuple(result)
+
+
+class _WriteBack:
+    """Token-indexed inputs the step pads are copies: rows the program writes in place (a KV
+    cache indexed by request, e.g. transformers' StaticCache) are copied back to the caller's
+    tensor after the step. In-place writes are detected by the tensor version counter."""
+
+    def __init__(self, original: Sequence[Any], padded: Sequence[Any], num_tokens: int):
+        self.pairs = [(o, p, p._version) for o, p in zip(original, padded)
+                      if isinstance(p, torch.Tensor) and p is not o and isinstance(o, torch.Tensor)]
+        self.num_tokens = num_tokens
+
+    def __call__(self) -> None:
+        for orig, pad, version in self.pairs:
+            if pad._version != version:
+                orig.copy_(pad[: self.num_tokens])
 
 
 def _unpad(out: Any, num_tokens: int, padded: int) -> Any:
