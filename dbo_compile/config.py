@@ -33,8 +33,9 @@ class DboConfig:
             request) splits only if every rank has ``>=`` this many tokens.
         prefill_token_threshold: any other step splits only if every rank has ``>=`` this many
             tokens.
-        split: ``"auto"`` (thresholds, then cost model), ``"always"`` / ``"never"`` force the
-            decision. ``"always"`` skips the thresholds and the cost model, but vetoes still
+        split: ``"auto"`` (thresholds; the vote also carries a per-rank cost-model preference,
+            which nothing computes yet, so today thresholds alone decide), ``"always"`` /
+            ``"never"`` force the decision. ``"always"`` skips the thresholds, but vetoes still
             apply and a step in which any DP rank has fewer than ``num_ubatches`` tokens never
             splits (see :mod:`dbo_compile.runtime.vote`).
         scheduler: ``"list"`` (whole-graph list scheduler over both ubatches) or ``"naive"``

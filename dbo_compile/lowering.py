@@ -227,6 +227,18 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
     fakes = _fakeify(specs, example_inputs, fake_mode)
     token_specs = [s for s in specs if s.kind == "token"]
     request_specs = [s for s in specs if s.kind == "request"]
+    if token_specs:
+        first = token_specs[0]
+        n0 = _hint(example_inputs[first.index].shape[0])
+        for s in token_specs[1:]:
+            n = _hint(example_inputs[s.index].shape[0])
+            if n != n0:
+                raise UnsplittableGraphError(
+                    f"input {s.name} ({s.source or 'no source'}) has dim 0 = {n} but the token "
+                    f"dim of {first.name} is {n0}: every tensor input that is not a module "
+                    "parameter or buffer is taken as token-indexed; register it on the module "
+                    "(a buffer) to share it between ubatches"
+                )
     with fake_mode:
         # one symbol for the token dim, one for the request dim (query_start_loc is [R + 1])
         for group in (token_specs, [s for s in request_specs if s.field != "query_start_loc"]):

@@ -46,6 +46,10 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         out = compiled(step.input_ids, step.positions, step.attn_metadata)
     artifact = compiled_artifacts()[-1]
     err = (out.float() - eager.float()).abs().max().item()
+    if artifact.split_program is None:  # e.g. a 1-token step: compiled unsplit, says why
+        return {"rank": rank, "num_tokens": step.num_tokens, "tokens_per_ubatch": [],
+                "request_cut": False, "comm_ops_per_ubatch": 0, "max_abs_err": err,
+                "split_steps": 0, "schedule": None, "code": "", "reason": artifact.reason}
     sched = artifact.schedule
     slices = artifact.last_slices
     tokens = [sl.num_tokens for sl in slices]
@@ -87,12 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     from dbo_compile.viz.text import render_text
 
     results = run_multirank(run_rank, args.world_size, args=(args,), timeout_s=600)
+    if results[0]["schedule"] is None:
+        print(f"not split: {results[0]['reason']}")
+        return 1
     schedule = Schedule.from_dict(results[0]["schedule"])
     print(render_text(schedule))
     same_code = all(r["code"] == results[0]["code"] for r in results)
     ok = same_code
     for r in results:
-        line = (f"rank {r['rank']}: {r['num_tokens']} tokens -> ubatches {r['tokens_per_ubatch']} "
+        line = (f"rank {r['rank']}: {r['num_tokens']} tokens -> rows per ubatch {r['tokens_per_ubatch']} "
                 f"(a request cut in two: {r['request_cut']}), "
                 f"{r['comm_ops_per_ubatch']} comm ops per ubatch, max abs err vs eager "
                 f"{r['max_abs_err']:.2e} ({args.dtype}, tol {tol:g})")

@@ -92,3 +92,34 @@ def test_backend_works_in_a_fresh_process_without_importing_the_package():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().endswith("ok")
+
+
+class TakesATable(nn.Module):
+    """A second tensor input that is not token-indexed (a [V, H] table passed per call)."""
+
+    def forward(self, x, table):
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.int64)
+        recv, _, rw = torch.ops.dbo.dispatch(x @ table.t(), ids, torch.ones(x.shape[0], 1), 1, "")
+        return torch.ops.dbo.combine(recv * rw.sum(-1, keepdim=True), "")
+
+
+class NormalisesOverTokens(SumsOverTokens):
+    def forward(self, x):
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.int64)
+        recv, _, rw = torch.ops.dbo.dispatch(self.lin(x), ids, torch.ones(x.shape[0], 1), 1, "")
+        return torch.nn.functional.normalize(torch.ops.dbo.combine(recv, ""), dim=0)
+
+
+@pytest.mark.parametrize("cls,args,why", [
+    (TakesATable, lambda: (torch.randn(16, 8), torch.randn(5, 8)), "has dim 0 = 5"),
+    (NormalisesOverTokens, lambda: (torch.randn(16, 8),), "linalg_vector_norm reduces"),
+])
+def test_unsplittable_inputs_and_ops_fall_back_with_a_reason(cls, args, why):
+    import dbo_compile.ops  # noqa: F401
+
+    model = cls() if cls is TakesATable else cls()
+    inputs = args()
+    out = torch.compile(model, backend="dbo", options={"split": "always"})(*inputs)
+    torch.testing.assert_close(out, model(*inputs))
+    art = last_artifact()
+    assert isinstance(art, UnsplitProgram) and why in art.reason, art.reason

@@ -216,3 +216,45 @@ def test_exception_in_one_ubatch_surfaces_and_next_step_works():
         out = compiled(step.input_ids, step.positions, step.attn_metadata)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert last_artifact().stats.split_steps == 2
+
+
+class _MixesTokens(DeepseekMoEModel):
+    """Unsplittable (normalises over the token dim) but still issues EP collectives."""
+
+    def forward(self, input_ids, positions, attn_metadata):
+        out = super().forward(input_ids, positions, attn_metadata)
+        return out - out.amax(dim=0, keepdim=True)
+
+
+def _unsplittable_uneven_body(rank, world_size):
+    import torch.distributed as dist
+
+    from dbo_compile.backend import register
+    from dbo_compile.runtime.program import UnsplitProgram, last_called
+
+    register()
+    cfg = get_config("tiny", num_layers=1)
+    model = _MixesTokens(cfg, ep_group=dist.group.WORLD, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    compiled = torch.compile(model, backend="dbo")
+    done = []
+    for n in ([3, 8], [8, 5], [6, 6]):
+        step = make_step(cfg, decode_context_lens=[40] * n[rank], prefills=[], block_size=16,
+                         num_blocks=NUM_BLOCKS)
+        with torch.no_grad():
+            out = run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                           step.num_scheduled_tokens)
+        art = last_called()
+        done.append((out.shape[0], type(art).__name__, art.last_vote.num_tokens_padded))
+    return done
+
+
+@pytest.mark.multirank
+def test_unsplittable_graph_still_votes_and_pads_with_uneven_ranks():
+    """A graph compiled unsplit still issues collectives: it must vote and pad like the split
+    ones, or ranks with different token counts crash or deadlock in all_to_all."""
+    results = run_multirank(_unsplittable_uneven_body, 2, timeout_s=240)
+    for rank, done in enumerate(results):
+        assert all(kind == "UnsplitProgram" for _, kind, _ in done), done
+        assert [d[2] for d in done] == [8, 8, 6], done
+    assert [d[0] for d in results[0]] == [3, 8, 6] and [d[0] for d in results[1]] == [8, 5, 6]

@@ -29,6 +29,8 @@ def comm_kind(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return None
     target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):  # Dynamo graphs call the packet
+        target = target.default
     if isinstance(target, torch._ops.OpOverload):
         if target.namespace == "dbo" and target._opname in ("dispatch", "combine"):
             return target._opname

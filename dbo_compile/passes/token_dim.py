@@ -141,10 +141,14 @@ def _arg(node: fx.Node, pos: int, name: str, default: Any) -> Any:
 
 
 def _norm_dims(dims: Any, ndim: int) -> list[int] | None:
+    """Normalised dims, or ``None`` for "every dim" (also for anything we cannot read, which
+    callers then treat as touching the token dim)."""
     if dims is None:
         return None
     if isinstance(dims, int):
         dims = [dims]
+    if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+        return None
     dims = list(dims)
     if not dims:
         return None
@@ -368,7 +372,8 @@ def _why_not_row_local(node: fx.Node, syms: frozenset) -> str | None:
     if name in _REDUCTIONS:
         if not (isinstance(first, fx.Node) and _node_token(first)):
             return None
-        dims = _norm_dims(_arg(node, 1, "dim", None), _ndim(first))
+        pos = 2 if name == "linalg_vector_norm" else 1  # (x, ord, dim) vs (x, dim)
+        dims = _norm_dims(_arg(node, pos, "dim", None), _ndim(first))
         if dims is None:
             return f"{name} reduces over every dim, the token dim included"
         return f"{name} reduces over the token dim" if 0 in dims else None
