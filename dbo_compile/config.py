@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -100,8 +101,17 @@ class DboConfig:
         ):
             if getattr(self, name) not in choices:
                 raise bad(name, f"must be one of {choices}")
-        if self.comm_sms is not None and (not isinstance(self.comm_sms, int) or self.comm_sms < 1):
+        if self.comm_sms is not None and (not isinstance(self.comm_sms, int)
+                                          or isinstance(self.comm_sms, bool) or self.comm_sms < 1):
             raise bad("comm_sms", "must be None or a positive int (SMs)")
+        for name in ("peak_tflops", "hbm_gbps", "link_gbps", "comm_latency_us", "launch_us"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        for name in ("dump_dir", "dp_group_name"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise bad(name, "must be None or a str")
         if not isinstance(self.cost_model_tokens, int) or self.cost_model_tokens < self.num_ubatches:
             raise bad("cost_model_tokens", f"must be an int >= num_ubatches ({self.num_ubatches})")
         for name in ("peak_tflops", "hbm_gbps", "link_gbps"):

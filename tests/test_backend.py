@@ -26,7 +26,9 @@ def test_unknown_option_names_the_valid_ones():
 
 @pytest.mark.parametrize("bad", [dict(num_ubatches=1), dict(decode_token_threshold=1),
                                  dict(prefill_token_threshold=0), dict(split="sometimes"),
-                                 dict(comm_sms=0), dict(link_gbps=0)])
+                                 dict(comm_sms=0), dict(link_gbps=0), dict(comm_sms=True),
+                                 dict(peak_tflops="fast"), dict(link_gbps=float("inf")),
+                                 dict(dump_dir=5)])
 def test_invalid_values_raise(bad):
     with pytest.raises(DboConfigError):
         DboConfig(**bad)
