@@ -18,7 +18,6 @@ reason is logged at WARNING, naming the node (``DboConfig.on_unsplittable="raise
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -180,8 +179,6 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     except UnsplittableGraphError as e:
         if config.on_unsplittable == "raise":
             raise
-        from dbo_compile.runtime.program import UnsplitProgram
-
         log.warning("dbo: compiling this graph unsplit: %s", e)
         compiled = _unsplit_program(gm, example_inputs, config, str(e))
     _ARTIFACTS.append(compiled)

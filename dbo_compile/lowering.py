@@ -23,7 +23,6 @@ equals the token count, and the two must stay distinct symbols (../shared/DESIGN
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -322,5 +321,3 @@ def _only_dbo_users(node: fx.Node) -> bool:
     return True
 
 
-def replace_specs(specs: list[InputSpec], **changes: Any) -> list[InputSpec]:
-    return [dataclasses.replace(s, **changes) for s in specs]

@@ -53,7 +53,6 @@ def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
     graph = split_gm.graph
     by_name = {n.name: n for n in graph.nodes}
     unit_of = schedule.unit_of_node()
-    users_outside: dict[str, set[int]] = {}
     out_node = next(n for n in graph.nodes if n.op == "output")
     for n in graph.nodes:
         if n.op in ("placeholder", "output") or is_wait(n):

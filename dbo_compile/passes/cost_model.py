@@ -88,8 +88,6 @@ class CostModel:
         if name in _FREE:
             return 0.0
         moved = self.nbytes(node.meta.get("val")) + sum(
-            self.nbytes(a.meta.get("val")) for a in node.all_input_nodes
-            if dbo_meta(a).get("token_dim") == 0 or isinstance(a.meta.get("val"), torch.Tensor)
-        )
+            self.nbytes(a.meta.get("val")) for a in node.all_input_nodes)
         flops = self.flops(node)
         return cfg.launch_us + max(flops / (cfg.peak_tflops * 1e6), moved / (cfg.hbm_gbps * 1e3))

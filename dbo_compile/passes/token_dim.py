@@ -160,10 +160,6 @@ def _ndim(node: Any) -> int:
     return val.dim() if isinstance(val, torch.Tensor) else 0
 
 
-def _flat_inputs(node: fx.Node) -> Iterable[fx.Node]:
-    return node.all_input_nodes
-
-
 def _is_full_range(node: fx.Node, pos: int) -> bool:
     """``args[pos:pos+3]`` (start, end, step) of a slice op cover the whole dim."""
     start, end, step = (_arg(node, pos, "start", None), _arg(node, pos + 1, "end", None),
@@ -314,7 +310,6 @@ def _why_not_row_local(node: fx.Node, syms: frozenset) -> str | None:
             return None
         return f"custom op {target} is not known to be row-local along the token dim"
     name = target._opname.rstrip("_")
-    tok_inputs = [a for a in _flat_inputs(node) if _node_token(a)]
     first = node.args[0] if node.args else None
     for i, a in enumerate(list(node.args) + list(node.kwargs.values())):
         if (isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt)
@@ -416,7 +411,6 @@ def _why_not_row_local(node: fx.Node, syms: frozenset) -> str | None:
     if name in ("arange", "randn", "rand", "randint", "randperm", "normal", "bernoulli",
                 "rand_like", "randn_like", "native_dropout", "uniform"):
         return f"{name} gives rows that depend on their position or on RNG state"
-    del tok_inputs
     return f"aten.{target._opname} is not known to be row-local along the token dim"
 
 
