@@ -324,18 +324,19 @@ def _list_order(units: list[Unit], deps: list[tuple[int, int]]) -> list[int]:
     dag.add_nodes_from(by_id)
     for i in reversed(list(nx.lexicographical_topological_sort(dag))):
         bottom[i] = by_id[i].cost_us + max((bottom[s] for s in succs[i]), default=0.0)
-    while ready:
-        def key(i: int) -> tuple:
-            u = by_id[i]
-            start = max([free[u.stream]] + [end[p] for p in preds[i]])
-            return (round(start, 6), 0 if u.kind == COMM else 1, -round(bottom[i], 6),
-                    -1 if u.ubatch is None else u.ubatch, i)
+    def start_of(i: int) -> float:
+        return max([free[by_id[i].stream]] + [end[p] for p in preds[i]])
 
+    def key(i: int) -> tuple:
+        u = by_id[i]
+        return (round(start_of(i), 6), 0 if u.kind == COMM else 1, -round(bottom[i], 6),
+                -1 if u.ubatch is None else u.ubatch, i)
+
+    while ready:
         best = min(ready, key=key)
         ready.remove(best)
         u = by_id[best]
-        start = max([free[u.stream]] + [end[p] for p in preds[best]])
-        end[best] = start + u.cost_us
+        end[best] = start_of(best) + u.cost_us
         free[u.stream] = end[best]
         order.append(best)
         for s in succs[best]:

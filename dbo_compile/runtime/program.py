@@ -195,15 +195,15 @@ class DboCompiledModule:
         return (qsl[1:] - qsl[:-1]).tolist()
 
 
-    def _veto(self, args: Sequence[Any], qlens: list[int]) -> str | None:
+    @staticmethod
+    def _veto(md: AttentionMetadata | None, qlens: list[int]) -> str | None:
         from dbo_compile.runtime.vetoes import check_vetoes
 
         ctx = current_step_context()
         if not ctx.allow_split:
             return "engine: allow_split=False"
-        if "query_start_loc" not in self._fields or (ctx.block_size is None and not ctx.vetoes):
+        if md is None or (ctx.block_size is None and not ctx.vetoes):
             return None
-        md = self._metadata(args, int(args[self._token_index].shape[0]))
         return check_vetoes(md, qlens, block_size=ctx.block_size, vetoes=ctx.vetoes)
 
     def decide(self, args: Sequence[Any]) -> tuple[Any, str, list[int]]:
@@ -219,11 +219,12 @@ class DboCompiledModule:
         local_error = None
         veto = None
         try:
+            md = None
             if "query_start_loc" in self._fields:
-                self._metadata(args, num_tokens).validate()
+                md = self._metadata(args, num_tokens).validate()
                 if real > num_tokens:
                     raise MetadataError(f"{real} scheduled tokens but only {num_tokens} rows")
-            veto = self._veto(args, qlens) if self.config.split != "never" else None
+            veto = self._veto(md, qlens) if self.config.split != "never" else None
         except MetadataError as e:
             local_error = f"{type(e).__name__}: {e}"
         vote = coordinate_across_dp(
