@@ -3,10 +3,9 @@
 GPU stand-ins (installed per process by :func:`install_kernels`; they change nothing in the
 package, only what this process runs):
 
-- ``experts="grouped"``: the routed experts of ``DeepseekMoEModel`` run as ONE opaque, row-local
-  custom op ``dbo_bench::moe_experts`` (sort the (row, slot) pairs by local expert, two
-  ``torch._grouped_mm`` calls, weighted ``index_add_`` back to rows; static shapes, no host
-  sync). ``"loop"`` keeps the reference per-expert dense loop (every expert on every received row).
+- ``experts="grouped"``: the package's ``dbo.grouped_experts`` CUDA kernel (grouped GEMM, see
+  ``dbo_compile.ops.experts``); ``"loop"`` replaces it in this process by the reference
+  per-expert dense loop (every expert on every received row).
 - ``attention="proj"``: ``dbo.attention`` on the benchmark's device type writes the KV cache and
   returns ``q`` (projection-only attention, as in the hand-written schedule of
   ../shared/REFERENCES.md); ``"ref"`` keeps the reference implementation (a Python chunk loop:
@@ -22,85 +21,20 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import dbo_compile.ops  # noqa: F401
-from dbo_compile.passes.token_dim import register_row_local
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
-from dbo_compile.models import deepseek as _deepseek
 from dbo_compile.ops import comm as _comm
 
-_STATE: dict[str, Any] = {"experts": "loop", "attention": "ref", "grouped_ok": None}
+_STATE: dict[str, Any] = {"attention": "ref"}
 
 
 # ----------------------------------------------------------------------------- experts
-def _experts_loop(x, ids, wts, w13, w2):
-    y = torch.zeros_like(x, dtype=torch.float32)
-    for e in range(w13.shape[0]):
-        w_e = (wts * (ids == e)).sum(dim=-1, keepdim=True)
-        y = y + w_e * _deepseek._swiglu(x, w13[e], w2[e]).to(torch.float32)
-    return y.to(x.dtype)
+def _experts_loop_kernel(x, ids, wts, w13, w2):
+    from dbo_compile.ops.experts import _check, experts_loop
 
-
-def _experts_grouped(x, ids, wts, w13, w2):
-    n, k = ids.shape
-    e = w13.shape[0]
-    if n == 0:
-        return torch.zeros_like(x)
-    flat = ids.reshape(-1)
-    key = torch.where(flat >= 0, flat, e)                       # not-here slots sort last
-    order = torch.argsort(key, stable=True)
-    rows = torch.div(order, k, rounding_mode="floor")
-    counts = torch.zeros(e + 1, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offs = torch.cumsum(counts[:e], 0, dtype=torch.int32)
-    xs = x[rows]
-    h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)  # rows past offs[-1]: unused
-    gate, up = h.chunk(2, dim=-1)
-    o = torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(-2, -1), offs=offs)
-    valid = (key[order] < e).unsqueeze(-1)
-    contrib = torch.where(valid, o.to(torch.float32) * wts.reshape(-1)[order].unsqueeze(-1), 0.0)
-    y = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
-    y.index_add_(0, rows, contrib)
-    return y.to(x.dtype)
-
-
-@torch.library.custom_op("dbo_bench::moe_experts", mutates_args=())
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor) -> torch.Tensor:
-    if _STATE["experts"] == "grouped" and _STATE["grouped_ok"]:
-        return _experts_grouped(x, ids, wts, w13, w2)
-    return _experts_loop(x, ids, wts, w13, w2)
-
-
-@moe_experts.register_fake
-def _(x, ids, wts, w13, w2):
-    return torch.empty_like(x)
-
-
-# each recv row's output depends only on that row: the split may cut the rows anywhere
-register_row_local(torch.ops.dbo_bench.moe_experts.default)
-
-
-def _moe_experts_method(self, recv_x, recv_ids, recv_w):
-    return torch.ops.dbo_bench.moe_experts(recv_x, recv_ids, recv_w, self.w13, self.w2)
-
-
-def _check_grouped(device: str) -> bool:
-    """Does the grouped path run and agree with the loop here?"""
-    try:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(64, 256, generator=g).to(device, torch.bfloat16)
-        ids = torch.randint(-1, 4, (64, 3), generator=g).to(device)
-        w = torch.rand(64, 3, generator=g).to(device)
-        w13 = (torch.randn(4, 2 * 128, 256, generator=g) / 16).to(device, torch.bfloat16)
-        w2 = (torch.randn(4, 256, 128, generator=g) / 11).to(device, torch.bfloat16)
-        a, b = _experts_grouped(x, ids, w, w13, w2), _experts_loop(x, ids, w, w13, w2)
-        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
-        return True
-    except Exception as e:  # noqa: BLE001
-        print(f"[harness] grouped experts unavailable on {device}: {type(e).__name__}: {e}")
-        return False
+    _check(x, ids, wts, w13, w2)
+    return experts_loop(x, ids, wts, w13, w2)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -116,10 +50,8 @@ def install_kernels(device_type: str, experts: str = "grouped", attention: str =
     """Switch this process's expert / attention implementations (see the module docstring)."""
     from dbo_compile.ops.attention import _check_args, _paged_attention, _write_kv
 
-    _STATE["experts"] = experts
-    if experts == "grouped" and _STATE["grouped_ok"] is None:
-        _STATE["grouped_ok"] = _check_grouped(device_type)
-    _deepseek.MoE.experts = _moe_experts_method
+    if experts == "loop":
+        torch.library.register_kernel("dbo::grouped_experts", device_type, _experts_loop_kernel)
     _STATE["attention"] = attention
 
     def attn(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, scale):
@@ -131,8 +63,7 @@ def install_kernels(device_type: str, experts: str = "grouped", attention: str =
         return _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
 
     torch.library.register_kernel("dbo::attention", device_type, attn)
-    return {"experts": "grouped" if (experts == "grouped" and _STATE["grouped_ok"]) else "loop",
-            "attention": attention}
+    return {"experts": experts, "attention": attention}
 
 
 # ----------------------------------------------------------------------------- no comm

@@ -262,13 +262,10 @@ class MoE(nn.Module):
 
     def experts(self, recv_x: torch.Tensor, recv_ids: torch.Tensor,
                 recv_w: torch.Tensor) -> torch.Tensor:
-        """Local experts, row-local. ``recv_x [N, H]``, ``recv_ids [N, K]`` int64 local ids
+        """Local experts, row-local (``dbo.grouped_experts``: grouped GEMM on CUDA, the
+        reference loop elsewhere). ``recv_x [N, H]``, ``recv_ids [N, K]`` int64 local ids
         (-1 = not here), ``recv_w [N, K]`` fp32 -> ``[N, H]`` of ``recv_x.dtype`` (weighted)."""
-        y = torch.zeros_like(recv_x, dtype=torch.float32)
-        for e in range(self.num_local_experts):
-            w_e = (recv_w * (recv_ids == e)).sum(dim=-1, keepdim=True)  # [N, 1] fp32
-            y = y + w_e * _swiglu(recv_x, self.w13[e], self.w2[e]).to(torch.float32)
-        return y.to(recv_x.dtype)
+        return torch.ops.dbo.grouped_experts(recv_x, recv_ids, recv_w, self.w13, self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate).to(torch.float32)  # [T, E]

@@ -1,11 +1,14 @@
 """Custom ops of dbo_compile (namespace ``dbo``); importing this package registers them all.
 
 - ``torch.ops.dbo.dispatch`` / ``torch.ops.dbo.combine``: MoE EP all-to-all (:mod:`.comm`).
+- ``torch.ops.dbo.grouped_experts``: an EP rank's local routed experts, row-local, grouped GEMM
+  on CUDA (:mod:`.experts`).
 - ``torch.ops.dbo.attention``: paged causal attention + KV-cache write (:mod:`.attention`;
   the op is not re-exported here so that ``dbo_compile.ops.attention`` stays the module).
 """
 
 from dbo_compile.ops.attention import AttentionOpError
+from dbo_compile.ops.experts import ExpertsOpError
 from dbo_compile.ops.comm import (
     COMM_KIND,
     COMM_OPS,
@@ -30,6 +33,7 @@ __all__ = [
     "CommBackend",
     "CommBackendError",
     "CommOpError",
+    "ExpertsOpError",
     "available_comm_backends",
     "backend_for_group",
     "combine",

@@ -1,0 +1,202 @@
+"""``dbo::grouped_experts``: the local routed experts of an EP rank as one row-local op.
+
+``torch.ops.dbo.grouped_experts(x, ids, weights, w13, w2) -> y``
+
+- ``x [N, H]`` (bf16/fp16/fp32): the rows the dispatch delivered (N = W * T static capacity).
+- ``ids [N, K]`` int64: local expert id per slot, ``-1`` = the slot's expert is not on this rank.
+- ``weights [N, K]`` fp32: routing weight per slot.
+- ``w13 [E_local, 2I, H]`` (gate and up projections stacked), ``w2 [E_local, H, I]``.
+- returns ``y [N, H]`` in ``x.dtype``: ``y[n] = sum_k weights[n, k] * SwiGLU_{ids[n, k]}(x[n])``,
+  accumulated in fp32; rows with no local slot are zeros.
+
+Row ``n`` of ``y`` depends only on row ``n`` of ``x``/``ids``/``weights``, so the op is declared
+row-local along the token dim (the split pass may cut it anywhere).
+
+Kernels:
+
+- CUDA (static shapes, no host sync, CUDA-graph capturable): sort the ``N*K`` slots by expert
+  (slots not on this rank sort last), gather their rows, two ``torch._grouped_mm`` calls (the
+  grouped GEMM of the field: one launch for all local experts, rows past the last expert's
+  offset are not computed) with a Triton SiLU-and-multiply between them (rows past the last
+  routed slot skipped), then a weighted gather-sum back to rows — a Triton kernel that reads
+  each valid slot's output row once and writes ``y`` once (without Triton: torch's SiLU and
+  multiply, a gather, a mask and a ``bmm``). Slots are padded to the static worst case ``N*K``: the elementwise work is sized
+  for it, the GEMMs only for the routed slots.
+- CPU (and any other device): the reference per-expert loop (every expert on every row, masked),
+  exact and simple; :func:`grouped_reference` runs the CUDA algorithm with torch ops on any device
+  for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from dbo_compile.errors import DboError
+
+__all__ = ["ExpertsOpError", "experts_loop", "grouped_experts", "grouped_reference"]
+
+
+class ExpertsOpError(DboError):
+    """Bad arguments to ``dbo.grouped_experts`` (shapes or dtypes)."""
+
+
+def _check(x, ids, weights, w13, w2) -> None:
+    if x.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
+        raise ExpertsOpError(
+            f"dbo.grouped_experts: expected x [N, H], ids/weights [N, K]; got x {tuple(x.shape)}, "
+            f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
+    if ids.dtype != torch.int64 or weights.dtype != torch.float32:
+        raise ExpertsOpError(f"dbo.grouped_experts: ids must be int64 and weights float32, got "
+                             f"{ids.dtype} / {weights.dtype}")
+    if (w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]
+            or w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1]
+            or w13.shape[1] != 2 * w2.shape[2]):
+        raise ExpertsOpError(
+            f"dbo.grouped_experts: expected w13 [E, 2I, H] and w2 [E, H, I] with H = "
+            f"{x.shape[1]}; got {tuple(w13.shape)} and {tuple(w2.shape)}")
+
+
+def experts_loop(x, ids, weights, w13, w2) -> torch.Tensor:
+    """Reference: every local expert on every row, weighted by the row's slots for it."""
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for e in range(w13.shape[0]):
+        w_e = (weights * (ids == e)).sum(dim=-1, keepdim=True)  # [N, 1] fp32
+        gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
+        y = y + w_e * F.linear(F.silu(gate) * up, w2[e]).to(torch.float32)
+    return y.to(x.dtype)
+
+
+def _sorted_slots(ids: torch.Tensor, num_experts: int):
+    """Slots sorted by expert: ``(order, rows, offs, valid)``; slots with id < 0 sort last."""
+    flat = ids.reshape(-1)
+    valid = flat >= 0
+    key = torch.where(valid, flat, num_experts)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)
+    rows = torch.div(order, ids.shape[1], rounding_mode="floor")
+    return order, rows, offs, valid
+
+
+def _expert_outputs(x, rows, offs, w13, w2) -> torch.Tensor:
+    """Per sorted slot, the SwiGLU output of its expert: ``[N*K, H]`` (rows past ``offs[-1]``
+    are not computed and hold garbage)."""
+    xs = x.index_select(0, rows)
+    h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+    inter = w2.shape[2]
+    a = F.silu(h[:, :inter]) * h[:, inter:]
+    return torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+
+
+def _weighted_gather_sum_torch(o, pos, w, valid, out_dtype):
+    n, k = pos.shape
+    og = o.index_select(0, pos.reshape(-1)).view(n, k, -1)
+    og = og.masked_fill(~valid.view(n, k, 1), 0)  # never multiply garbage rows (may be inf/nan)
+    y = torch.bmm(w.view(n, 1, k).to(torch.float32), og.to(torch.float32))
+    return y.view(n, -1).to(out_dtype)
+
+
+def grouped_reference(x, ids, weights, w13, w2) -> torch.Tensor:
+    """The CUDA algorithm (sort, grouped GEMM, weighted gather-sum) with torch ops only."""
+    _check(x, ids, weights, w13, w2)
+    n, k = ids.shape
+    if n == 0:
+        return torch.zeros_like(x)
+    order, rows, offs, valid = _sorted_slots(ids, w13.shape[0])
+    o = _expert_outputs(x, rows, offs, w13, w2)
+    pos = torch.empty_like(order)
+    pos.scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    w = torch.where(valid, weights.reshape(-1), 0.0)
+    return _weighted_gather_sum_torch(o, pos.view(n, k), w.view(n, k), valid, x.dtype)
+
+
+@functools.cache
+def _triton_kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def wgs_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = cols < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):
+            w = tl.load(w_ptr + t * K + j)
+            p = tl.load(pos_ptr + t * K + j)
+            if w != 0.0:  # slots not on this rank carry weight 0: their rows are never read
+                acc += w * tl.load(o_ptr + p * H + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * H + cols, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def silu_mul_kernel(h_ptr, a_ptr, n_valid_ptr, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        # rows past the last routed slot are never read downstream: no traffic for them
+        m = (cols < inter) & (row < tl.load(n_valid_ptr))
+        gate = tl.load(h_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(a_ptr + row * inter + cols, act.to(a_ptr.dtype.element_ty), mask=m)
+
+    return triton, wgs_kernel, silu_mul_kernel
+
+
+def _grouped_cuda(x, ids, weights, w13, w2) -> torch.Tensor:
+    n, k = ids.shape
+    if n == 0:
+        return torch.zeros_like(x)
+    order, rows, offs, valid = _sorted_slots(ids, w13.shape[0])
+    kernel = _triton_kernel()
+    if kernel is None:
+        o = _expert_outputs(x, rows, offs, w13, w2)
+    else:
+        triton, wgs, silu_mul = kernel
+        h = torch._grouped_mm(x.index_select(0, rows), w13.transpose(-2, -1), offs=offs)
+        inter = w2.shape[2]
+        act = torch.empty(h.shape[0], inter, dtype=h.dtype, device=h.device)
+        block = min(1024, triton.next_power_of_2(inter))
+        silu_mul[(h.shape[0], triton.cdiv(inter, block))](h, act, offs[-1:], inter, BLOCK=block)
+        o = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
+    pos = torch.empty_like(order)
+    pos.scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    w = torch.where(valid, weights.reshape(-1), 0.0).contiguous()
+    if kernel is None:
+        return _weighted_gather_sum_torch(o, pos.view(n, k), w.view(n, k), valid, x.dtype)
+    hidden = x.shape[1]
+    y = torch.empty_like(x)
+    block = min(1024, triton.next_power_of_2(hidden))
+    wgs[(n, triton.cdiv(hidden, block))](o, pos, w, y, hidden, K=k, BLOCK_H=block)
+    return y
+
+
+@torch.library.custom_op("dbo::grouped_experts", mutates_args=())
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """See the module docstring. Raises ExpertsOpError on bad shapes or dtypes."""
+    _check(x, ids, weights, w13, w2)
+    if x.device.type == "cuda":
+        return _grouped_cuda(x, ids, weights, w13, w2)
+    return experts_loop(x, ids, weights, w13, w2)
+
+
+@grouped_experts.register_fake
+def _(x, ids, weights, w13, w2):
+    _check(x, ids, weights, w13, w2)
+    return torch.empty_like(x)
+
+
+def _register_row_local() -> None:
+    from dbo_compile.passes.token_dim import register_row_local
+
+    register_row_local(torch.ops.dbo.grouped_experts.default)
+
+
+_register_row_local()
