@@ -97,23 +97,60 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     insert_yields(split_gm.graph)
     split_gm.graph.lint()
     split_gm.recompile()
+    # alternative schedules first: stream_assign annotates the graph's nodes, and the primary
+    # schedule's annotations must be the ones left on split_gm
+    variants: dict[str, Any] = {}
+    orders = set()
+    for name, cfg in schedule_variants(config)[1:]:
+        sched = stream_assign(split_gm.graph, cfg, lowered.token_symbols, config.num_ubatches)
+        order = tuple(tuple(u.nodes) for u in sched.units)
+        if order not in orders:
+            orders.add(order)
+            variants[name] = SplitProgram(split_gm, sched, _unit_compiler(config),
+                                           carveout_sms=config.comm_sms)
     schedule = stream_assign(split_gm.graph, config, lowered.token_symbols, config.num_ubatches)
     schedule.meta.update(
         comm_ops_per_ubatch=len(comms),
         num_graph_inputs=len(specs),
     )
     _dump_graph("split", split_gm)
-    program = SplitProgram(split_gm, schedule, _unit_compiler(config))
+    program = SplitProgram(split_gm, schedule, _unit_compiler(config),
+                           carveout_sms=config.comm_sms)
+    primary_order = tuple(tuple(u.nodes) for u in schedule.units)
+    variants = {config.scheduler: program, **{k: v for k, v in variants.items()
+                                              if tuple(tuple(u.nodes) for u in v.schedule.units)
+                                              != primary_order}}
     _dump_schedule(schedule, program.code, config)
     log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
              "(%.2f s)", config.num_ubatches, len(comms), len(schedule.units),
              len(schedule.event_edges), time.perf_counter() - t0)
     # the unsplit program is the lowered graph: symbolic in the token dim, so it also runs at
     # the padded token count the DP vote agrees on
-    compiled = DboCompiledModule(lowered.gm, program, specs, signature, config)
+    compiled = DboCompiledModule(lowered.gm, program, specs, signature, config, variants=variants)
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered.gm
     return compiled
+
+
+def schedule_variants(config: DboConfig) -> list[tuple[str, DboConfig]]:
+    """``[(name, config)]`` of the schedules compiled for a graph, the primary first.
+
+    The primary is ``config.scheduler`` at the config's cost figures; with
+    ``schedule_candidates`` also the list scheduler under a 4x and a 16x slower link
+    (``"list@link/4"``, ``"list@link/16"``: comm-heavy networks; measured here, NCCL through
+    host memory moves ~6x less than the default figure) and the other scheduler. Deterministic in ``config`` (every rank
+    compiles the same candidates)."""
+    out = [(config.scheduler, config)]
+    if config.schedule_candidates:
+        other = "naive" if config.scheduler == "list" else "list"
+        if other == "list":
+            out.append(("list", config.replace(scheduler="list")))
+        for f in (4, 16):
+            out.append((f"list@link/{f}", config.replace(scheduler="list",
+                                                         link_gbps=config.link_gbps / f)))
+        if other == "naive":
+            out.append(("naive", config.replace(scheduler="naive")))
+    return out
 
 
 def _unit_compiler(config: DboConfig):

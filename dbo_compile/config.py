@@ -42,13 +42,22 @@ class DboConfig:
         scheduler: ``"list"`` (whole-graph list scheduler over both ubatches) or ``"naive"``
             (per layer: every ubatch's stage in turn, the order of hand-written schedules without
             cross-layer interleaving; kept for benchmarks and visual comparison).
+        schedule_candidates: also compile alternative schedules of the split program, which
+            :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` times per bucket at warm-up,
+            keeping the fastest (identical on every rank: timings are maxed over the DP group):
+            the list scheduler assuming a 4x and a 16x slower link (``link_gbps / 4``, ``/ 16``:
+            comm-heavy networks) and the other scheduler. The cost model's figures are rough; measuring
+            the candidates makes the order right on the link at hand. ``False``: one schedule.
         compute_backend: ``"aten"`` runs each compute stage's ATen ops as they are;
             ``"inductor"`` hands each stage's sub-graph to Inductor (``compile_fx``).
         on_unsplittable: ``"fallback"`` compiles an unsplittable graph unsplit and logs why;
             ``"raise"`` raises :class:`UnsplittableGraphError`.
-        comm_sms: SMs reserved for communication (CTA cap of the dispatch/combine process
-            group and SM carve-out for compute where torch supports it); ``None`` leaves both
-            alone. vLLM's default is 20.
+        comm_sms: SMs kept for communication: the split program runs with that many SMs
+            carved out of compute GEMMs (``torch._C._set_sm_carveout_experimental`` where
+            torch has it; CUDA only); cap the NCCL side with
+            :func:`dbo_compile.runtime.streams.new_ep_group` ``(comm_sms=...)``. ``None``
+            leaves both alone. vLLM's default is 20; measured here it did not help on 2x H200
+            (README, tuning), so the default is ``None``.
         cost_model_tokens: tokens per rank at which the schedule's cost model is evaluated. The
             schedule is a function of (graph, config) only, never of the first batch seen, so
             every rank compiles the same schedule.
@@ -67,6 +76,7 @@ class DboConfig:
     prefill_token_threshold: int = 512
     split: str = "auto"
     scheduler: str = "list"
+    schedule_candidates: bool = True
     compute_backend: str = "aten"
     on_unsplittable: str = "fallback"
     comm_sms: int | None = None
@@ -108,6 +118,8 @@ class DboConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
+        if not isinstance(self.schedule_candidates, bool):
+            raise bad("schedule_candidates", "must be a bool")
         for name in ("dump_dir", "dp_group_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -183,3 +183,34 @@ def test_list_scheduler_never_worse_than_naive_order_in_the_model():
         assert spans["list"][1] == pytest.approx(spans["naive"][1])
         strict |= spans["list"][0] < spans["naive"][0]
     assert strict
+
+
+def test_schedule_candidates_are_distinct_orders_of_the_same_program():
+    """``schedule_candidates`` compiles alternative orders (list under slower links, naive);
+    each is a different host order of the same units, and each computes what eager does."""
+    from dbo_compile.backend import schedule_variants
+    from dbo_compile.config import DboConfig
+
+    names = [n for n, _ in schedule_variants(DboConfig())]
+    assert names == ["list", "list@link/4", "list@link/16", "naive"]
+    assert [n for n, _ in schedule_variants(DboConfig(schedule_candidates=False))] == ["list"]
+    model, step = build(MIXED_CUT, layers=3)
+    eager, _, _, _ = eager_and_compiled(model, step, {"split": "always", "link_gbps": 2.0})
+    art = last_artifact()
+    assert art.variants["list"] is art.split_program and len(art.variants) >= 2
+    orders = {tuple(tuple(u.nodes) for u in p.schedule.units) for p in art.variants.values()}
+    assert len(orders) == len(art.variants)  # duplicates were dropped
+    units = {frozenset(tuple(u.nodes) for u in p.schedule.units) for p in art.variants.values()}
+    assert len(units) == 1  # same units, other order
+    from dbo_compile.runtime.cudagraph import SplitStep
+
+    compiled = torch.compile(model, backend="dbo", options={"split": "always", "link_gbps": 2.0})
+    with torch.no_grad():
+        saved = [c.clone() for c in model.kv_caches()]
+        sstep = SplitStep(art, lambda: compiled(step.input_ids, step.positions, step.attn_metadata))
+        for name, program in art.variants.items():
+            for c, s in zip(model.kv_caches(), saved):
+                c.copy_(s)
+            outs = program(*sstep.split_args)
+            got = torch.cat([outs[i] for i in art.signature.outputs[0]], 0)
+            torch.testing.assert_close(got, eager, rtol=0, atol=1e-5, msg=name)

@@ -167,11 +167,16 @@ class SplitProgram:
     Attributes:
         code: the generated Python source (also logged at DEBUG under ``dbo_compile``).
         schedule: the :class:`~dbo_compile.passes.stream_assign.Schedule` it runs.
+        carveout_sms: on CUDA, SMs kept free of compute GEMMs while the program runs
+            (``torch._C._set_sm_carveout_experimental``, where torch has it; a CUDA graph
+            captured from the call keeps it), so that comm kernels find SMs; ``None``: none.
     """
 
     def __init__(self, split_gm: fx.GraphModule, schedule: Schedule,
-                 compile_unit: Callable[[fx.GraphModule, int], Callable] | None = None):
+                 compile_unit: Callable[[fx.GraphModule, int], Callable] | None = None,
+                 carveout_sms: int | None = None):
         self.schedule = schedule
+        self.carveout_sms = carveout_sms
         self.units, self.unit_io = build_unit_modules(split_gm, schedule, compile_unit)
         self.code, num_events = generate(split_gm, schedule, self.unit_io)
         self.streams = _streams.StreamSet(num_events)
@@ -185,4 +190,7 @@ class SplitProgram:
         log.debug("generated dbo_step:\n%s", self.code)
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
-        return self._fn(self, *args)
+        if self.carveout_sms is None:
+            return self._fn(self, *args)
+        with _streams.sm_carveout(self.carveout_sms, _streams.device_of(args)):
+            return self._fn(self, *args)

@@ -1,6 +1,7 @@
 """CUDA-graph capture of the split (DBO) program and of plain callables, plus measurement aids.
 
-Stand-alone helpers (no core file depends on them yet):
+Helpers (the per-bucket serving runner is :mod:`dbo_compile.runtime.graphs`, which uses
+:func:`capture`):
 
 - :func:`capture`: warm up a zero-argument callable on a side stream, capture it with
   ``torch.cuda.graph`` (optionally into a shared memory pool), return ``(graph, static_out)``.
@@ -14,8 +15,9 @@ Stand-alone helpers (no core file depends on them yet):
   ("split serial": the same kernels in the same order on one stream, the denominator of η).
 
 The wrapper itself never synchronises with the host, so it captures whole; the per-step guard
-(``DboCompiledModule.decide``) reads ``query_start_loc`` on the host and therefore must run
-*outside* the graph (here: once, at record time / in :meth:`SplitStep.refresh`).
+(``DboCompiledModule.decide``: metadata checks and the DP vote) runs on the host *outside* the
+graph (here: once, at record time / in :meth:`SplitStep.refresh`; in the runner: every step,
+before the replay).
 """
 
 from __future__ import annotations

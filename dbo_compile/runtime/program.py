@@ -7,9 +7,10 @@ attention metadata are cut. Outputs are concatenated along the token dim in ubat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -42,6 +43,20 @@ class StepStats:
 
 
 _LAST_CALLED: list[Any] = [None]
+#: while not None (inside :func:`record_calls`), every artifact call appends ``(artifact, args)``
+_RECORDED: list[Any] = [None]
+
+
+@contextlib.contextmanager
+def record_calls() -> Iterator[list[tuple[Any, tuple[Any, ...]]]]:
+    """Within the block, every call of a compiled artifact appends ``(artifact, graph args)``
+    to the yielded list (the CUDA-graph runner records a step's graph inputs with it)."""
+    calls: list[tuple[Any, tuple[Any, ...]]] = []
+    old, _RECORDED[0] = _RECORDED[0], calls
+    try:
+        yield calls
+    finally:
+        _RECORDED[0] = old
 
 
 def last_called() -> Any:
@@ -76,26 +91,33 @@ class UnsplitProgram:
 
     def __call__(self, *args: Any) -> Any:
         _LAST_CALLED[0] = self
-        token = next((s.index for s in self.specs or [] if s.kind == "token"), None)
-        group = _dp_group(self.config)
-        if not self.has_comm or token is None or group is None:
-            self.stats.count(False, "unsplittable")
-            return self.fn(*args)
-        from dbo_compile.runtime.vote import coordinate_across_dp
-
-        num_tokens = int(args[token].shape[0])
-        vote = coordinate_across_dp(num_tokens, uniform_decode=False, allow_split=False,
-                                    config=self.config, group=group, fingerprint=None,
-                                    fixed_num_tokens=self.fixed_num_tokens)
+        if _RECORDED[0] is not None:
+            _RECORDED[0].append((self, args))
+        vote = self.decide(args)
         self.last_vote = vote
         self.stats.count(False, "unsplittable")
-        if vote.num_tokens_padded == num_tokens:
+        token = next((s.index for s in self.specs or [] if s.kind == "token"), None)
+        if vote is None or vote.num_tokens_padded == int(args[token].shape[0]):
             return self.fn(*args)
+        num_tokens = int(args[token].shape[0])
         padded_args = _pad_args(self.specs, args, num_tokens, vote.num_tokens_padded)
         write_back = _WriteBack(args, padded_args, num_tokens)
         outs = self.fn(*padded_args)
         write_back()
         return tuple(_unpad(o, num_tokens, vote.num_tokens_padded) for o in outs)
+
+    def decide(self, args: Sequence[Any]) -> Any:
+        """This rank's part of the DP vote (always "no split"): the ``VoteResult``, or ``None``
+        when the graph issues no collective, has no token input or runs without a group."""
+        token = next((s.index for s in self.specs or [] if s.kind == "token"), None)
+        group = _dp_group(self.config)
+        if not self.has_comm or token is None or group is None:
+            return None
+        from dbo_compile.runtime.vote import coordinate_across_dp
+
+        return coordinate_across_dp(int(args[token].shape[0]), uniform_decode=False,
+                                    allow_split=False, config=self.config, group=group,
+                                    fingerprint=None, fixed_num_tokens=self.fixed_num_tokens)
 
 
 def _dp_group(config: DboConfig) -> Any:
@@ -146,6 +168,10 @@ class DboCompiledModule:
         specs: classification of the graph inputs.
         signature: how split-program inputs/outputs map to the graph's.
         config: options.
+        variants: every compiled schedule of the split program by name (the primary,
+            ``split_program``, included; ``config.schedule_candidates``). The eager path runs
+            the primary; :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` picks one per
+            bucket by measurement.
 
     Raises (per call):
         DpVoteError: the DP ranks compiled different schedules or configs.
@@ -153,11 +179,13 @@ class DboCompiledModule:
     """
 
     def __init__(self, unsplit: Callable[..., Any], split_program: Any, specs: list[InputSpec],
-                 signature: SplitSignature, config: DboConfig):
+                 signature: SplitSignature, config: DboConfig,
+                 variants: dict[str, Any] | None = None):
         import hashlib
 
         self.unsplit = unsplit
         self.split_program = split_program
+        self.variants = dict(variants) if variants else {config.scheduler: split_program}
         self.specs = specs
         self.signature = signature
         self.config = config
@@ -290,6 +318,8 @@ class DboCompiledModule:
         )
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
+        if _RECORDED[0] is not None:
+            _RECORDED[0].append((self, args))
         vote, reason, qlens = self.decide(args)
         self.last_vote = vote
         _LAST_CALLED[0] = self

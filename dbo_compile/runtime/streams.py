@@ -72,3 +72,53 @@ def device_of(values: Any) -> torch.device | None:
         if isinstance(v, torch.Tensor):
             return v.device
     return None
+
+
+@contextlib.contextmanager
+def sm_carveout(sms: int, device: torch.device | None):
+    """Within the block, compute GEMMs leave ``sms`` SMs free (CUDA only, where torch has
+    ``torch._C._set_sm_carveout_experimental``; otherwise a no-op)."""
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if setter is None or device is None or device.type != "cuda":
+        yield
+        return
+    setter(sms)
+    try:
+        yield
+    finally:
+        setter(None)
+
+
+def new_ep_group(ranks: list[int] | None = None, *, comm_sms: int | None = None,
+                 high_priority: bool = True) -> Any:
+    """A dedicated NCCL process group for the EP dispatch/combine all-to-all.
+
+    Args:
+        ranks: the group's global ranks (default: all); every rank of the world must call
+            this, as for ``torch.distributed.new_group``.
+        comm_sms: cap on the CTAs (~SMs) NCCL uses for this group's kernels
+            (``ProcessGroupNCCL.Options().config.max_ctas``), so that compute keeps the other
+            SMs; ``None`` leaves NCCL's choice. vLLM reserves 20 SMs for DBO communication.
+        high_priority: run the group's NCCL kernels on a high-priority stream, so that they are
+            scheduled ahead of queued compute blocks (``is_high_priority_stream``).
+
+    Returns:
+        The ``ProcessGroup``; pass it as the model's EP group (e.g.
+        ``DeepseekMoEModel(cfg, ep_group=group)``) and its ``group_name`` to the ops.
+
+    Raises:
+        DboConfigError: ``comm_sms`` is not a positive int.
+    """
+    import torch.distributed as dist
+
+    if comm_sms is not None and (not isinstance(comm_sms, int) or isinstance(comm_sms, bool)
+                                 or comm_sms < 1):
+        from dbo_compile.errors import DboConfigError
+
+        raise DboConfigError(f"comm_sms must be None or a positive int (SMs), got {comm_sms!r}")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = high_priority
+    if comm_sms is not None:
+        opts.config.max_ctas = comm_sms
+        opts.config.min_ctas = 1
+    return dist.new_group(ranks, backend="nccl", pg_options=opts)

@@ -1,0 +1,156 @@
+"""Per-bucket graphs and the measured split decision (runtime/graphs.py), on CPU.
+
+On CPU a "graph" re-runs its program on the captured static buffers, so these tests check the
+plumbing a CUDA graph depends on: every input of a new step reaches the static buffers (tokens
+padded to the bucket, requests padded with zero-length ones, metadata cut per ubatch), the
+output equals eager, nothing is captured after warm-up, and every DP rank holds the same table.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dbo_compile.models.batch import fill_kv_cache, make_step
+from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+from dbo_compile.runtime.graphs import CudaGraphRunner, GraphRunnerError
+from dbo_compile.testing import run_multirank
+
+NUM_BLOCKS = 320
+BUCKETS = [16, 48]
+
+
+def _model(group=None, layers=2):
+    cfg = get_config("tiny", num_layers=layers)
+    model = DeepseekMoEModel(cfg, ep_group=group, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    return cfg, model
+
+
+def _step(cfg, rng, seed, pad_to=None):
+    kind = rng.choice(["zero", "decode", "mixed", "big"])
+    if kind == "zero":
+        dec, pre = [], []
+    elif kind == "decode":
+        dec, pre = [rng.randint(1, 60) for _ in range(rng.randint(1, 40))], []
+    elif kind == "mixed":
+        dec = [rng.randint(1, 60) for _ in range(rng.randint(0, 10))]
+        pre = [(rng.choice([0, 16, 21]), rng.randint(2, 14)) for _ in range(rng.randint(1, 2))]
+    else:  # larger than the largest bucket: eager path
+        dec, pre = [], [(0, 60)]
+    return make_step(cfg, decode_context_lens=dec, prefills=pre, block_size=16,
+                     num_blocks=NUM_BLOCKS, seed=seed, pad_to=pad_to)
+
+
+def _runner_body(rank, world_size, split, num_steps):
+    import torch.distributed as dist
+
+    from dbo_compile.backend import compiled_artifacts, register
+
+    register()
+    cfg, model = _model(dist.group.WORLD)
+    compiled = torch.compile(model, backend="dbo", options={"split": split})
+    runner = CudaGraphRunner(compiled, BUCKETS, max_blocks_per_req=8, block_size=16,
+                             timing_iters=2)
+    runner.capture()
+    table = {t: b.use_split for t, b in runner.graphs.items()}
+    max_err, choices, graph_step_compiles = 0.0, [], 0
+    for i in range(num_steps):
+        rng = random.Random(1000 * i + rank)
+        step = _step(cfg, rng, seed=i * 7 + rank)
+        n = torch.tensor([step.num_tokens])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        ref_step = _step(cfg, random.Random(1000 * i + rank), seed=i * 7 + rank, pad_to=int(n))
+        fill_kv_cache(model, step, seed=i)
+        saved = [c.clone() for c in model.kv_caches()]
+        with torch.no_grad():
+            eager = model(ref_step.input_ids, ref_step.positions, ref_step.attn_metadata)
+            eager_kv = [c.clone() for c in model.kv_caches()]
+            for c, s in zip(model.kv_caches(), saved):
+                c.copy_(s)
+            eager_before, arts_before = runner.eager_steps, len(compiled_artifacts())
+            runner.last_choice = None
+            out = runner(step.input_ids, step.positions, step.attn_metadata,
+                         step.num_scheduled_tokens)
+            if runner.eager_steps == eager_before:
+                graph_step_compiles += len(compiled_artifacts()) - arts_before
+        assert out.shape[0] == step.num_tokens
+        if step.num_tokens:
+            max_err = max(max_err, (out - eager[:step.num_tokens]).abs().max().item())
+        for c, e in zip(model.kv_caches(), eager_kv):
+            max_err = max(max_err, (c - e).abs().max().item())
+        choices.append("eager" if runner.eager_steps > eager_before else runner.last_choice)
+    return {"max_err": max_err, "choices": choices, "table": table,
+            "graph_step_compiles": graph_step_compiles,
+            "times": {t: (b.t_unsplit_us, b.t_split_us) for t, b in runner.graphs.items()}}
+
+
+@pytest.mark.multirank
+def test_runner_matches_eager_and_never_recaptures():
+    results = run_multirank(_runner_body, 2, args=("always", 14), timeout_s=600)
+    kinds = set()
+    for r in results:
+        assert r["max_err"] <= 1e-5, r["max_err"]
+        assert r["table"] == {16: True, 48: True}
+    for i in range(len(results[0]["choices"])):
+        per_rank = [r["choices"][i] for r in results]
+        assert len(set(map(str, per_rank))) == 1, (i, per_rank)  # same graph on every rank
+        kinds.add(per_rank[0] if per_rank[0] == "eager" else per_rank[0][1])
+    assert {"split", "eager"} <= kinds
+    # steps served by a graph never reach Dynamo (no compile, no capture after warm-up)
+    assert all(r["graph_step_compiles"] == 0 for r in results)
+
+
+@pytest.mark.multirank
+def test_measured_table_is_identical_on_every_rank():
+    results = run_multirank(_runner_body, 2, args=("auto", 3), timeout_s=600)
+    assert results[0]["table"] == results[1]["table"]
+    assert results[0]["times"] == results[1]["times"]  # max over the DP group
+    for r in results:
+        assert r["max_err"] <= 1e-5
+
+
+def test_split_never_keeps_every_bucket_unsplit_and_matches_eager():
+    cfg, model = _model()
+    compiled = torch.compile(model, backend="dbo", options={"split": "never"})
+    runner = CudaGraphRunner(compiled, [8, 32], max_blocks_per_req=8, timing_iters=1)
+    runner.capture()
+    assert not any(b.use_split for b in runner.graphs.values())
+    step = make_step(cfg, decode_context_lens=[5, 40, 17], prefills=[(16, 9)], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    with torch.no_grad():
+        ref = model(step.input_ids, step.positions, step.attn_metadata)
+        out = runner(step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+    assert runner.last_choice == (32, "unsplit")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_wide_block_table_runs_eagerly_with_a_warning(caplog):
+    cfg, model = _model()
+    compiled = torch.compile(model, backend="dbo")
+    runner = CudaGraphRunner(compiled, [16], max_blocks_per_req=2, timing_iters=1)
+    runner.capture()
+    step = make_step(cfg, decode_context_lens=[60, 3], prefills=[], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    assert step.attn_metadata.block_table.shape[1] > 2
+    with torch.no_grad(), caplog.at_level("WARNING", logger="dbo_compile.runtime.graphs"):
+        ref = model(step.input_ids, step.positions, step.attn_metadata)
+        out = runner(step.input_ids, step.positions, step.attn_metadata, [1, 1])
+    assert runner.eager_steps == 1 and "block table width" in caplog.text
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_runner_errors():
+    cfg, model = _model()
+    compiled = torch.compile(model, backend="dbo")
+    with pytest.raises(GraphRunnerError, match="buckets"):
+        CudaGraphRunner(compiled, [1, 8], max_blocks_per_req=4)
+    with pytest.raises(GraphRunnerError, match="max_blocks_per_req"):
+        CudaGraphRunner(compiled, [8], max_blocks_per_req=0)
+    runner = CudaGraphRunner(compiled, [8], max_blocks_per_req=4)
+    step = make_step(cfg, decode_context_lens=[3], prefills=[], block_size=16)
+    with pytest.raises(GraphRunnerError, match="capture"):
+        runner(step.input_ids, step.positions, step.attn_metadata, [1])
