@@ -31,8 +31,21 @@ MAX_ROWS_OFF = 0.02
 CASES = [("decode", 256, "ref"), ("prefill", 1024, "ref")]
 
 
-def _worker(rank: int, world: int, port: int, out_q) -> None:
+def _init_rank(rank: int, world: int, port: int) -> torch.device:
+    """This process's GPU and the NCCL world group (spawned ranks)."""
     import datetime
+
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=dev,
+                            timeout=datetime.timedelta(seconds=300))
+    return dev
+
+
+def _worker(rank: int, world: int, port: int, out_q) -> None:
     import traceback
 
     import torch.distributed as dist
@@ -41,11 +54,7 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     res: dict = {}
     try:
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, device_id=dev,
-                                timeout=datetime.timedelta(seconds=300))
+        dev = _init_rank(rank, world, port)
         import moe_harness as H
 
         from dbo_compile import backend as B
@@ -106,6 +115,10 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
                 torch.cuda.empty_cache()
             except Exception as e:  # noqa: BLE001
                 res[key + "/error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+        try:
+            res.update(_runner_checks(rank, dev, dist, H, B))
+        except Exception as e:  # noqa: BLE001
+            res["runner/error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
         dist.barrier()
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001
@@ -113,33 +126,69 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
     out_q.put((rank, res))
 
 
+RUNNER_BUCKETS = [256, 1024]
+#: (phase, tokens on rank 0, tokens on rank 1): ranks differ, the vote pads to the group max
+RUNNER_STEPS = [("decode", 200, 187), ("prefill", 900, 1000), ("decode", 256, 256),
+                ("prefill", 300, 40), ("decode", 64, 250), ("prefill", 1024, 990)]
+
+
+def _runner_checks(rank, dev, dist, H, B, preset="deepseek-v2-lite", buckets=RUNNER_BUCKETS,
+                   steps=RUNNER_STEPS, num_blocks=4096) -> dict:
+    """CudaGraphRunner: capture two buckets once, then serve steps of other sizes and layouts
+    on both ranks; each against the unsplit eager model on the same step (KV restored). The
+    eager reference pads every rank to the group's max (static-capacity all-to-all)."""
+    from dbo_compile.runtime.engine import _pad_rows
+    from dbo_compile.runtime.graphs import CudaGraphRunner
+
+    res: dict = {}
+    cuda = dev.type == "cuda"
+    H.install_kernels(dev.type, experts="grouped", attention="ref")
+    torch._dynamo.reset()
+    B.reset_artifacts()
+    model = H.build_model(preset, 2, dist.group.WORLD, str(dev), vocab_size=4096,
+                          first_k_dense_replace=0)
+    model.allocate_kv_cache(num_blocks, 16)
+    g = torch.Generator(device=dev).manual_seed(11)
+    for c in model.kv_caches():
+        c.normal_(generator=g)
+    cm = torch.compile(model, backend="dbo", options={"split": "always"})
+    runner = CudaGraphRunner(cm, buckets, max_blocks_per_req=40, block_size=16,
+                             vocab_size=4096, timing_iters=3, device=dev)
+    with torch.no_grad():
+        runner.capture()
+        graphs = {t: dict(b.graphs) for t, b in runner.graphs.items()}
+        res["runner/choices"] = {t: b.choice for t, b in runner.graphs.items()}
+        arts = len(B.compiled_artifacts())
+        for i, (phase, n0, n1) in enumerate(steps):
+            n = n0 if rank == 0 else n1
+            step = H.make_bucket_step(model.config, phase, n, str(dev), seed=100 + i,
+                                      decode_ctx=100 + 17 * i, prompt=256 + 64 * i)
+            kv = [c.clone() for c in model.kv_caches()]
+            ref = model(*_pad_rows(step.input_ids, step.positions, step.attn_metadata,
+                                   max(n0, n1)))[:n].clone()
+            kv_ref = [c.clone() for c in model.kv_caches()]
+            for c, c0 in zip(model.kv_caches(), kv):
+                c.copy_(c0)
+            out = runner(step.input_ids, step.positions, step.attn_metadata,
+                         step.num_scheduled_tokens)
+            if cuda:
+                torch.cuda.synchronize()
+            res[f"runner/{i}"] = H.rel_err(out, ref)
+            res[f"runner/{i}/graph"] = [runner.last_choice, runner.eager_steps]
+            res[f"runner/{i}/kv_max_abs"] = max(float((c - r).abs().max())
+                                                for c, r in zip(model.kv_caches(), kv_ref))
+        res["runner/same_graphs"] = all(
+            dict(runner.graphs[t].graphs) == graphs[t] for t in graphs)
+        res["runner/new_artifacts"] = len(B.compiled_artifacts()) - arts
+    runner = model = None
+    if cuda:
+        torch.cuda.empty_cache()
+    return res
+
+
 @pytest.fixture(scope="module")
 def gpu_results():
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, res = q.get(timeout=420)
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    for r, res in results.items():
-        print(f"rank {r}: {res}")
-    return results
+    return _spawn(_worker, timeout=600)
 
 
 def _check(results: dict, key: str, what: str) -> None:
@@ -171,6 +220,144 @@ def test_graph_replay_new_step_no_recapture(gpu_results, key):
     _check(gpu_results, key, "graph_new")
     for res in gpu_results.values():  # the new step really is different
         assert res[key + "/graph_new_vs_old"]["max_rel"] > 0.05
+
+
+@needs_2gpu
+def test_runner_serves_new_steps_from_captured_buckets(gpu_results):
+    """Per-bucket graphs captured once; steps of other sizes and layouts (ranks differ, padded
+    to the group max) replay them, match the unsplit model and write the same KV cache."""
+    for rank, res in gpu_results.items():
+        assert "fatal" not in res, res["fatal"]
+        assert "runner/error" not in res, f"rank {rank}: {res['runner/error']}"
+        assert all(c != "unsplit" for c in res["runner/choices"].values()), res["runner/choices"]
+        for i in range(len(RUNNER_STEPS)):
+            (bucket, which), eager_steps = res[f"runner/{i}/graph"]
+            assert eager_steps == 0 and which == "split", (rank, i, res[f"runner/{i}/graph"])
+            err = res[f"runner/{i}"]
+            assert err["finite"] and err["max_rel"] < MAX_REL, (rank, i, err)
+            assert err["rows_off_5pct"] <= MAX_ROWS_OFF, (rank, i, err)
+            assert res[f"runner/{i}/kv_max_abs"] < 0.125, (rank, i, res[f"runner/{i}/kv_max_abs"])
+        assert res["runner/same_graphs"] and res["runner/new_artifacts"] == 0
+
+
+_SANITIZER_SCRIPT = r"""
+import json, os, sys
+import torch
+import torch.cuda._sanitizer as csan
+from torch.utils._python_dispatch import _disable_current_modes
+sys.path.insert(0, sys.argv[1])
+import moe_harness as H
+from dbo_compile import backend as B
+from dbo_compile.runtime import cudagraph as cg
+
+res = {"csan_enabled": bool(csan.cuda_sanitizer.enabled)}
+B.register()
+H.install_kernels("cuda", experts="grouped", attention="ref")
+model = H.build_model("deepseek-v2-lite", 2, None, "cuda", vocab_size=4096,
+                      first_k_dense_replace=0)
+step = H.make_bucket_step(model.config, "prefill", 512, "cuda", seed=1, prompt=200)
+model.allocate_kv_cache(step.num_blocks, step.block_size)
+ids, pos, md = step.input_ids, step.positions, step.attn_metadata
+with torch.no_grad():
+    with _disable_current_modes():  # Dynamo does not compile under a dispatch mode
+        cm = torch.compile(model, backend="dbo", options={"split": "always"})
+        cm(ids, pos, md)
+        art = B.compiled_artifacts()[-1]
+        sstep = cg.SplitStep(art, lambda: cm(ids, pos, md))
+    res["comm_units"] = sum(u.kind == "comm" for u in art.schedule.units)
+    for name, program in art.variants.items():
+        try:
+            program(*sstep.split_args)
+            torch.cuda.synchronize()
+            res["clean/" + name] = "ok"
+        except Exception as e:
+            res["clean/" + name] = type(e).__name__ + ": " + str(e)[:1500]
+    program = art.split_program
+    program._fn.__globals__["wait"] = lambda stream, event: None  # drop every event wait
+    try:
+        program(*sstep.split_args)
+        torch.cuda.synchronize()
+        res["no_waits"] = "not reported"
+    except Exception as e:
+        res["no_waits"] = type(e).__name__
+print("RESULT " + json.dumps(res), flush=True)
+"""
+
+
+def _spawn(target, timeout: int = 420) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            rank, res = q.get(timeout=timeout)
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for r, res in results.items():
+        print(f"rank {r}: {res}")
+    return results
+
+
+@needs_cuda
+def test_split_program_under_cuda_sanitizer():
+    """TORCH_CUDA_SANITIZER=1 (CSAN on from ``import torch``) in a fresh process, one GPU (the
+    local comm backend still runs dispatch/combine on the comm stream). Dynamo does not compile
+    under a dispatch mode, so the model is compiled with the mode popped; every schedule variant
+    of the split program then runs eagerly under CSAN, which checks each kernel's reads and
+    writes against the other stream's. Negative control: without its event waits the program
+    must be reported."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(_HERE), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _SANITIZER_SCRIPT, _BENCH], env=env,
+                          capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    res = json.loads(line[len("RESULT "):])
+    print(res)
+    assert res["csan_enabled"] and res["comm_units"] > 0
+    clean = {k: v for k, v in res.items() if k.startswith("clean/")}
+    assert clean and all(v == "ok" for v in clean.values()), clean
+    assert res["no_waits"] == "CUDASanitizerErrors", res["no_waits"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 300, 4096])
+def test_grouped_experts_cuda_kernel_matches_loop(rows):
+    """dbo.grouped_experts on CUDA (sort, grouped GEMM, Triton SiLU-mul and weighted
+    gather-sum) against the reference loop: the split-vs-unsplit checks cannot see an error
+    that both programs share."""
+    from dbo_compile.ops.experts import experts_loop
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    e, k, h, inter = 8, 6, 512, 384
+    x = torch.randn(rows, h, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.randint(-1, 2 * e, (rows, k), device="cuda", generator=g)
+    ids = torch.where(ids < e, ids, -1)  # about half the slots on another rank
+    w = torch.rand(rows, k, device="cuda", generator=g)
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, inter, device="cuda", generator=g) / inter ** 0.5).to(torch.bfloat16)
+    got = torch.ops.dbo.grouped_experts(x, ids, w, w13, w2).float()
+    ref = experts_loop(x.float(), ids, w, w13.float(), w2.float())
+    assert torch.isfinite(got).all()
+    err = (got - ref).abs().max() / ref.abs().max().clamp(min=1e-6)
+    assert err < 0.02, float(err)
 
 
 @needs_cuda
