@@ -8,25 +8,29 @@ Run (2 GPUs; the link regime is the environment's, label it with --link)::
 On a machine without CUDA it runs on CPU over Gloo (a smoke test: tiny preset, no graphs).
 
 Per bucket (phase, tokens/rank), every figure the median of ``--iters`` timed calls (CUDA events),
-the max over ranks:
+the max over ranks. The model is compiled with the default options (``split="auto"``, schedule
+candidates on) and run by ``dbo_compile.runtime.graphs.CudaGraphRunner`` with the bucket as its
+only bucket: the runner captures the unsplit program and every split schedule variant as CUDA
+graphs, times them at warm-up and decides. Then, on the benchmark's own step:
 
 - ``unsplit_eager``: the model run eagerly, unsplit.
-- ``baseline``: the same unsplit model captured whole in a CUDA graph (THE baseline).
-- ``split_serial``: the split program in a CUDA graph with its comm stream replaced by the compute
-  stream (``dbo_compile.runtime.cudagraph.serial_comm``): same generated code, same kernels, same
-  order, but every collective serialises with the compute around it.
+- ``baseline``: the runner's unsplit graph (THE baseline).
+- ``inductor`` (``--inductor``): the unsplit model compiled by Inductor, in a CUDA graph.
+- ``split_serial``: the DBO schedule with its comm stream replaced by the compute stream
+  (``dbo_compile.runtime.cudagraph.serial_comm``): same kernels, same order, no overlap.
 - ``split_nocomm``: as split_serial, with the collectives replaced by local copies of the same
   shapes (``moe_harness.no_comm``): the compute of the split program alone.
 - ``comm``: the collectives of the split program alone (per MoE layer and ubatch: dispatch = 2
   ``all_to_all_single``, combine = 1, static capacity), captured in a CUDA graph.
-- ``dbo_eager``: ``torch.compile(backend="dbo", split="always")`` called eagerly (runtime guard,
-  metadata split, generated wrapper on two streams).
-- ``dbo_graph``: the split program (two streams) captured in a CUDA graph.
-- ``chosen``: what ``split="auto"`` decides for this step (thresholds), timed as the graph it
-  would run.
+- ``dbo_eager``: the compiled model called eagerly through ``run_step`` (vote, metadata split,
+  generated wrapper on two streams).
+- ``dbo_graph``: the fastest split schedule variant (by the runner's warm-up timing) in a CUDA
+  graph; every variant's time is in ``t_variants_us``.
+- ``chosen``: the graph the runner runs by default for this bucket; ``runner_step``: one whole
+  runner call (vote, copies into the static buffers, replay).
 
 speedup = baseline / dbo_graph; η = (split_serial − dbo_graph) / (split_serial − max(split_nocomm,
-comm)) (../shared/DESIGN.md).
+comm)) (../shared/DESIGN.md); pick / baseline = baseline / chosen.
 
 GPU stand-ins (see moe_harness): routed experts as one grouped-GEMM op (``--experts grouped``),
 projection-only attention (``--attention proj``); ``--attention ref`` runs the reference
@@ -54,6 +58,8 @@ import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.runtime import cudagraph as cg  # noqa: E402
+from dbo_compile.runtime.engine import run_step  # noqa: E402
+from dbo_compile.runtime.graphs import CudaGraphRunner  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,16 +68,25 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default=None, help="default deepseek-v2-lite (GPU) / tiny (CPU)")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=None, help="override vocab_size (lm_head cost)")
+    p.add_argument("--vocab", type=int, default=4096,
+                   help="vocab_size (lm_head cost; default 4096: the full 102400-row lm_head "
+                        "weighs as much as ~4 of these layers, which a 27-layer model amortises)")
+    p.add_argument("--dense-layers", type=int, default=0,
+                   help="first_k_dense_replace: leading dense-MLP layers (default 0: every layer "
+                        "MoE, as the hand-written reference of ../shared/REFERENCES.md)")
     p.add_argument("--buckets", default=None,
-                   help="phase:tokens,... default decode:256,decode:1024,prefill:2048,prefill:4096")
+                   help="phase:tokens,... default: decode 64..1024 and prefill 2048..8192 (GPU)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--experts", default="grouped", choices=["grouped", "loop"])
     p.add_argument("--attention", default="proj", choices=["proj", "ref"])
     p.add_argument("--scheduler", default="list", choices=["list", "naive"])
     p.add_argument("--link", default=None, help="label: nvlink | shm (default from NCCL_P2P_DISABLE)")
-    p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--comm-sms", type=int, default=None,
+                   help="option comm_sms: SM carve-out for compute GEMMs in the split program and a "
+                        "dedicated high-priority EP group with that NCCL CTA cap")
+    p.add_argument("--inductor", action="store_true",
+                   help="also time the unsplit model compiled by Inductor, in a CUDA graph")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
     p.add_argument("--md", default=None, help="markdown table path (default: json with .md)")
     p.add_argument("--append", action="store_true", help="add rows to an existing --json")
@@ -156,106 +171,122 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     step = H.make_bucket_step(cfg, phase, tokens, device, seed=tokens)
     model.allocate_kv_cache(step.num_blocks, step.block_size)
     ids, pos, md = step.input_ids, step.positions, step.attn_metadata
+    qlens = step.num_scheduled_tokens
     row: dict = {"phase": phase, "tokens_per_rank": tokens, "errors": []}
-    cmodel = torch.compile(model, backend="dbo",
-                           options={"split": "always", "scheduler": args.scheduler})
-    t0 = time.perf_counter()
+    # default options: split="auto", schedule candidates on; the runner measures and decides
+    cmodel = torch.compile(model, backend="dbo", options={"scheduler": args.scheduler,
+                                                          "comm_sms": args.comm_sms})
     with torch.no_grad():
         ref = model(ids, pos, md).clone()
-        out = cmodel(ids, pos, md)
-    row["compile_s"] = round(time.perf_counter() - t0, 1)
-    art = dbo_backend.compiled_artifacts()[-1]
+    runner = CudaGraphRunner(cmodel, [tokens], max_blocks_per_req=int(md.block_table.shape[1]),
+                             block_size=step.block_size, vocab_size=cfg.vocab_size,
+                             timing_iters=args.iters, keep_variants=True, device=device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        runner.capture()
+    row["capture_s"] = round(time.perf_counter() - t0, 1)
+    b = runner.graphs[tokens]
+    art = b.artifact
     row["artifact"] = type(art).__name__
-    if getattr(art, "split_program", None) is None:
+    if b.split_args is None:
         row["errors"].append(f"not split: {getattr(art, 'reason', '?')}")
         return row
-    row["schedule"] = {"units": len(art.schedule.units), "event_edges": len(art.schedule.event_edges),
-                       "predicted_us": round(art.schedule.predicted_step_us, 1),
-                       "serial_pred_us": round(art.schedule.serial_us, 1)}
-    row["num_dbo_eager_vs_unsplit"] = H.rel_err(out[0] if isinstance(out, tuple) else out, ref)
-    with torch.no_grad():
-        sstep = cg.SplitStep(art, lambda: cmodel(ids, pos, md))
-    tok_ub = [int(a.shape[0]) for a, (idx, ub) in zip(sstep.split_args, art.signature.inputs)
-              if ub is not None and art.specs[idx].kind == "token" and art.specs[idx].field is None][:2]
-    row["ubatch_tokens"] = tok_ub
-    saved = art.config
-    art.config = saved.replace(split="auto")
-    row["chosen"] = "split" if art.decide(sstep.graph_args)[0] else "unsplit"
-    art.config = saved
-    program = art.split_program
+    row["schedules"] = {name: {"units": len(p.schedule.units), "event_edges": len(p.schedule.event_edges),
+                               "predicted_us": round(p.schedule.predicted_step_us, 1)}
+                        for name, p in art.variants.items()}
+    row["warmup_us"] = {k: round(v, 1) for k, v in b.times_us.items()}
+    row["chosen"] = "split" if b.use_split else "unsplit"
+    row["chosen_graph"] = b.choice
+    row["dbo_variant"] = b.best_variant
     t: dict = {}
-
-    def serial():
-        with cg.serial_comm(program):
-            return sstep()
-
-    def nocomm():
-        with H.no_comm(), cg.serial_comm(program):
-            return sstep()
-
-    def nocomm_streams():
-        with H.no_comm():
-            return sstep()
-
-    comm = comm_only_fn(model, tok_ub, device)
     with torch.no_grad():
+        out = runner(ids, pos, md, qlens)  # the serving path on the real step
+        row["runner_graph"] = runner.last_graph
+        row["num_runner_vs_unsplit"] = H.rel_err(out, ref)
+        runner.load_step(tokens, ids, pos, md, qlens, split=False)
+        runner.load_step(tokens, ids, pos, md, qlens, split=True)
+        for name, g in b.graphs.items():
+            g.replay()
+            if cuda:
+                torch.cuda.synchronize()
+            row[f"num_{name}_vs_unsplit"] = H.rel_err(b.outs[name][0][:tokens], ref)
+        program = art.variants[b.best_variant]
+        split_fn = _split_fn(program, b.split_args, art.signature.outputs)
+
+        def serial():
+            with cg.serial_comm(program):
+                return split_fn()
+
+        def nocomm():
+            with H.no_comm(), cg.serial_comm(program):
+                return split_fn()
+
+        def nocomm_streams():
+            with H.no_comm():
+                return split_fn()
+
+        comm = comm_only_fn(model, [tokens // 2, tokens - tokens // 2], device)
         t["unsplit_eager"] = timer(lambda: model(ids, pos, md))
-        t["dbo_eager"] = timer(lambda: cmodel(ids, pos, md))
-        t["split_serial_eager"] = timer(serial)
-        t["split_nocomm_eager"] = timer(nocomm)
-        t["comm_eager"] = timer(comm)
-        if cuda and not args.no_graph:
-            pool = torch.cuda.graph_pool_handle()
-            graphs = {}
-            for name, fn in (("baseline", lambda: model(ids, pos, md)), ("dbo_graph", sstep),
-                             ("split_serial", serial), ("split_nocomm", nocomm),
-                             ("split_nocomm_streams", nocomm_streams), ("comm", comm)):
+        t["dbo_eager"] = timer(lambda: run_step(cmodel, ids, pos, md, qlens,
+                                                block_size=step.block_size))
+        t["runner_step"] = timer(lambda: runner(ids, pos, md, qlens))
+        if cuda:
+            for name, g in b.graphs.items():
+                t[f"graph:{name}"] = timer(g.replay)
+            extra = {}
+            makers = [("split_serial", serial), ("split_nocomm", nocomm),
+                      ("split_nocomm_streams", nocomm_streams), ("comm", comm)]
+            if args.inductor:
+                ind = torch.compile(model)
+                makers.append(("inductor", lambda: ind(ids, pos, md)))
+            for name, fn in makers:
                 try:
-                    graphs[name] = cg.capture(fn, warmup=2, pool=pool)
+                    extra[name] = cg.capture(fn, warmup=2)
                 except Exception as e:  # noqa: BLE001
                     row["errors"].append(f"capture {name}: {type(e).__name__}: {e}"[:400])
                     log(f"  capture {name} FAILED: {traceback.format_exc()[-1500:]}")
                     torch.cuda.synchronize()
-            for name in ("baseline", "dbo_graph"):
-                if name in graphs:
-                    graphs[name][0].replay()
-                    torch.cuda.synchronize()
-                    o = graphs[name][1]
-                    o = o[0] if isinstance(o, tuple) else o
-                    row[f"num_{name}_vs_unsplit"] = H.rel_err(o, ref)
-            for name, (g, _) in graphs.items():
+            for name, (g, _) in extra.items():
                 t[name] = timer(g.replay)
-            del graphs
-    del sstep
+            del extra
+        else:  # CPU smoke run: eager figures
+            t["graph:unsplit"] = t["unsplit_eager"]
+            t[f"graph:{b.best_variant}"] = timer(split_fn)
+            t["split_serial"] = timer(serial)
+            t["split_nocomm"] = timer(nocomm)
+            t["comm"] = timer(comm)
+    runner = b = None  # free the graphs before the next bucket
     torch.cuda.empty_cache() if cuda else None
-    t = max_over_ranks({k: t.get(k) for k in ("unsplit_eager", "dbo_eager", "split_serial_eager",
-                                               "split_nocomm_eager", "comm_eager", "baseline",
-                                               "dbo_graph", "split_serial", "split_nocomm", "split_nocomm_streams",
-                                               "comm")},
-                       device)
-    graph = t["dbo_graph"] is not None
-    serial_t = t["split_serial"] if graph else t["split_serial_eager"]
-    nocomm_t = t["split_nocomm"] if graph else t["split_nocomm_eager"]
-    comm_t = t["comm"] if graph else t["comm_eager"]
-    dbo_t = t["dbo_graph"] if graph else t["dbo_eager"]
-    base_t = t["baseline"] if t["baseline"] is not None else t["unsplit_eager"]
+    t = max_over_ranks(t, device)
+    base_t = t["graph:unsplit"]
+    dbo_t = t[f"graph:{row['dbo_variant']}"]
+    chosen_t = t[f"graph:{row['chosen_graph']}"] if f"graph:{row['chosen_graph']}" in t else None
+    serial_t, nocomm_t, comm_t = t["split_serial"], t["split_nocomm"], t["comm"]
     denom = serial_t - max(nocomm_t, comm_t)
+    streams = t.get("split_nocomm_streams")
     row.update({
-        "t_unsplit_eager_us": t["unsplit_eager"], "t_baseline_us": t["baseline"],
+        "t_unsplit_eager_us": t["unsplit_eager"], "t_baseline_us": base_t,
+        "t_inductor_us": t.get("inductor"),
         "t_split_serial_us": serial_t, "t_split_nocomm_us": nocomm_t, "t_comm_us": comm_t,
-        "t_dbo_eager_us": t["dbo_eager"], "t_dbo_graph_us": t["dbo_graph"],
-        "t_split_nocomm_streams_us": t["split_nocomm_streams"],
-        "eta_vs_nocomm_streams": ((serial_t - dbo_t) / (serial_t - max(t["split_nocomm_streams"], comm_t))
-                                  if t["split_nocomm_streams"] and serial_t > max(t["split_nocomm_streams"], comm_t)
-                                  else None),
-        "t_split_serial_eager_us": t["split_serial_eager"],
-        "t_split_nocomm_eager_us": t["split_nocomm_eager"], "t_comm_eager_us": t["comm_eager"],
-        "timing_mode": "graph" if graph else "eager",
-        "t_chosen_us": dbo_t if row["chosen"] == "split" else base_t,
-        "speedup": base_t / dbo_t if dbo_t else None,
+        "t_split_nocomm_streams_us": streams,
+        "t_dbo_eager_us": t["dbo_eager"], "t_dbo_graph_us": dbo_t,
+        "t_variants_us": {k[6:]: v for k, v in t.items() if k.startswith("graph:") and k != "graph:unsplit"},
+        "t_runner_step_us": t["runner_step"],
+        "t_chosen_us": chosen_t,
+        "speedup": base_t / dbo_t,
+        "chosen_vs_baseline": base_t / chosen_t if chosen_t else None,
         "eta": (serial_t - dbo_t) / denom if denom > 0 else None,
+        "eta_vs_nocomm_streams": ((serial_t - dbo_t) / (serial_t - max(streams, comm_t))
+                                  if streams and serial_t > max(streams, comm_t) else None),
+        "timing_mode": "graph" if cuda else "eager",
     })
     return row
+
+
+def _split_fn(program, split_args, outputs):
+    from dbo_compile.runtime.graphs import _split_fn as make
+
+    return make(program, split_args, outputs)
 
 
 def fmt(v, nd=0):
@@ -268,10 +299,11 @@ def markdown(doc: dict) -> str:
     lines = [f"Machine: {doc['machine']}; torch {doc['torch']}, NCCL {doc['nccl']}; {doc['date']}; "
              f"{doc.get('setup', '')}", "",
              "| link | phase | tok/rank | unsplit eager | **baseline** (unsplit graph) | split serial "
-             "| split no comm (1 stream / 2 streams) | comm M | DBO eager | **DBO graph** | chosen | speedup | η | max rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| split no comm | comm M | DBO eager | **DBO graph** (schedule) | runtime picks | speedup | η "
+             "| pick / baseline | max rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        if r.get("t_dbo_eager_us") is None:
+        if r.get("t_dbo_graph_us") is None:
             lines.append(f"| {r.get('link')} | {r['phase']} | {r['tokens_per_rank']} | failed: "
                          f"{'; '.join(r.get('errors', []))[:200]} |")
             continue
@@ -279,14 +311,17 @@ def markdown(doc: dict) -> str:
                   default=None)
         lines.append(
             f"| {r['link']} | {r['phase']} | {r['tokens_per_rank']} | {fmt(r['t_unsplit_eager_us'])} | "
-            f"{fmt(r['t_baseline_us'])} | {fmt(r['t_split_serial_us'])} | {fmt(r['t_split_nocomm_us'])} / {fmt(r.get('t_split_nocomm_streams_us'))} | "
-            f"{fmt(r['t_comm_us'])} | {fmt(r['t_dbo_eager_us'])} | {fmt(r['t_dbo_graph_us'])} | "
-            f"{r['chosen']} {fmt(r['t_chosen_us'])} | {fmt(r['speedup'], 2)}× | {fmt(r['eta'], 2)} ({fmt(r.get('eta_vs_nocomm_streams'), 2)}) | "
-            f"{fmt(err, 4)} |")
+            f"{fmt(r['t_baseline_us'])} | {fmt(r['t_split_serial_us'])} | {fmt(r['t_split_nocomm_us'])} | "
+            f"{fmt(r['t_comm_us'])} | {fmt(r['t_dbo_eager_us'])} | {fmt(r['t_dbo_graph_us'])} ({r['dbo_variant']}) | "
+            f"{r['chosen']} {fmt(r['t_chosen_us'])} | {fmt(r['speedup'], 2)}× | {fmt(r['eta'], 2)} | "
+            f"{fmt(r['chosen_vs_baseline'], 3)}× | {fmt(err, 4)} |")
     lines.append("")
-    lines.append("µs per step, median, max over ranks. baseline = unsplit model in one CUDA graph; "
-                 "speedup = baseline / DBO graph; η = (serial − DBO) / (serial − max(no comm, M)) with the "
-                 "1-stream no-comm figure (in brackets: with the 2-stream one).")
+    lines.append("µs per step, median of CUDA-event-timed graph replays on the benchmark's step, max "
+                 "over ranks. baseline = unsplit program in one CUDA graph; DBO graph = the split "
+                 "program's fastest schedule variant (measured at warm-up by the runtime's "
+                 "CudaGraphRunner) in one CUDA graph; runtime picks = what CudaGraphRunner runs by "
+                 "default (split=\"auto\": split only where measured faster); speedup = baseline / DBO "
+                 "graph; η = (serial − DBO) / (serial − max(no comm, M)).")
     return "\n".join(lines) + "\n"
 
 
@@ -303,18 +338,27 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo")
     dbo_backend.register()
     preset = args.preset or ("deepseek-v2-lite" if cuda else "tiny")
-    buckets = args.buckets or ("decode:256,decode:1024,prefill:2048,prefill:4096" if cuda
+    buckets = args.buckets or ("decode:64,decode:128,decode:256,decode:512,decode:1024,"
+                               "prefill:2048,prefill:4096,prefill:8192" if cuda
                                else "decode:16,prefill:32")
     link = args.link or ("shm" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink")
     kernels = H.install_kernels(device.type, experts=args.experts, attention=args.attention)
-    overrides = {"vocab_size": args.vocab} if args.vocab else {}
-    model = H.build_model(preset, args.layers, dist.group.WORLD, str(device), **overrides)
+    overrides = {"vocab_size": args.vocab, "first_k_dense_replace": args.dense_layers}
+    group = dist.group.WORLD
+    if args.comm_sms and cuda:
+        from dbo_compile.runtime.streams import new_ep_group
+
+        group = new_ep_group(comm_sms=args.comm_sms)
+    model = H.build_model(preset, args.layers, group, str(device), **overrides)
     timer = Timer(cuda, args.iters, args.warmup)
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "n/a (gloo)"
     machine = (f"{dist.get_world_size()}x {torch.cuda.get_device_name(device)}" if cuda
                else f"{dist.get_world_size()} CPU ranks ({platform.machine()})")
-    setup = (f"{preset}, {args.layers} layers, bf16, EP={dist.get_world_size()}, experts={kernels['experts']}, "
-             f"attention={kernels['attention']}, scheduler={args.scheduler}")
+    mc = model.config
+    setup = (f"{preset}, {args.layers} layers ({mc.num_moe_layers} MoE), vocab {mc.vocab_size}, bf16, "
+             f"EP={dist.get_world_size()}, experts={kernels['experts']}, "
+             f"attention={kernels['attention']}, scheduler={args.scheduler}"
+             + (f", comm_sms={args.comm_sms}" if args.comm_sms else ""))
     log(f"[bench] {machine} torch {torch.__version__} nccl {nccl} link={link} {setup}")
     rows = []
     for b in buckets.split(","):
