@@ -143,6 +143,51 @@ def test_wide_block_table_runs_eagerly_with_a_warning(caplog):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def _wide_on_one_rank_body(rank, world_size):
+    import torch.distributed as dist
+
+    from dbo_compile.backend import register
+
+    register()
+    cfg, model = _model(dist.group.WORLD)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    runner = CudaGraphRunner(compiled, [16], max_blocks_per_req=2, timing_iters=1)
+    runner.capture()
+    # rank 0's request reaches block 3 (wider than the graphs' 2); rank 1's fits
+    ctx = [60, 3] if rank == 0 else [5, 3]
+    step = make_step(cfg, decode_context_lens=ctx, prefills=[], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    with torch.no_grad():
+        ref = model(step.input_ids, step.positions, step.attn_metadata)
+        out = runner(step.input_ids, step.positions, step.attn_metadata, [1, 1])
+    return {"eager_steps": runner.eager_steps, "err": float((out - ref).abs().max())}
+
+
+@pytest.mark.multirank
+def test_a_step_that_fits_no_graph_on_one_rank_runs_eagerly_on_every_rank():
+    """Only rank 0's block table is too wide: every rank must take the eager path (graph
+    replay on one rank and eager collectives on the other would hang)."""
+    results = run_multirank(_wide_on_one_rank_body, 2, timeout_s=300)
+    assert [r["eager_steps"] for r in results] == [1, 1]
+    assert all(r["err"] <= 1e-5 for r in results)
+
+
+class _ReadsMaxQueryLen(DeepseekMoEModel):
+    def forward(self, input_ids, positions, md):
+        out = super().forward(input_ids, positions, md)
+        return out * 2 if md.max_query_len == 1 else out  # a layout-dependent host branch
+
+
+def test_capture_refuses_a_graph_specialised_to_the_step_layout():
+    cfg = get_config("tiny", num_layers=1)
+    model = _ReadsMaxQueryLen(cfg, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo"), [16], max_blocks_per_req=4,
+                             timing_iters=1)
+    with pytest.raises(GraphRunnerError, match="prefill-shaped step ran another compiled graph"):
+        runner.capture()
+
+
 def test_runner_errors():
     cfg, model = _model()
     compiled = torch.compile(model, backend="dbo")

@@ -15,10 +15,15 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
    static input buffers);
 2. captures the **unsplit** program and, when the graph was split, the **split** (DBO) program
    as one CUDA graph each, after warm-up calls on a side stream, all into one memory pool;
-3. times both graphs by replaying them (``timing_iters`` replays each, interleaved rounds,
-   median, CUDA events), takes the max over the DP group and, with ``split="auto"``, uses the
-   split graph for this bucket only where it is faster by ``min_gain`` (fraction) or more. The
-   table is therefore identical on every DP rank. ``split="always"``/``"never"`` force it.
+3. times the graphs by replaying them (``timing_iters`` replays each, interleaved rounds,
+   median, CUDA events), takes the max over every rank of the job and keeps the fastest split
+   variant; with ``split="auto"`` the bucket splits only where that variant is faster than the
+   unsplit graph by ``min_gain`` (fraction) or more. The table is therefore identical on every
+   rank. ``split="always"``/``"never"`` force it (``"never"`` captures no split graph).
+
+A prefill-shaped synthetic step is run per bucket too: if Dynamo compiled another graph for it
+(the model reads a layout-dependent host value such as ``max_query_len``), capture raises
+rather than replay a graph specialised to the decode-shaped warm-up step.
 
 Per step (serving path; never captures):
 
@@ -36,8 +41,12 @@ Per step (serving path; never captures):
    output**: consume or copy them before the next step).
 
 A step larger than the largest bucket, or whose block table is wider than
-``max_blocks_per_req``, runs eagerly through the compiled model (logged once per reason): a
+``max_blocks_per_req``, runs eagerly through the compiled model (logged once per reason), on
+every rank together (such a rank asks the vote for one token past the largest bucket): a
 capture never happens after warm-up.
+
+Caveat: the timings are taken on synthetic one-token-context steps; with an attention kernel
+whose cost grows with the context, long-context steps weigh attention more than measured.
 
 Rules taken from the field: buckets of padded token counts, largest captured first and all
 graphs in one pool (vLLM ``CUDAGraphRunner`` / ``cudagraph_capture_sizes``); FULL graphs of
@@ -85,6 +94,8 @@ class BucketGraphs:
         choice: ``"unsplit"`` or the name of the split variant this bucket runs when the vote
             splits.
         best_variant: the fastest split variant (``None``: not split), chosen or not.
+        input_pos: graph-input position of each step input (``input_ids``, ``positions``,
+            metadata fields) in ``args``.
     """
 
     tokens: int
@@ -96,6 +107,7 @@ class BucketGraphs:
     times_us: dict[str, float] = field(default_factory=dict)
     choice: str = "unsplit"
     best_variant: str | None = None
+    input_pos: dict[str, int] = field(default_factory=dict)
 
     @property
     def use_split(self) -> bool:
@@ -186,58 +198,82 @@ class CudaGraphRunner:
         self.pool: Any = None
         self.eager_steps = 0
         self._warned: set[str] = set()
-        self._input_pos: dict[str, int] = {}
 
     # -- warm-up --------------------------------------------------------------------------
-    def _dummy_step(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """``tokens`` one-token requests whose KV writes go nowhere (slot -1)."""
+    def _dummy_step(self, tokens: int, prefill: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """A synthetic step of ``tokens`` rows whose KV writes go nowhere (slot -1):
+        ``tokens`` one-token requests, or (``prefill``) two requests of half the tokens each."""
         dev = self.device
         i32 = dict(dtype=torch.int32, device=dev)
+        qlens = [tokens // 2, tokens - tokens // 2] if prefill else [1] * tokens
+        qsl = torch.tensor([0] + qlens, **i32).cumsum(0, dtype=torch.int32)
         md = AttentionMetadata(
-            query_start_loc=torch.arange(tokens + 1, **i32),
-            seq_lens=torch.ones(tokens, **i32),
-            num_computed_tokens=torch.zeros(tokens, **i32),
-            block_table=torch.zeros(tokens, self.max_blocks_per_req, **i32),
+            query_start_loc=qsl,
+            seq_lens=torch.tensor(qlens, **i32),
+            num_computed_tokens=torch.zeros(len(qlens), **i32),
+            block_table=torch.zeros(len(qlens), self.max_blocks_per_req, **i32),
             slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
-            max_query_len=1, max_seq_len=1)
+            max_query_len=max(qlens), max_seq_len=max(qlens))
         if self.vocab_size:
             gen = torch.Generator().manual_seed(tokens)
             ids = torch.randint(0, self.vocab_size, (tokens,), generator=gen).to(dev)
         else:
             ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
-        return ids, torch.zeros(tokens, dtype=torch.int64, device=dev), md
+        return ids, torch.zeros(tokens, dtype=torch.int64, device=dev), md, qlens
 
-    def capture(self) -> dict[int, BucketGraphs]:
-        """Capture and time every bucket (largest first). Call on every DP rank, in step.
-
-        Returns:
-            ``{bucket: BucketGraphs}`` (also ``self.graphs``).
-        """
+    def _record(self, tokens: int, prefill: bool) -> tuple[Any, list[Any], dict[str, int]]:
+        """Run one synthetic step through the compiled model; its artifact, graph args and
+        the positions of the step's inputs among them."""
         from dbo_compile.runtime.engine import run_step
         from dbo_compile.runtime.program import record_calls
 
+        ids, pos, md, qlens = self._dummy_step(tokens, prefill)
+        with torch.no_grad(), record_calls() as calls:
+            run_step(self.compiled, ids, pos, md, qlens, block_size=self.block_size,
+                     **self.model_kwargs)
+        if len(calls) != 1:
+            raise GraphRunnerError(
+                f"one step ran {len(calls)} compiled graphs (graph breaks, or not compiled "
+                "with backend='dbo'); FULL CUDA graphs need the whole step in one graph: "
+                "remove the graph breaks (TORCH_LOGS=graph_breaks shows them)")
+        art, args = calls[0]
+        if getattr(art, "specs", None) is None:
+            raise GraphRunnerError(f"the compiled graph ({type(art).__name__}) has no input "
+                                   "classification; compile with backend='dbo'")
+        return art, list(args), self._map_inputs(args, ids, pos, md)
+
+    def capture(self) -> dict[int, BucketGraphs]:
+        """Capture and time every bucket (largest first). Call on every rank of the job, in
+        step (the timings are maxed over all ranks, so that every rank picks the same graph).
+
+        Returns:
+            ``{bucket: BucketGraphs}`` (also ``self.graphs``).
+
+        Raises:
+            GraphRunnerError: the step runs several compiled graphs (graph breaks), or the
+                compiled graph depends on the step's layout (Dynamo compiled another graph for
+                a prefill-shaped step than for a decode-shaped one, e.g. on ``max_query_len``):
+                a replayed graph would then ignore that dependence.
+        """
         cuda = self.device.type == "cuda"
         if cuda and self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         for tokens in sorted(self.buckets, reverse=True):
-            ids, pos, md = self._dummy_step(tokens)
-            with torch.no_grad(), record_calls() as calls:
-                run_step(self.compiled, ids, pos, md, [1] * tokens, block_size=self.block_size,
-                         **self.model_kwargs)
-            if len(calls) != 1:
-                raise GraphRunnerError(
-                    f"one step ran {len(calls)} compiled graphs (graph breaks, or not compiled "
-                    "with backend='dbo'); FULL CUDA graphs need the whole step in one graph: "
-                    "remove the graph breaks (TORCH_LOGS=graph_breaks shows them)")
-            art, args = calls[0]
-            args = list(args)
-            if not self._input_pos:
-                self._input_pos = self._map_inputs(args, ids, pos, md)
-            bucket = BucketGraphs(tokens, art, args)
+            art, args, input_pos = self._record(tokens, prefill=False)
+            if tokens >= 4:
+                other, _, _ = self._record(tokens, prefill=True)
+                if other is not art:
+                    raise GraphRunnerError(
+                        f"bucket {tokens}: a prefill-shaped step ran another compiled graph than "
+                        "a decode-shaped one (Dynamo specialised on the step's layout, e.g. "
+                        "max_query_len or the request count); a replayed CUDA graph would "
+                        "ignore that. Keep layout-dependent host values out of the model")
+            bucket = BucketGraphs(tokens, art, args, input_pos=input_pos)
             with torch.no_grad():
                 self._capture_bucket(bucket, cuda)
+                self._decide_bucket(bucket)
             self.graphs[tokens] = bucket
-        self._decide_buckets()
         log.info("dbo graphs: %s", self.describe())
         return self.graphs
 
@@ -259,7 +295,7 @@ class CudaGraphRunner:
         art = b.artifact
         unsplit = art.unsplit if hasattr(art, "unsplit") else art.fn
         self._graph(b, "unsplit", lambda: unsplit(*b.args), cuda)
-        if getattr(art, "split_program", None) is not None:
+        if getattr(art, "split_program", None) is not None and art.config.split != "never":
             b.split_args = art.split_args(b.args, [1] * b.tokens)
             for name, program in art.variants.items():
                 self._graph(b, name, _split_fn(program, b.split_args, art.signature.outputs), cuda)
@@ -297,26 +333,25 @@ class CudaGraphRunner:
                         g.replay()
                         samples[name].append((time.perf_counter() - t0) * 1e6)
         names = list(b.graphs)
-        med = _max_over_dp(b.artifact, [statistics.median(samples[n]) for n in names])
+        med = _max_over_ranks([statistics.median(samples[n]) for n in names])
         return dict(zip(names, med))
 
-    def _decide_buckets(self) -> None:
-        """Per bucket: the fastest split variant, and whether it runs at all (``split`` mode);
-        the other variants' graphs are dropped."""
-        for b in self.graphs.values():
-            mode = b.artifact.config.split
-            split = {k: t for k, t in b.times_us.items() if k != "unsplit"}
-            best = min(split, key=lambda k: (split[k], k)) if split else None
-            b.best_variant = best
-            if best is None or mode == "never":
-                b.choice = "unsplit"
-            elif mode == "always":
-                b.choice = best
-            else:
-                b.choice = best if split[best] <= (1.0 - self.min_gain) * b.t_unsplit_us else "unsplit"
-            if not self.keep_variants:
-                for name in [k for k in b.graphs if k not in ("unsplit", best)]:
-                    del b.graphs[name], b.outs[name]
+    def _decide_bucket(self, b: BucketGraphs) -> None:
+        """The fastest split variant, and whether it runs at all (``split`` mode); the other
+        variants' graphs are dropped at once, so that later captures reuse their memory."""
+        mode = b.artifact.config.split
+        split = {k: t for k, t in b.times_us.items() if k != "unsplit"}
+        best = min(split, key=lambda k: (split[k], k)) if split else None
+        b.best_variant = best
+        if best is None or mode == "never":
+            b.choice = "unsplit"
+        elif mode == "always":
+            b.choice = best
+        else:
+            b.choice = best if split[best] <= (1.0 - self.min_gain) * b.t_unsplit_us else "unsplit"
+        if not self.keep_variants:
+            for name in [k for k in b.graphs if k not in ("unsplit", best)]:
+                del b.graphs[name], b.outs[name]
 
     def describe(self) -> str:
         """One line per bucket: times and the choice."""
@@ -355,16 +390,23 @@ class CudaGraphRunner:
         ctx = dict(num_scheduled_tokens=list(num_scheduled_tokens), block_size=self.block_size,
                    vetoes=tuple(vetoes), allow_split=allow_split)
         largest = self.graphs[self.buckets[-1]]
-        real_args = self._graph_args(largest.args, input_ids, positions, attn_metadata)
+        real_args = self._graph_args(largest, input_ids, positions, attn_metadata)
+        width = int(attn_metadata.block_table.shape[1])
+        fits = n <= self.buckets[-1] and width <= self.max_blocks_per_req
+        # a step that fits no graph on *this* rank asks for one token past the largest bucket,
+        # so that the vote sends every rank down the eager path together (never a hang)
         with step_context(**ctx):
-            vote, qlens = self._vote(largest.artifact, real_args, n)
+            vote, qlens = self._vote(largest.artifact, real_args, n,
+                                     0 if fits else self.buckets[-1] + 1)
         padded = n if vote is None else vote.num_tokens_padded
         tokens = next((t for t in self.buckets if t >= padded), None)
-        wide = attn_metadata.block_table.shape[1] > self.max_blocks_per_req
-        if tokens is None or wide:
-            reason = (f"{padded} tokens > largest bucket {self.buckets[-1]}" if tokens is None
-                      else f"block table width {attn_metadata.block_table.shape[1]} > "
-                           f"max_blocks_per_req {self.max_blocks_per_req}")
+        if tokens is None:
+            if n > self.buckets[-1]:
+                reason = f"{n} tokens > largest bucket {self.buckets[-1]}"
+            elif not fits:
+                reason = f"block table width {width} > max_blocks_per_req {self.max_blocks_per_req}"
+            else:
+                reason = "another DP rank's step fits no captured graph"
             return self._eager(reason, input_ids, positions, attn_metadata, ctx)
         b = self.graphs[tokens]
         split = bool(vote is not None and vote.should_split and b.use_split)
@@ -373,7 +415,8 @@ class CudaGraphRunner:
         self.last_graph = name
         self.load_step(tokens, input_ids, positions, attn_metadata, qlens, split=split)
         b.graphs[name].replay()
-        outs = tuple(_real_rows(o, n, tokens) for o in b.outs[name])
+        outs = tuple(_real_rows(o, n, tokens, token_out)
+                     for o, token_out in zip(b.outs[name], _token_outputs(b)))
         return outs[0] if len(outs) == 1 else outs
 
     def load_step(self, tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -392,7 +435,7 @@ class CudaGraphRunner:
         if b is None or n > tokens:
             raise GraphRunnerError(f"step of {n} tokens does not fit a captured bucket "
                                    f"({tokens} not in {sorted(self.graphs)} or too small)")
-        args = self._graph_args(b.args, input_ids, positions, attn_metadata)
+        args = self._graph_args(b, input_ids, positions, attn_metadata)
         padded_args = _pad_token_rows(b.artifact.specs, args, n, tokens)
         if split:
             if b.split_args is None:
@@ -403,20 +446,27 @@ class CudaGraphRunner:
             _copy_into(b.args, padded_args, [(i, None) for i in range(len(b.args))],
                        b.artifact.specs)
 
-    def _graph_args(self, static: Sequence[Any], ids: torch.Tensor, pos: torch.Tensor,
+    @staticmethod
+    def _graph_args(b: BucketGraphs, ids: torch.Tensor, pos: torch.Tensor,
                     md: AttentionMetadata) -> list[Any]:
-        args = list(static)
+        args = list(b.args)
         named = {"input_ids": ids, "positions": pos, **md.tensors()}
-        for name, i in self._input_pos.items():
+        for name, i in b.input_pos.items():
             args[i] = named[name]
         return args
 
-    def _vote(self, art: Any, args: list[Any], n: int) -> tuple[Any, list[int]]:
-        if hasattr(art, "split_program") and art.split_program is not None:
-            vote, reason, qlens = art.decide(args)
+    @staticmethod
+    def _vote(art: Any, args: list[Any], n: int, min_padded: int) -> tuple[Any, list[int]]:
+        from dbo_compile.runtime import program
+
+        program._LAST_CALLED[0] = art
+        if getattr(art, "split_program", None) is not None:
+            vote, reason, qlens = art.decide(args, min_padded=min_padded)
             art.stats.count(vote.should_split, reason)
-            return vote, qlens
-        return art.decide(args), [1] * n
+        else:  # the runner pads into its own buffers: the artifact's fixed size does not apply
+            vote, qlens = art.decide(args, min_padded=min_padded, fixed_num_tokens=False), [1] * n
+        art.last_vote = vote
+        return vote, qlens
 
     def _eager(self, reason: str, ids, pos, md, ctx) -> Any:
         if reason not in self._warned:
@@ -439,25 +489,35 @@ def _split_fn(program: Any, split_args: list[Any], outputs: Sequence[Sequence[in
     return run
 
 
-def _max_over_dp(art: Any, values: list[float]) -> list[float]:
-    from dbo_compile.runtime.program import _dp_group
-
-    group = _dp_group(art.config)
-    if group is None:
-        return values
+def _max_over_ranks(values: list[float]) -> list[float]:
+    """Elementwise max over every rank of the job (the default group), not only the DP vote's
+    group: the graphs' collectives may span other ranks (EP), which must replay the same
+    schedule variant."""
     import torch.distributed as dist
 
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
     from dbo_compile.runtime.vote import _table_device
 
-    t = torch.tensor(values, dtype=torch.float64, device=_table_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    t = torch.tensor(values, dtype=torch.float64, device=_table_device(dist.group.WORLD))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
-def _real_rows(out: Any, n: int, rows: int) -> Any:
-    if isinstance(out, torch.Tensor) and out.dim() and out.shape[0] == rows:
-        return out[:n]
-    return out
+def _token_outputs(b: BucketGraphs) -> list[bool | None]:
+    """Per graph output: token-indexed (``True``), not (``False``), unknown (``None``)."""
+    signature = getattr(b.artifact, "signature", None)
+    if signature is None:
+        return [None] * len(b.outs["unsplit"])
+    return [len(idx) > 1 for idx in signature.outputs]
+
+
+def _real_rows(out: Any, n: int, rows: int, token_out: bool | None) -> Any:
+    """The real rows of a token-indexed output (by the split signature; for an unsplit
+    artifact, any output whose dim 0 is the bucket's row count)."""
+    if token_out is False or not isinstance(out, torch.Tensor) or not out.dim():
+        return out
+    return out[:n] if out.shape[0] == rows else out
 
 
 def _pad_token_rows(specs: Sequence[Any], args: Sequence[Any], n: int, rows: int) -> list[Any]:

@@ -106,18 +106,26 @@ class UnsplitProgram:
         write_back()
         return tuple(_unpad(o, num_tokens, vote.num_tokens_padded) for o in outs)
 
-    def decide(self, args: Sequence[Any]) -> Any:
+    def decide(self, args: Sequence[Any], min_padded: int = 0,
+               fixed_num_tokens: bool | None = None) -> Any:
         """This rank's part of the DP vote (always "no split"): the ``VoteResult``, or ``None``
-        when the graph issues no collective, has no token input or runs without a group."""
+        when the graph issues no collective, has no token input or runs without a group.
+
+        ``min_padded``: report at least this padded token count (the CUDA-graph runner sends
+        one past its largest bucket when this rank's step fits no graph, so that every rank runs
+        eagerly); ``fixed_num_tokens`` overrides the artifact's own (the runner pads itself)."""
         token = next((s.index for s in self.specs or [] if s.kind == "token"), None)
         group = _dp_group(self.config)
         if not self.has_comm or token is None or group is None:
             return None
         from dbo_compile.runtime.vote import coordinate_across_dp
 
-        return coordinate_across_dp(int(args[token].shape[0]), uniform_decode=False,
-                                    allow_split=False, config=self.config, group=group,
-                                    fingerprint=None, fixed_num_tokens=self.fixed_num_tokens)
+        n = int(args[token].shape[0])
+        fixed = self.fixed_num_tokens if fixed_num_tokens is None else fixed_num_tokens
+        return coordinate_across_dp(n, uniform_decode=False, allow_split=False,
+                                    config=self.config, group=group, fingerprint=None,
+                                    num_tokens_padded=max(n, min_padded),
+                                    fixed_num_tokens=fixed)
 
 
 def _dp_group(config: DboConfig) -> Any:
@@ -234,10 +242,11 @@ class DboCompiledModule:
             return None
         return check_vetoes(md, qlens, block_size=ctx.block_size, vetoes=ctx.vetoes)
 
-    def decide(self, args: Sequence[Any]) -> tuple[Any, str, list[int]]:
+    def decide(self, args: Sequence[Any], min_padded: int = 0) -> tuple[Any, str, list[int]]:
         """The DP vote for this step: ``(VoteResult, reason, query lens)``.
 
-        Every rank of the DP group calls this once per step (ranks with zero tokens too)."""
+        Every rank of the DP group calls this once per step (ranks with zero tokens too).
+        ``min_padded``: report at least this padded token count (see ``UnsplitProgram``)."""
         from dbo_compile.runtime.vote import coordinate_across_dp
 
         num_tokens = int(args[self._token_index].shape[0])
@@ -258,7 +267,7 @@ class DboCompiledModule:
         vote = coordinate_across_dp(
             real, uniform_decode=uniform_decode, allow_split=veto is None, config=self.config,
             group=_dp_group(self.config), fingerprint=self.fingerprint,
-            num_tokens_padded=max(num_tokens, real), local_error=local_error)
+            num_tokens_padded=max(num_tokens, real, min_padded), local_error=local_error)
         reason = "split" if vote.should_split else (veto or vote.reason or "not split")
         return vote, reason, qlens
 
