@@ -25,6 +25,8 @@ __all__ = [
     "UBatchExecutionError",
     "UnsplittableGraphError",
 ]
+import logging  # noqa: E402
+
 __version__ = "0.1.0"
 
 
@@ -38,8 +40,23 @@ def _register_torch_log() -> None:
         register_log("dbo_compile", "dbo_compile")
         if "dbo_compile" in os.environ.get("TORCH_LOGS", ""):
             _init_logs()  # re-read TORCH_LOGS now that the name exists
+        _drop_duplicate_handlers(logging.getLogger("dbo_compile"))
     except Exception:  # noqa: BLE001 - logging setup must never break import
         pass
+
+
+def _drop_duplicate_handlers(logger: logging.Logger) -> None:
+    """torch attaches its handler to our logger twice when ``TORCH_LOGS`` names us (it imports
+    this package while parsing the variable, and our import registers the name and re-reads
+    it): keep one of torch's handlers per stream/file; handlers of other origins stay."""
+    seen = set()
+    for h in list(logger.handlers):
+        if type(h.formatter).__name__ != "TorchLogsFormatter":
+            continue
+        key = (type(h), getattr(h, "stream", None), getattr(h, "baseFilename", None))
+        if key in seen:
+            logger.removeHandler(h)
+        seen.add(key)
 
 
 _register_torch_log()

@@ -210,6 +210,10 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         DboConfigError: an unknown or invalid option.
         UnsplittableGraphError: only with ``on_unsplittable="raise"``.
     """
+    from dbo_compile import _drop_duplicate_handlers
+
+    # torch imports this package while parsing TORCH_LOGS and then adds its handler again
+    _drop_duplicate_handlers(logging.getLogger("dbo_compile"))
     config = DboConfig.from_options(options)
     try:
         compiled = compile_split(gm, example_inputs, config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -66,6 +67,7 @@ def test_unsplittable_models_compile_unsplit_and_say_why(cls, why, caplog):
     torch.manual_seed(0)
     model = cls()
     x = torch.randn(64, 8)
+    torch._dynamo.mark_dynamic(x, 0)  # else the routing built from x.shape[0] is the reason
     with caplog.at_level(logging.WARNING, logger="dbo_compile"):
         out = torch.compile(model, backend="dbo", options={"split": "always"})(x)
     torch.testing.assert_close(out, model(x))
@@ -96,6 +98,55 @@ def test_backend_works_in_a_fresh_process_without_importing_the_package():
     assert res.stdout.strip().endswith("ok")
 
 
+class RoutesByShape(nn.Module):
+    """Routing metadata built from the token count (``torch.zeros(x.shape[0], 1)``)."""
+
+    def forward(self, x):
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.int64)
+        recv, _, rw = torch.ops.dbo.dispatch(x, ids, torch.ones(x.shape[0], 1), 1, "")
+        return torch.ops.dbo.combine(recv * rw.sum(-1, keepdim=True), "")
+
+
+def test_static_token_count_in_a_dbo_op_input_falls_back_with_the_reason(caplog):
+    """In a static graph ``zeros(8, 1)`` no longer depends on the tokens: each ubatch would pair
+    its 4 rows with all 8. It must compile unsplit, say why and how to fix it."""
+    x = torch.randn(8, 4)
+    with caplog.at_level("WARNING", logger="dbo_compile"):
+        out = torch.compile(RoutesByShape(), backend="dbo", options={"split": "always"})(x)
+    torch.testing.assert_close(out, RoutesByShape()(x))
+    assert last_artifact().split_program is None
+    assert "fixed first dim" in caplog.text and "mark_dynamic" in caplog.text
+
+
+def test_dynamic_token_count_in_a_dbo_op_input_splits():
+    x = torch.randn(8, 4)
+    torch._dynamo.mark_dynamic(x, 0)
+    out = torch.compile(RoutesByShape(), backend="dbo", options={"split": "always"})(x)
+    torch.testing.assert_close(out, RoutesByShape()(x))
+    assert last_artifact().stats.split_steps == 1
+
+
+def test_torch_logs_prints_each_dbo_record_once():
+    """TORCH_LOGS="+dbo_compile": torch imports the package while parsing TORCH_LOGS and then
+    adds its handler again; each record must still print once."""
+    code = textwrap.dedent("""
+        import torch
+        class M(torch.nn.Module):
+            def forward(self, x):
+                ids = torch.zeros(x.shape[0], 1, dtype=torch.int64)
+                recv, _, rw = torch.ops.dbo.dispatch(x, ids, torch.ones(x.shape[0], 1), 1, "")
+                return torch.ops.dbo.combine(recv * rw.sum(-1, keepdim=True), "")
+        x = torch.randn(8, 4)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.compile(M(), backend="dbo", options={"split": "always"})(x)
+    """)
+    env = dict(os.environ, TORCH_LOGS="+dbo_compile")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.count("dbo: split into") == 1, res.stderr[-3000:]
+
+
 class TakesATable(nn.Module):
     """A second tensor input that is not token-indexed (a [V, H] table passed per call)."""
 
@@ -121,6 +172,7 @@ def test_unsplittable_inputs_and_ops_fall_back_with_a_reason(cls, args, why):
 
     model = cls() if cls is TakesATable else cls()
     inputs = args()
+    torch._dynamo.mark_dynamic(inputs[0], 0)  # else the routing built from x.shape[0] is the reason
     out = torch.compile(model, backend="dbo", options={"split": "always"})(*inputs)
     torch.testing.assert_close(out, model(*inputs))
     art = last_artifact()

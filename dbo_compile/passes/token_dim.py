@@ -290,9 +290,34 @@ def _used_as_size_only(node: fx.Node) -> bool:
     return True
 
 
+#: inputs of our ops whose dim 0 is the token dim (the rest: weights, KV cache, metadata)
+_DBO_TOKEN_ARGS = {
+    "dispatch": ((0, "x"), (1, "topk_ids"), (2, "topk_weights")),
+    "grouped_experts": ((0, "x"), (1, "ids"), (2, "weights")),
+    "attention": ((0, "q"), (1, "k"), (2, "v"), (4, "slot_mapping")),
+}
+
+
+def _dbo_misaligned(node: fx.Node) -> str | None:
+    """A ``dbo`` op whose token inputs disagree: one has the token dim, another a fixed first
+    dim (built from a token count Dynamo specialised, e.g. ``torch.zeros(x.shape[0], k)`` in a
+    static graph). Each ubatch would pair its rows with all of the other input's rows."""
+    args = [_arg(node, i, name, None) for i, name in _DBO_TOKEN_ARGS.get(node.target._opname, ())]
+    tok = [a for a in args if _node_token(a)]
+    fixed = [a for a in args if isinstance(a, fx.Node) and not _node_token(a)]
+    if tok and fixed:
+        return (f"its input {fixed[0].name} has a fixed first dim while {tok[0].name} is "
+                "token-indexed (the graph was traced with a static token count; mark the "
+                "token dim dynamic: torch._dynamo.mark_dynamic(x, 0), or call through "
+                "dbo_compile.runtime.engine.run_step)")
+    return None
+
+
 def _why_not_row_local(node: fx.Node, syms: frozenset) -> str | None:
     """Why ``node`` (reading token-indexed values) mixes tokens; ``None`` if it is row-local."""
     target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "dbo":
+        return _dbo_misaligned(node)  # our ops keep every ubatch's tokens consistent
     if target is operator.getitem or comm_kind(node) is not None or is_c10d_wait(node):
         return None
     if target in _SYM_ARITH:
@@ -303,8 +328,6 @@ def _why_not_row_local(node: fx.Node, syms: frozenset) -> str | None:
         if callable(target) and getattr(target, "_dbo_row_local", False):
             return None
         return f"call of {getattr(target, '__name__', target)!r} is not known to be row-local"
-    if target.namespace == "dbo":
-        return None  # our attention / comm ops keep every ubatch's tokens consistent
     if target.namespace not in ("aten", "prims"):
         if target in _ROW_LOCAL_OPS:
             return None

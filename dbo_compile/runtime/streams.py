@@ -82,11 +82,13 @@ def sm_carveout(sms: int, device: torch.device | None):
     if setter is None or device is None or device.type != "cuda":
         yield
         return
+    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    previous = getter() if getter is not None else None
     setter(sms)
     try:
         yield
     finally:
-        setter(None)
+        setter(previous)
 
 
 def new_ep_group(ranks: list[int] | None = None, *, comm_sms: int | None = None,
