@@ -83,14 +83,16 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     graph = lowered.gm.graph
     reinplace_graph_input_mutations(graph)
     graph.eliminate_dead_code()
+    annotate_token_dims(graph, lowered.token_symbols)
+    check_outputs(graph)
     comms = comm_nodes(graph)
     if not comms:
-        raise UnsplittableGraphError(
+        e = UnsplittableGraphError(
             "the graph has no comm op (dbo.dispatch / dbo.combine / "
             "_c10d_functional.all_to_all_single): nothing to overlap"
         )
-    annotate_token_dims(graph, lowered.token_symbols)
-    check_outputs(graph)
+        e.row_local = True  # padding rows cannot change the real rows' results
+        raise e
     lowered.gm.recompile()
     _dump_graph("lowered", lowered.gm)
     split_gm, signature = split_ubatch(lowered.gm, specs, config.num_ubatches)
@@ -221,14 +223,16 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         if config.on_unsplittable == "raise":
             raise
         log.warning("dbo: compiling this graph unsplit: %s", e)
-        compiled = _unsplit_program(gm, example_inputs, config, str(e))
+        compiled = _unsplit_program(gm, example_inputs, config, str(e),
+                                    row_local=getattr(e, "row_local", False))
     _ARTIFACTS.append(compiled)
     return compiled
 
 
 def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
-                     reason: str):
-    """The way out for a graph we do not split; it still votes if it issues collectives."""
+                     reason: str, row_local: bool = False):
+    """The way out for a graph we do not split; it still votes if it issues collectives.
+    ``row_local``: the token-dim analysis showed padding rows cannot change real rows."""
     from dbo_compile.lowering import classify_inputs
     from dbo_compile.passes.comm_ops import comm_kind
     from dbo_compile.runtime.program import UnsplitProgram
@@ -240,7 +244,8 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     has_comm = any(comm_kind(n) is not None for n in gm.graph.nodes)
     # a graph Dynamo traced with symbolic sizes runs at any token count; a static one cannot
     dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
-    return UnsplitProgram(gm.forward, reason, config, specs, has_comm, fixed_num_tokens=not dynamic)
+    return UnsplitProgram(gm.forward, reason, config, specs, has_comm, fixed_num_tokens=not dynamic,
+                          row_local=row_local)
 
 
 def register() -> None:

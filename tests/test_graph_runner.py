@@ -188,13 +188,62 @@ def test_capture_refuses_a_graph_specialised_to_the_step_layout():
         runner.capture()
 
 
+class _MixesTokens(DeepseekMoEModel):
+    def forward(self, input_ids, positions, md):
+        out = super().forward(input_ids, positions, md)
+        return out - out.mean(0, keepdim=True)  # padding rows would enter the mean
+
+
+def test_capture_refuses_an_unsplit_graph_that_padding_would_change():
+    cfg = get_config("tiny", num_layers=1)
+    model = _MixesTokens(cfg, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo"), [16], max_blocks_per_req=4,
+                             timing_iters=1)
+    with pytest.raises(GraphRunnerError, match="not known to be row-local"):
+        runner.capture()
+
+
+def test_capture_refuses_a_bucket_the_split_never_fills():
+    cfg, model = _model()
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo"), [33], max_blocks_per_req=4,
+                             timing_iters=1)
+    with pytest.raises(GraphRunnerError, match="not a multiple of num_ubatches=2.*use 32 or 34"):
+        runner.capture()
+
+
+def test_wrong_num_scheduled_tokens_raise_before_the_vote():
+    """Counts that disagree with the metadata must fail in the vote (DpVoteError on every rank),
+    not after it on one rank, whatever block_size is."""
+    from dbo_compile.errors import DpVoteError
+
+    cfg, model = _model()
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo", options={"split": "always"}),
+                             [16, 32], max_blocks_per_req=4, timing_iters=1)
+    runner.capture()
+    step = make_step(cfg, decode_context_lens=[5, 7], prefills=[(0, 10), (3, 4)], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    with torch.no_grad(), pytest.raises(DpVoteError, match="disagree with the metadata"):
+        runner(step.input_ids, step.positions, step.attn_metadata, [4, 4, 4, 4])
+    with torch.no_grad(), pytest.raises(DpVoteError, match=">= 1 per request"):
+        runner(step.input_ids, step.positions, step.attn_metadata, [1, 0, 1, 14])
+
+
 def test_runner_errors():
     cfg, model = _model()
     compiled = torch.compile(model, backend="dbo")
     with pytest.raises(GraphRunnerError, match="buckets"):
         CudaGraphRunner(compiled, [1, 8], max_blocks_per_req=4)
+    with pytest.raises(GraphRunnerError, match="buckets"):
+        CudaGraphRunner(compiled, [8.0], max_blocks_per_req=4)
     with pytest.raises(GraphRunnerError, match="max_blocks_per_req"):
         CudaGraphRunner(compiled, [8], max_blocks_per_req=0)
+    with pytest.raises(GraphRunnerError, match="timing_iters"):
+        CudaGraphRunner(compiled, [8], max_blocks_per_req=4, timing_iters=0)
+    assert CudaGraphRunner(compiled, (b for b in [16, 8]), max_blocks_per_req=4).buckets == [8, 16]
+    if not torch.cuda.is_available():
+        with pytest.raises(GraphRunnerError, match="CUDA is not available"):
+            CudaGraphRunner(compiled, [8], max_blocks_per_req=4, device="cuda")
     runner = CudaGraphRunner(compiled, [8], max_blocks_per_req=4)
     step = make_step(cfg, decode_context_lens=[3], prefills=[], block_size=16)
     with pytest.raises(GraphRunnerError, match="capture"):

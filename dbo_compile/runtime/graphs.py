@@ -175,11 +175,15 @@ class CudaGraphRunner:
                  max_blocks_per_req: int, block_size: int | None = None, timing_iters: int = 10,
                  min_gain: float = 0.0, device: torch.device | str | None = None,
                  vocab_size: int | None = None, keep_variants: bool = False, **model_kwargs: Any):
-        bad = [b for b in buckets if not isinstance(b, int) or b < 2]
+        buckets = list(buckets)
+        bad = [b for b in buckets if isinstance(b, bool) or not _is_int(b) or int(b) < 2]
         if not buckets or bad:
-            raise GraphRunnerError(f"buckets must be ints >= 2 (token counts), got {list(buckets)}")
+            raise GraphRunnerError(f"buckets must be ints >= 2 (token counts), got {buckets}")
+        buckets = [int(b) for b in buckets]
         if not isinstance(max_blocks_per_req, int) or max_blocks_per_req < 1:
             raise GraphRunnerError(f"max_blocks_per_req must be an int >= 1, got {max_blocks_per_req!r}")
+        if isinstance(timing_iters, bool) or not isinstance(timing_iters, int) or timing_iters < 1:
+            raise GraphRunnerError(f"timing_iters must be an int >= 1, got {timing_iters!r}")
         self.compiled = compiled
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_req = max_blocks_per_req
@@ -189,10 +193,13 @@ class CudaGraphRunner:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise GraphRunnerError(f"device {self.device} requested but CUDA is not available; "
+                                   "use device='cpu' (graphs are then eager re-runs)")
         self.model_kwargs = model_kwargs
         self.vocab_size = vocab_size
         self.keep_variants = keep_variants
-        self.last_choice: tuple[int, str] | None = None
+        self.last_choice: tuple[Any, str] | None = None
         self.last_graph: str | None = None
         self.graphs: dict[int, BucketGraphs] = {}
         self.pool: Any = None
@@ -269,6 +276,7 @@ class CudaGraphRunner:
                         "a decode-shaped one (Dynamo specialised on the step's layout, e.g. "
                         "max_query_len or the request count); a replayed CUDA graph would "
                         "ignore that. Keep layout-dependent host values out of the model")
+            self._check_artifact(art, tokens)
             bucket = BucketGraphs(tokens, art, args, input_pos=input_pos)
             with torch.no_grad():
                 self._capture_bucket(bucket, cuda)
@@ -276,6 +284,20 @@ class CudaGraphRunner:
             self.graphs[tokens] = bucket
         log.info("dbo graphs: %s", self.describe())
         return self.graphs
+
+    @staticmethod
+    def _check_artifact(art: Any, tokens: int) -> None:
+        if getattr(art, "split_program", None) is None and not getattr(art, "row_local", False):
+            raise GraphRunnerError(
+                f"the compiled graph was not split ({art.reason}) and is not known to be "
+                "row-local: padding a step to a bucket could change its results. Serve it "
+                "without CudaGraphRunner (run_step), or make the model row-local")
+        n = art.config.num_ubatches
+        if getattr(art, "split_program", None) is not None and tokens % n:
+            raise GraphRunnerError(
+                f"bucket {tokens} is not a multiple of num_ubatches={n}: a split step is padded "
+                f"to a multiple of it ({tokens + n - tokens % n}), so this bucket's split graph "
+                f"would never run at its size; use {tokens - tokens % n} or {tokens + n - tokens % n}")
 
     @staticmethod
     def _map_inputs(args: Sequence[Any], ids: torch.Tensor, pos: torch.Tensor,
@@ -295,7 +317,11 @@ class CudaGraphRunner:
         art = b.artifact
         unsplit = art.unsplit if hasattr(art, "unsplit") else art.fn
         self._graph(b, "unsplit", lambda: unsplit(*b.args), cuda)
-        if getattr(art, "split_program", None) is not None and art.config.split != "never":
+        cfg = getattr(art, "config", None)
+        never = cfg is not None and (cfg.split == "never" or (
+            cfg.split == "auto" and b.tokens < min(cfg.decode_token_threshold,
+                                                   cfg.prefill_token_threshold)))
+        if getattr(art, "split_program", None) is not None and not never:
             b.split_args = art.split_args(b.args, [1] * b.tokens)
             for name, program in art.variants.items():
                 self._graph(b, name, _split_fn(program, b.split_args, art.signature.outputs), cuda)
@@ -406,7 +432,9 @@ class CudaGraphRunner:
             elif not fits:
                 reason = f"block table width {width} > max_blocks_per_req {self.max_blocks_per_req}"
             else:
-                reason = "another DP rank's step fits no captured graph"
+                reason = (f"the DP vote padded the step to {padded} tokens (> largest bucket "
+                          f"{self.buckets[-1]}): another rank's step fits no captured graph")
+            self.last_choice, self.last_graph = ("eager", reason), None
             return self._eager(reason, input_ids, positions, attn_metadata, ctx)
         b = self.graphs[tokens]
         split = bool(vote is not None and vote.should_split and b.use_split)
@@ -476,6 +504,16 @@ class CudaGraphRunner:
         from dbo_compile.runtime.engine import run_step
 
         return run_step(self.compiled, ids, pos, md, **ctx, **self.model_kwargs)
+
+
+def _is_int(value: Any) -> bool:
+    import operator
+
+    try:
+        operator.index(value)
+        return True
+    except TypeError:
+        return False
 
 
 def _split_fn(program: Any, split_args: list[Any], outputs: Sequence[Sequence[int]]):

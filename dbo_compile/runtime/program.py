@@ -74,11 +74,13 @@ class UnsplitProgram:
 
     Attributes:
         reason: why the graph was not split (also logged at WARNING when compiled).
+        row_local: every output row depends only on the same input row (checked by the
+            token-dim analysis), so padding rows cannot change the real rows' results.
     """
 
     def __init__(self, fn: Callable[..., Any], reason: str, config: DboConfig | None = None,
                  specs: list[InputSpec] | None = None, has_comm: bool = False,
-                 fixed_num_tokens: bool = True):
+                 fixed_num_tokens: bool = True, row_local: bool = False):
         self.fn = fn
         self.reason = reason
         self.split_program = None
@@ -87,6 +89,7 @@ class UnsplitProgram:
         self.specs = specs
         self.has_comm = has_comm
         self.fixed_num_tokens = fixed_num_tokens
+        self.row_local = row_local
         self.last_vote: Any = None
 
     def __call__(self, *args: Any) -> Any:
@@ -261,6 +264,7 @@ class DboCompiledModule:
                 md = self._metadata(args, num_tokens).validate()
                 if real > num_tokens:
                     raise MetadataError(f"{real} scheduled tokens but only {num_tokens} rows")
+                _check_scheduled_tokens(qlens, md)
             veto = self._veto(md, qlens) if self.config.split != "never" else None
         except MetadataError as e:
             local_error = f"{type(e).__name__}: {e}"
@@ -358,6 +362,26 @@ class DboCompiledModule:
                 result.append(_unpad(torch.cat([outs[i] for i in idx], dim=0), num_tokens,
                                      vote.num_tokens_padded))
         return tuple(result)
+
+
+def _check_scheduled_tokens(qlens: list[int], md: AttentionMetadata) -> None:
+    """The engine's ``num_scheduled_tokens`` must be the metadata's query lens (>= 1 each).
+    Checked before the vote, so that a mismatch raises on every rank instead of breaking the
+    split on one rank after the others entered the step's collectives."""
+    if current_step_context().num_scheduled_tokens is None:
+        return  # read from query_start_loc: consistent by construction
+    bad = [(i, q) for i, q in enumerate(qlens) if q < 1]
+    if bad:
+        raise MetadataError(f"num_scheduled_tokens must be >= 1 per request, got {bad[:4]} "
+                            "(index, count); leave requests without tokens out of the step")
+    md_lens = md.query_lens().tolist()
+    if qlens != md_lens:
+        first = next((i for i, (a, b) in enumerate(zip(qlens, md_lens)) if a != b),
+                     min(len(qlens), len(md_lens)))
+        raise MetadataError(
+            f"num_scheduled_tokens ({len(qlens)} requests, {sum(qlens)} tokens) disagree with "
+            f"the metadata's query lens ({len(md_lens)} requests, {sum(md_lens)} tokens) from "
+            f"request {first}; pass the counts the metadata was built from")
 
 
 class _WriteBack:

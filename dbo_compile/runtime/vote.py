@@ -117,10 +117,10 @@ def decide_from_table(table: torch.Tensor, config: DboConfig) -> VoteResult:
     invalid = _ranks([v != 0 for v in rows[_INVALID]])
     if invalid:
         raise DpVoteError(
-            f"DP vote: ranks {invalid} passed invalid inputs (negative token count or padded < "
-            f"real tokens: real={[rows[_REAL][r] for r in invalid]}, padded="
-            f"{[rows[_PADDED][r] for r in invalid]}); every rank raises so that none hangs. "
-            "Fix the caller on those ranks."
+            f"DP vote: ranks {invalid} passed invalid inputs (a metadata error found on that "
+            f"rank, a negative token count or padded < real tokens: real="
+            f"{[rows[_REAL][r] for r in invalid]}, padded={[rows[_PADDED][r] for r in invalid]}); "
+            "every rank raises so that none hangs. Fix the caller on those ranks."
         )
     # a rank without a split program votes fingerprint 0: it cannot split, the others may differ
     no_program = _ranks([v == 0 for v in rows[_FINGERPRINT]])
