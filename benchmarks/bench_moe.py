@@ -85,6 +85,8 @@ def parse(argv=None):
     p.add_argument("--comm-sms", type=int, default=None,
                    help="option comm_sms: SM carve-out for compute GEMMs in the split program and a "
                         "dedicated high-priority EP group with that NCCL CTA cap")
+    p.add_argument("--carveout-candidates", default="",
+                   help="option sm_carveout_candidates, comma-separated SM counts (e.g. 16)")
     p.add_argument("--inductor", action="store_true",
                    help="also time the unsplit model compiled by Inductor, in a CUDA graph")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
@@ -174,8 +176,10 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     qlens = step.num_scheduled_tokens
     row: dict = {"phase": phase, "tokens_per_rank": tokens, "errors": []}
     # default options: split="auto", schedule candidates on; the runner measures and decides
+    cand = tuple(int(v) for v in args.carveout_candidates.split(",") if v)
     cmodel = torch.compile(model, backend="dbo", options={"scheduler": args.scheduler,
-                                                          "comm_sms": args.comm_sms})
+                                                          "comm_sms": args.comm_sms,
+                                                          "sm_carveout_candidates": cand})
     with torch.no_grad():
         ref = model(ids, pos, md).clone()
     runner = CudaGraphRunner(cmodel, [tokens], max_blocks_per_req=int(md.block_table.shape[1]),

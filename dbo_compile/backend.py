@@ -18,6 +18,7 @@ reason is logged at WARNING, naming the node (``DboConfig.on_unsplittable="raise
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -122,6 +123,11 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     variants = {config.scheduler: program, **{k: v for k, v in variants.items()
                                               if tuple(tuple(u.nodes) for u in v.schedule.units)
                                               != primary_order}}
+    for sms in config.sm_carveout_candidates:  # same code and units, another carve-out
+        for name, base in list(variants.items()):
+            if "+sms" not in name:
+                variants[f"{name}+sms{sms}"] = copy.copy(base)
+                variants[f"{name}+sms{sms}"].carveout_sms = sms
     _dump_schedule(schedule, program.code, config)
     log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
              "(%.2f s)", config.num_ubatches, len(comms), len(schedule.units),

@@ -214,3 +214,22 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
             outs = program(*sstep.split_args)
             got = torch.cat([outs[i] for i in art.signature.outputs[0]], 0)
             torch.testing.assert_close(got, eager, rtol=0, atol=1e-5, msg=name)
+
+
+def test_sm_carveout_candidates_add_a_copy_of_each_schedule():
+    from dbo_compile.config import DboConfig
+    from dbo_compile.errors import DboConfigError
+
+    model, step = build(MIXED_CUT, layers=2)
+    eager, out, _, _ = eager_and_compiled(model, step, {"split": "always",
+                                                        "sm_carveout_candidates": [16]})
+    art = last_artifact()
+    base = [n for n in art.variants if "+sms" not in n]
+    assert sorted(art.variants) == sorted(base + [f"{n}+sms16" for n in base])
+    for name, program in art.variants.items():
+        assert program.carveout_sms == (16 if name.endswith("+sms16") else None)
+        if name.endswith("+sms16"):  # same generated code and units as its base
+            assert program.code == art.variants[name[:-6]].code
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+    with pytest.raises(DboConfigError, match="sm_carveout_candidates"):
+        DboConfig(sm_carveout_candidates=(0,))
