@@ -5,7 +5,7 @@ in a :class:`CudaGraphRunner`::
 
     compiled = torch.compile(model, backend="dbo")
     runner = CudaGraphRunner(compiled, buckets=[64, 256, 1024, 4096], max_blocks_per_req=64)
-    runner.capture()        # warm-up, on every DP rank, before serving
+    runner.capture()        # warm-up, on every rank, before serving
     logits = runner(input_ids, positions, attn_metadata, num_scheduled_tokens=[1, 1, 57])
 
 At warm-up, for every bucket (a padded token count, largest first) the runner
@@ -13,7 +13,8 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
 1. runs one synthetic step of exactly ``bucket`` tokens through the compiled model (Dynamo
    compiles it; the runner records the artifact and its graph inputs, which become the bucket's
    static input buffers);
-2. captures the **unsplit** program and, when the graph was split, the **split** (DBO) program
+2. captures the **unsplit** program and, when the graph was split, every **split** (DBO)
+   program variant the backend compiled (``schedule_candidates``, ``sm_carveout_candidates``)
    as one CUDA graph each, after warm-up calls on a side stream, all into one memory pool;
 3. times the graphs by replaying them (``timing_iters`` replays each, interleaved rounds,
    median, CUDA events), takes the max over every rank of the job and keeps the fastest split
@@ -21,9 +22,12 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
    unsplit graph by ``min_gain`` (fraction) or more. The table is therefore identical on every
    rank. ``split="always"``/``"never"`` force it (``"never"`` captures no split graph).
 
-A prefill-shaped synthetic step is run per bucket too: if Dynamo compiled another graph for it
-(the model reads a layout-dependent host value such as ``max_query_len``), capture raises
-rather than replay a graph specialised to the decode-shaped warm-up step.
+Capture refuses what a replay could not serve correctly (``GraphRunnerError``): a step that runs
+several compiled graphs (graph breaks); a graph specialised to the warm-up layout (a
+prefill-shaped synthetic step is run per bucket too, and must reach the same compiled graph — it
+would not if the model branched on a host value such as ``max_query_len``); an unsplit graph not
+known to be row-local (padding rows could change the real rows); a bucket that is not a multiple
+of ``num_ubatches`` (a split step is padded past it).
 
 Per step (serving path; never captures):
 
@@ -167,8 +171,8 @@ class CudaGraphRunner:
         model_kwargs: extra keyword arguments of every model call.
 
     Raises:
-        GraphRunnerError: bad buckets; at :meth:`capture`: the model compiled into more than
-            one graph per step, or its artifact is not a ``dbo`` one.
+        GraphRunnerError: bad buckets, ``max_blocks_per_req`` or ``timing_iters``, or a CUDA
+            device without CUDA; at :meth:`capture`: what the module docstring lists.
     """
 
     def __init__(self, compiled: Callable[..., Any], buckets: Sequence[int], *,
