@@ -80,3 +80,16 @@ def test_bad_arguments_raise_experts_op_error(bad):
         w13 = w13[:, :-1]
     with pytest.raises(ExpertsOpError, match="grouped_experts"):
         torch.ops.dbo.grouped_experts(x, ids, w, w13, w2)
+
+
+def test_cost_model_counts_the_routed_swiglu_flops():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dbo_compile.config import DboConfig
+    from dbo_compile.passes.cost_model import CostModel
+
+    args = _case(n=40, h=32, inter=16, e=4, k=3)
+    gm = make_fx(lambda *a: torch.ops.dbo.grouped_experts(*a), tracing_mode="fake")(*args)
+    node = next(n for n in gm.graph.nodes if "grouped_experts" in str(n.target))
+    # no dispatch upstream: every slot counted as local (EP size 1)
+    assert CostModel(DboConfig(), frozenset(), 2).flops(node) == 6.0 * 40 * 3 * 16 * 32

@@ -26,6 +26,20 @@ _FREE = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "t
          "sym_size", "sym_numel", "_reshape_alias", "as_strided", "unbind", "chunk"}
 
 
+def _ep_size_of(x: Any) -> int:
+    """EP world size of the dispatch that produced ``x`` (``getitem`` of ``dbo.dispatch``);
+    1 when it cannot be told (no dispatch, unresolvable group)."""
+    src = x.args[0] if isinstance(x, fx.Node) and is_getitem(x) else None
+    if isinstance(src, fx.Node) and comm_kind(src) == "dispatch":
+        try:
+            from dbo_compile.ops.comm import ep_world_size
+
+            return max(1, int(ep_world_size(src.args[4])))
+        except Exception:  # noqa: BLE001 - a cost estimate never fails the compile
+            return 1
+    return 1
+
+
 class CostModel:
     """Estimate node costs in µs.
 
@@ -69,6 +83,13 @@ class CostModel:
             mat = [v for v in vals if isinstance(v, torch.Tensor) and v.dim() >= 2]
             k = self._int(mat[0].shape[-1]) if mat else 1
             return 2.0 * self.numel(out) * k
+        if name == "grouped_experts" and isinstance(out, torch.Tensor):
+            # SwiGLU (3 GEMMs of I x H) on the slots routed to this rank: N*K / W of them
+            x, ids, _w, _w13, w2 = (a.meta.get("val") if isinstance(a, fx.Node) else a
+                                    for a in node.args[:5])
+            rows, k = (self._int(s) for s in ids.shape)
+            hidden, inter = self._int(x.shape[1]), self._int(w2.shape[2])
+            return 6.0 * rows * k * inter * hidden / _ep_size_of(node.args[0])
         if name == "attention" and isinstance(out, torch.Tensor):
             # 2 matmuls over an assumed context of 4 * the ubatch's tokens
             tokens, heads, dim = (self._int(s) for s in out.shape)
