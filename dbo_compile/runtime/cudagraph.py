@@ -99,11 +99,9 @@ class SplitStep:
         self.outputs = compiled.signature.outputs
 
     def __call__(self) -> tuple[Any, ...]:
-        outs = self.program(*self.split_args)
-        result = []
-        for idx in self.outputs:
-            result.append(outs[idx[0]] if len(idx) == 1 else torch.cat([outs[i] for i in idx], 0))
-        return tuple(result)
+        from dbo_compile.runtime.program import join_ubatch_outputs
+
+        return join_ubatch_outputs(self.program(*self.split_args), self.outputs)
 
     def refresh(self) -> None:
         """Re-cut the (already updated, same-shaped) graph inputs into the static split inputs.

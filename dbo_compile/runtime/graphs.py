@@ -523,12 +523,9 @@ def _is_int(value: Any) -> bool:
 def _split_fn(program: Any, split_args: list[Any], outputs: Sequence[Sequence[int]]):
     """The split program over static per-ubatch inputs; outputs concatenated in ubatch order."""
 
-    def run() -> tuple[Any, ...]:
-        outs = program(*split_args)
-        return tuple(outs[i[0]] if len(i) == 1 else torch.cat([outs[j] for j in i], 0)
-                     for i in outputs)
+    from dbo_compile.runtime.program import join_ubatch_outputs
 
-    return run
+    return lambda: join_ubatch_outputs(program(*split_args), outputs)
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:

@@ -354,14 +354,17 @@ class DboCompiledModule:
                 "aborted, the next step runs normally"
             ) from e
         write_back()
-        result = []
-        for idx in self.signature.outputs:
-            if len(idx) == 1:
-                result.append(outs[idx[0]])
-            else:
-                result.append(_unpad(torch.cat([outs[i] for i in idx], dim=0), num_tokens,
-                                     vote.num_tokens_padded))
-        return tuple(result)
+        return tuple(_unpad(o, num_tokens, vote.num_tokens_padded) if len(idx) > 1 else o
+                     for o, idx in zip(join_ubatch_outputs(outs, self.signature.outputs),
+                                       self.signature.outputs))
+
+
+def join_ubatch_outputs(outs: Sequence[Any], outputs: Sequence[Sequence[int]]) -> tuple[Any, ...]:
+    """The graph's outputs from the split program's: a token-indexed output (several split
+    outputs, one per ubatch) is concatenated along the token dim in ubatch order; any other is
+    taken as it is. ``outputs`` is ``SplitSignature.outputs``."""
+    return tuple(outs[idx[0]] if len(idx) == 1 else torch.cat([outs[i] for i in idx], dim=0)
+                 for idx in outputs)
 
 
 def _check_scheduled_tokens(qlens: list[int], md: AttentionMetadata) -> None:
