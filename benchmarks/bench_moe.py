@@ -59,7 +59,7 @@ import moe_harness as H  # noqa: E402
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.runtime import cudagraph as cg  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
-from dbo_compile.runtime.graphs import CudaGraphRunner  # noqa: E402
+from dbo_compile.runtime.graphs import CudaGraphRunner, _split_fn  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -285,12 +285,6 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
         "timing_mode": "graph" if cuda else "eager",
     })
     return row
-
-
-def _split_fn(program, split_args, outputs):
-    from dbo_compile.runtime.graphs import _split_fn as make
-
-    return make(program, split_args, outputs)
 
 
 def fmt(v, nd=0):

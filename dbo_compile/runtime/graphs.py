@@ -72,6 +72,7 @@ import torch
 from dbo_compile.errors import DboError
 from dbo_compile.runtime.context import step_context
 from dbo_compile.runtime.metadata import FIELD_LAYOUT, AttentionMetadata
+from dbo_compile.runtime.program import _pad_args
 
 log = logging.getLogger(__name__)
 
@@ -137,16 +138,10 @@ class _EagerGraph:
         self.out = fn()
 
     def replay(self) -> None:
+        from dbo_compile.passes.token_dim import _tensors
+
         for dst, src in zip(_tensors(self.out), _tensors(self.fn())):
             dst.copy_(src)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 class CudaGraphRunner:
@@ -468,7 +463,7 @@ class CudaGraphRunner:
             raise GraphRunnerError(f"step of {n} tokens does not fit a captured bucket "
                                    f"({tokens} not in {sorted(self.graphs)} or too small)")
         args = self._graph_args(b, input_ids, positions, attn_metadata)
-        padded_args = _pad_token_rows(b.artifact.specs, args, n, tokens)
+        padded_args = _pad_args(b.artifact.specs, args, n, tokens)
         if split:
             if b.split_args is None:
                 raise GraphRunnerError(f"bucket {tokens} has no split graph (graph not split)")
@@ -559,20 +554,15 @@ def _real_rows(out: Any, n: int, rows: int, token_out: bool | None) -> Any:
     return out[:n] if out.shape[0] == rows else out
 
 
-def _pad_token_rows(specs: Sequence[Any], args: Sequence[Any], n: int, rows: int) -> list[Any]:
-    from dbo_compile.runtime.program import _pad_args
-
-    return _pad_args(list(specs), args, n, rows)
-
-
 def _copy_into(static: list[Any], new: Sequence[Any], inputs: Sequence[tuple[int, int | None]],
                specs: Sequence[Any]) -> None:
     """Copy a step's (per-ubatch) inputs into the captured static ones.
 
     Shared inputs are the same objects (skipped). Token-indexed tensors have the captured
-    shape. Request-indexed metadata is padded to the captured request count with zero-length
-    requests (see the module docstring); ints must equal the captured ones except request
-    counts, which the graph was captured at capacity.
+    shape (else ``GraphRunnerError``). Request-indexed metadata is padded to the captured
+    request count with zero-length requests (see the module docstring). Ints (sizes) are not
+    copied: the graph keeps its captured token sizes, which the bucket's padding reproduces,
+    and its captured request capacity, which the request padding fills.
     """
     for pos, (index, _ubatch) in enumerate(inputs):
         dst, src = static[pos], new[pos]
