@@ -193,7 +193,9 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     art = b.artifact
     row["artifact"] = type(art).__name__
     if b.split_args is None:
-        row["errors"].append(f"not split: {getattr(art, 'reason', '?')}")
+        why = getattr(art, "reason", None) or (
+            "no split graph captured: with split='auto' this bucket is below the thresholds")
+        row["errors"].append(f"not split: {why}")
         return row
     row["schedules"] = {name: {"units": len(p.schedule.units), "event_edges": len(p.schedule.event_edges),
                                "predicted_us": round(p.schedule.predicted_step_us, 1)}
@@ -338,7 +340,7 @@ def main(argv=None) -> int:
     preset = args.preset or ("deepseek-v2-lite" if cuda else "tiny")
     buckets = args.buckets or ("decode:64,decode:128,decode:256,decode:512,decode:1024,"
                                "prefill:2048,prefill:4096,prefill:8192" if cuda
-                               else "decode:16,prefill:32")
+                               else "decode:32,prefill:64")
     link = args.link or ("shm" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink")
     kernels = H.install_kernels(device.type, experts=args.experts, attention=args.attention)
     overrides = {"vocab_size": args.vocab, "first_k_dense_replace": args.dense_layers}
