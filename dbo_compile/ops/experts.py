@@ -84,14 +84,27 @@ def _sorted_slots(ids: torch.Tensor, num_experts: int):
     return order, rows, offs, valid
 
 
+def _gate_up(x, rows, offs, w13) -> torch.Tensor:
+    """Per sorted slot, its expert's gate and up projections ``[N*K, 2I]`` (rows past
+    ``offs[-1]`` are not computed and hold garbage)."""
+    return torch._grouped_mm(x.index_select(0, rows), w13.transpose(-2, -1), offs=offs)
+
+
 def _expert_outputs(x, rows, offs, w13, w2) -> torch.Tensor:
     """Per sorted slot, the SwiGLU output of its expert: ``[N*K, H]`` (rows past ``offs[-1]``
     are not computed and hold garbage)."""
-    xs = x.index_select(0, rows)
-    h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+    h = _gate_up(x, rows, offs, w13)
     inter = w2.shape[2]
     a = F.silu(h[:, :inter]) * h[:, inter:]
     return torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+
+
+def _slot_positions(order, valid, weights):
+    """``(pos, w)``: each slot's row in the sorted order (the inverse permutation of
+    ``order``) and its routing weight, 0 for slots not on this rank; both ``[N*K]``."""
+    pos = torch.empty_like(order)
+    pos.scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return pos, torch.where(valid, weights.reshape(-1), 0.0).contiguous()
 
 
 def _weighted_gather_sum_torch(o, pos, w, valid, out_dtype):
@@ -110,9 +123,7 @@ def grouped_reference(x, ids, weights, w13, w2) -> torch.Tensor:
         return torch.zeros_like(x)
     order, rows, offs, valid = _sorted_slots(ids, w13.shape[0])
     o = _expert_outputs(x, rows, offs, w13, w2)
-    pos = torch.empty_like(order)
-    pos.scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    w = torch.where(valid, weights.reshape(-1), 0.0)
+    pos, w = _slot_positions(order, valid, weights)
     return _weighted_gather_sum_torch(o, pos.view(n, k), w.view(n, k), valid, x.dtype)
 
 
@@ -152,26 +163,21 @@ def _triton_kernel():
 
 
 def _grouped_cuda(x, ids, weights, w13, w2) -> torch.Tensor:
+    kernel = _triton_kernel()
+    if kernel is None:  # without Triton: the same algorithm with torch ops
+        return grouped_reference(x, ids, weights, w13, w2)
     n, k = ids.shape
     if n == 0:
         return torch.zeros_like(x)
+    triton, wgs, silu_mul = kernel
     order, rows, offs, valid = _sorted_slots(ids, w13.shape[0])
-    kernel = _triton_kernel()
-    if kernel is None:
-        o = _expert_outputs(x, rows, offs, w13, w2)
-    else:
-        triton, wgs, silu_mul = kernel
-        h = torch._grouped_mm(x.index_select(0, rows), w13.transpose(-2, -1), offs=offs)
-        inter = w2.shape[2]
-        act = torch.empty(h.shape[0], inter, dtype=h.dtype, device=h.device)
-        block = min(1024, triton.next_power_of_2(inter))
-        silu_mul[(h.shape[0], triton.cdiv(inter, block))](h, act, offs[-1:], inter, BLOCK=block)
-        o = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
-    pos = torch.empty_like(order)
-    pos.scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    w = torch.where(valid, weights.reshape(-1), 0.0).contiguous()
-    if kernel is None:
-        return _weighted_gather_sum_torch(o, pos.view(n, k), w.view(n, k), valid, x.dtype)
+    h = _gate_up(x, rows, offs, w13)
+    inter = w2.shape[2]
+    act = torch.empty(h.shape[0], inter, dtype=h.dtype, device=h.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    silu_mul[(h.shape[0], triton.cdiv(inter, block))](h, act, offs[-1:], inter, BLOCK=block)
+    o = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
+    pos, w = _slot_positions(order, valid, weights)
     hidden = x.shape[1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # row-major, whatever x's strides
     block = min(1024, triton.next_power_of_2(hidden))
