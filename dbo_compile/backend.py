@@ -101,16 +101,10 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     split_gm.graph.lint()
     split_gm.recompile()
     # alternative schedules first: stream_assign annotates the graph's nodes, and the primary
-    # schedule's annotations must be the ones left on split_gm
-    variants: dict[str, Any] = {}
-    orders = set()
-    for name, cfg in schedule_variants(config)[1:]:
-        sched = stream_assign(split_gm.graph, cfg, lowered.token_symbols, config.num_ubatches)
-        order = tuple(tuple(u.nodes) for u in sched.units)
-        if order not in orders:
-            orders.add(order)
-            variants[name] = SplitProgram(split_gm, sched, _unit_compiler(config),
-                                           carveout_sms=config.comm_sms)
+    # schedule's annotations must be the ones left on split_gm (codegen reads the schedule only)
+    alternatives = [(name, stream_assign(split_gm.graph, cfg, lowered.token_symbols,
+                                         config.num_ubatches))
+                    for name, cfg in schedule_variants(config)[1:]]
     schedule = stream_assign(split_gm.graph, config, lowered.token_symbols, config.num_ubatches)
     schedule.meta.update(
         comm_ops_per_ubatch=len(comms),
@@ -119,15 +113,18 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     _dump_graph("split", split_gm)
     program = SplitProgram(split_gm, schedule, _unit_compiler(config),
                            carveout_sms=config.comm_sms)
-    primary_order = tuple(tuple(u.nodes) for u in schedule.units)
-    variants = {config.scheduler: program, **{k: v for k, v in variants.items()
-                                              if tuple(tuple(u.nodes) for u in v.schedule.units)
-                                              != primary_order}}
+    variants: dict[str, Any] = {config.scheduler: program}
+    orders = {_unit_order(schedule)}
+    for name, sched in alternatives:  # one program per distinct host order
+        if _unit_order(sched) not in orders:
+            orders.add(_unit_order(sched))
+            variants[name] = SplitProgram(split_gm, sched, _unit_compiler(config),
+                                          carveout_sms=config.comm_sms)
+    schedules = dict(variants)
     for sms in config.sm_carveout_candidates:  # same code and units, another carve-out
-        for name, base in list(variants.items()):
-            if "+sms" not in name:
-                variants[f"{name}+sms{sms}"] = copy.copy(base)
-                variants[f"{name}+sms{sms}"].carveout_sms = sms
+        for name, base in schedules.items():
+            variants[f"{name}+sms{sms}"] = copy.copy(base)
+            variants[f"{name}+sms{sms}"].carveout_sms = sms
     _dump_schedule(schedule, program.code, config)
     log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
              "(%.2f s)", config.num_ubatches, len(comms), len(schedule.units),
@@ -138,6 +135,10 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered.gm
     return compiled
+
+
+def _unit_order(schedule: Any) -> tuple:
+    return tuple(tuple(u.nodes) for u in schedule.units)
 
 
 def schedule_variants(config: DboConfig) -> list[tuple[str, DboConfig]]:
