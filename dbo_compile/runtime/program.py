@@ -91,6 +91,7 @@ class UnsplitProgram:
         self.fixed_num_tokens = fixed_num_tokens
         self.row_local = row_local
         self.last_vote: Any = None
+        self._token_index = next((s.index for s in specs or [] if s.kind == "token"), None)
 
     def __call__(self, *args: Any) -> Any:
         _LAST_CALLED[0] = self
@@ -99,10 +100,11 @@ class UnsplitProgram:
         vote = self.decide(args)
         self.last_vote = vote
         self.stats.count(False, "unsplittable")
-        token = next((s.index for s in self.specs or [] if s.kind == "token"), None)
-        if vote is None or vote.num_tokens_padded == int(args[token].shape[0]):
+        if vote is None:
             return self.fn(*args)
-        num_tokens = int(args[token].shape[0])
+        num_tokens = int(args[self._token_index].shape[0])
+        if vote.num_tokens_padded == num_tokens:
+            return self.fn(*args)
         padded_args = _pad_args(self.specs, args, num_tokens, vote.num_tokens_padded)
         write_back = _WriteBack(args, padded_args, num_tokens)
         outs = self.fn(*padded_args)
@@ -117,13 +119,12 @@ class UnsplitProgram:
         ``min_padded``: report at least this padded token count (the CUDA-graph runner sends
         one past its largest bucket when this rank's step fits no graph, so that every rank runs
         eagerly); ``fixed_num_tokens`` overrides the artifact's own (the runner pads itself)."""
-        token = next((s.index for s in self.specs or [] if s.kind == "token"), None)
         group = _dp_group(self.config)
-        if not self.has_comm or token is None or group is None:
+        if not self.has_comm or self._token_index is None or group is None:
             return None
         from dbo_compile.runtime.vote import coordinate_across_dp
 
-        n = int(args[token].shape[0])
+        n = int(args[self._token_index].shape[0])
         fixed = self.fixed_num_tokens if fixed_num_tokens is None else fixed_num_tokens
         return coordinate_across_dp(n, uniform_decode=False, allow_split=False,
                                     config=self.config, group=group, fingerprint=None,
