@@ -22,14 +22,22 @@ def build(case: dict, *, dtype=torch.float32, group=None, layers: int = 2, seed:
     return model, step
 
 
-def eager_and_compiled(model, step, options):
-    """Eager logits and compiled logits from the same KV-cache state."""
+def eager_then_restore(model, step):
+    """Eager logits of ``step`` and the KV caches it wrote; the caches are then put back as
+    they were, so that the program under test starts from the same state."""
     saved = [c.clone() for c in model.kv_caches()]
     with torch.no_grad():
         eager = model(step.input_ids, step.positions, step.attn_metadata)
         eager_caches = [c.clone() for c in model.kv_caches()]
         for c, s in zip(model.kv_caches(), saved):
             c.copy_(s)
+    return eager, eager_caches
+
+
+def eager_and_compiled(model, step, options):
+    """Eager logits and compiled logits from the same KV-cache state."""
+    eager, eager_caches = eager_then_restore(model, step)
+    with torch.no_grad():
         compiled = torch.compile(model, backend="dbo", options=options)
         out = compiled(step.input_ids, step.positions, step.attn_metadata)
     return eager, out, eager_caches, [c.clone() for c in model.kv_caches()]

@@ -17,6 +17,7 @@ from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
 from dbo_compile.runtime.graphs import CudaGraphRunner, GraphRunnerError
 from dbo_compile.testing import run_multirank
+from moe_cases import eager_then_restore
 
 NUM_BLOCKS = 320
 BUCKETS = [16, 48]
@@ -64,12 +65,8 @@ def _runner_body(rank, world_size, split, num_steps):
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         ref_step = _step(cfg, random.Random(1000 * i + rank), seed=i * 7 + rank, pad_to=int(n))
         fill_kv_cache(model, step, seed=i)
-        saved = [c.clone() for c in model.kv_caches()]
+        eager, eager_kv = eager_then_restore(model, ref_step)
         with torch.no_grad():
-            eager = model(ref_step.input_ids, ref_step.positions, ref_step.attn_metadata)
-            eager_kv = [c.clone() for c in model.kv_caches()]
-            for c, s in zip(model.kv_caches(), saved):
-                c.copy_(s)
             eager_before, arts_before = runner.eager_steps, len(compiled_artifacts())
             runner.last_choice = None
             out = runner(step.input_ids, step.positions, step.attn_metadata,

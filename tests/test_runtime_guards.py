@@ -14,6 +14,7 @@ from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.runtime.metadata import AttentionMetadata
 from dbo_compile.testing import run_multirank
+from moe_cases import eager_then_restore
 
 NUM_BLOCKS = 320
 
@@ -66,11 +67,8 @@ def _dp_steps_body(rank, world_size, num_steps, seed):
         ref_step = _random_step(cfg, random.Random(seed * 100003 + i * 31 + rank),
                                 seed=i * 7 + rank, pad_to=int(n))
         fill_kv_cache(model, step, seed=i)
-        saved = [c.clone() for c in model.kv_caches()]
+        eager, _ = eager_then_restore(model, ref_step)
         with torch.no_grad():
-            eager = model(ref_step.input_ids, ref_step.positions, ref_step.attn_metadata)
-            for c, s in zip(model.kv_caches(), saved):
-                c.copy_(s)
             out = run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
                            step.num_scheduled_tokens, block_size=16)
         assert out.shape[0] == step.num_tokens
@@ -230,7 +228,7 @@ def _unsplittable_uneven_body(rank, world_size):
     import torch.distributed as dist
 
     from dbo_compile.backend import register
-    from dbo_compile.runtime.program import UnsplitProgram, last_called
+    from dbo_compile.runtime.program import last_called
 
     register()
     cfg = get_config("tiny", num_layers=1)
