@@ -14,7 +14,8 @@ only bucket: the runner captures the unsplit program and every split schedule va
 graphs, times them at warm-up and decides. Then, on the benchmark's own step:
 
 - ``unsplit_eager``: the model run eagerly, unsplit.
-- ``baseline``: the runner's unsplit graph (THE baseline).
+- ``baseline``: the runner's unsplit graph (THE baseline; with compute_backend "inductor", the
+  default on CUDA, the unsplit program compiled by Inductor, like the split program's stages).
 - ``inductor`` (``--inductor``): the unsplit model compiled by Inductor, in a CUDA graph.
 - ``split_serial``: the DBO schedule with its comm stream replaced by the compute stream
   (``dbo_compile.runtime.cudagraph.serial_comm``): same kernels, same order, no overlap.
@@ -87,6 +88,10 @@ def parse(argv=None):
                         "dedicated high-priority EP group with that NCCL CTA cap")
     p.add_argument("--carveout-candidates", default="",
                    help="option sm_carveout_candidates, comma-separated SM counts (e.g. 16)")
+    p.add_argument("--compute-backend", default="auto", choices=["auto", "aten", "inductor"],
+                   help="option compute_backend (default: the package default, 'auto' = Inductor "
+                        "on CUDA): 'inductor' compiles every stage of the split program and the "
+                        "unsplit program with Inductor, so the baseline moves too")
     p.add_argument("--inductor", action="store_true",
                    help="also time the unsplit model compiled by Inductor, in a CUDA graph")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
@@ -179,7 +184,8 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     cand = tuple(int(v) for v in args.carveout_candidates.split(",") if v)
     cmodel = torch.compile(model, backend="dbo", options={"scheduler": args.scheduler,
                                                           "comm_sms": args.comm_sms,
-                                                          "sm_carveout_candidates": cand})
+                                                          "sm_carveout_candidates": cand,
+                                                          "compute_backend": args.compute_backend})
     with torch.no_grad():
         ref = model(ids, pos, md).clone()
     runner = CudaGraphRunner(cmodel, [tokens], max_blocks_per_req=int(md.block_table.shape[1]),
@@ -358,7 +364,9 @@ def main(argv=None) -> int:
     setup = (f"{preset}, {args.layers} layers ({mc.num_moe_layers} MoE), vocab {mc.vocab_size}, bf16, "
              f"EP={dist.get_world_size()}, experts={kernels['experts']}, "
              f"attention={kernels['attention']}, scheduler={args.scheduler}"
-             + (f", comm_sms={args.comm_sms}" if args.comm_sms else ""))
+             + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
+             + (f", carve-out candidates {args.carveout_candidates}" if args.carveout_candidates else "")
+             + f", compute_backend={args.compute_backend}")
     log(f"[bench] {machine} torch {torch.__version__} nccl {nccl} link={link} {setup}")
     rows = []
     for b in buckets.split(","):
@@ -369,6 +377,7 @@ def main(argv=None) -> int:
             log(traceback.format_exc())
             row = {"phase": phase, "tokens_per_rank": int(tok), "errors": [f"{type(e).__name__}: {e}"[:500]]}
         row["link"] = link
+        row["compute_backend"] = args.compute_backend
         rows.append(row)
         log("[bench] " + json.dumps(row, default=str))
     if dist.get_rank() == 0:

@@ -76,6 +76,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     from dbo_compile.runtime.program import DboCompiledModule
 
     _ensure_ops_registered()
+    config = _resolve_compute_backend(config, example_inputs)
     t0 = time.perf_counter()
     specs = classify_inputs(gm, example_inputs, input_kinds)
     if not any(s.kind == "token" for s in specs):
@@ -111,14 +112,14 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         num_graph_inputs=len(specs),
     )
     _dump_graph("split", split_gm)
-    program = SplitProgram(split_gm, schedule, _unit_compiler(config),
-                           carveout_sms=config.comm_sms)
+    compile_unit = _unit_compiler(config)  # shared: variants reuse each other's stages
+    program = SplitProgram(split_gm, schedule, compile_unit, carveout_sms=config.comm_sms)
     variants: dict[str, Any] = {config.scheduler: program}
     orders = {_unit_order(schedule)}
     for name, sched in alternatives:  # one program per distinct host order
         if _unit_order(sched) not in orders:
             orders.add(_unit_order(sched))
-            variants[name] = SplitProgram(split_gm, sched, _unit_compiler(config),
+            variants[name] = SplitProgram(split_gm, sched, compile_unit,
                                           carveout_sms=config.comm_sms)
     schedules = dict(variants)
     for sms in config.sm_carveout_candidates:  # same code and units, another carve-out
@@ -131,7 +132,8 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
              len(schedule.event_edges), time.perf_counter() - t0)
     # the unsplit program is the lowered graph: symbolic in the token dim, so it also runs at
     # the padded token count the DP vote agrees on
-    compiled = DboCompiledModule(lowered.gm, program, specs, signature, config, variants=variants)
+    compiled = DboCompiledModule(_unsplit_callable(lowered.gm, config), program, specs, signature,
+                                 config, variants=variants)
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered.gm
     return compiled
@@ -162,16 +164,32 @@ def schedule_variants(config: DboConfig) -> list[tuple[str, DboConfig]]:
     return out
 
 
+def _resolve_compute_backend(config: DboConfig, example_inputs: Sequence[Any]) -> DboConfig:
+    """``compute_backend="auto"``: Inductor for a graph with CUDA inputs, ATen otherwise (every
+    rank of a job sees the same device type, so every rank resolves the same way)."""
+    if config.compute_backend != "auto":
+        return config
+    cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+    return config.replace(compute_backend="inductor" if cuda else "aten")
+
+
 def _unit_compiler(config: DboConfig):
+    """``compile_unit`` of the split programs for ``config.compute_backend``."""
     if config.compute_backend == "aten":
         return None
+    from dbo_compile.codegen.inductor import inductor_unit_compiler
 
-    from dbo_compile.errors import DboConfigError
+    return inductor_unit_compiler()
 
-    raise DboConfigError(
-        f"compute_backend={config.compute_backend!r} is not implemented yet; use 'aten' "
-        "(each compute stage then runs its ATen ops as traced)"
-    )
+
+def _unsplit_callable(gm: fx.GraphModule, config: DboConfig):
+    """The unsplit program: the lowered graph as traced, or Inductor's (``compute_backend``),
+    so that the runtime's split-or-not comparison is like for like."""
+    if config.compute_backend == "aten":
+        return gm
+    from dbo_compile.codegen.inductor import InductorStage
+
+    return InductorStage(gm, "the unsplit program")
 
 
 def _dump_graph(name: str, gm: fx.GraphModule) -> None:
@@ -223,7 +241,7 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
 
     # torch imports this package while parsing TORCH_LOGS and then adds its handler again
     _drop_duplicate_handlers(logging.getLogger("dbo_compile"))
-    config = DboConfig.from_options(options)
+    config = _resolve_compute_backend(DboConfig.from_options(options), example_inputs)
     try:
         compiled = compile_split(gm, example_inputs, config)
     except UnsplittableGraphError as e:
@@ -251,7 +269,12 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     has_comm = any(comm_kind(n) is not None for n in gm.graph.nodes)
     # a graph Dynamo traced with symbolic sizes runs at any token count; a static one cannot
     dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
-    return UnsplitProgram(gm.forward, reason, config, specs, has_comm, fixed_num_tokens=not dynamic,
+    fn = gm.forward
+    if config.compute_backend == "inductor":
+        from dbo_compile.codegen.inductor import InductorStage
+
+        fn = InductorStage(gm, "the unsplit graph")
+    return UnsplitProgram(fn, reason, config, specs, has_comm, fixed_num_tokens=not dynamic,
                           row_local=row_local)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from dbo_compile.errors import DboConfigError
 
 _SPLIT_MODES = ("auto", "always", "never")
-_COMPUTE_BACKENDS = ("aten", "inductor")
+_COMPUTE_BACKENDS = ("auto", "aten", "inductor")
 _SCHEDULERS = ("list", "naive")
 _ON_UNSPLITTABLE = ("fallback", "raise")
 
@@ -52,8 +52,13 @@ class DboConfig:
             also compiled with each carve-out (``comm_sms`` semantics) and measured by the
             runner. Default none (on 2x H200 a carve-out of 16 gained 6 % at comm-heavy prefill
             and lost elsewhere: a per-bucket measurement keeps only the gain).
-        compute_backend: ``"aten"`` runs each compute stage's ATen ops as they are;
-            ``"inductor"`` hands each stage's sub-graph to Inductor (``compile_fx``).
+        compute_backend: ``"inductor"`` compiles each compute stage of the split program and
+            the unsplit program with Inductor (fused Triton kernels; seconds of compile time
+            per stage and bucket, once); ``"aten"`` runs each stage's ATen ops as traced (one or
+            more kernels per op); ``"auto"`` (default): ``"inductor"`` for graphs on CUDA,
+            ``"aten"`` elsewhere (CPU is for tests: Inductor's C++ compile is slow there).
+            Measured on 2x H200 (README): Inductor cut the unsplit step 13–20 % and the split
+            step 9–23 %.
         on_unsplittable: ``"fallback"`` compiles an unsplittable graph unsplit and logs why;
             ``"raise"`` raises :class:`UnsplittableGraphError`.
         comm_sms: SMs kept for communication: the split program runs with that many SMs
@@ -82,7 +87,7 @@ class DboConfig:
     scheduler: str = "list"
     schedule_candidates: bool = True
     sm_carveout_candidates: tuple = ()
-    compute_backend: str = "aten"
+    compute_backend: str = "auto"
     on_unsplittable: str = "fallback"
     comm_sms: int | None = None
     cost_model_tokens: int = 1024

@@ -28,7 +28,10 @@ needs_2gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
 MAX_REL = 0.05
 MAX_ROWS_OFF = 0.02
 
-CASES = [("decode", 256, "ref"), ("prefill", 1024, "ref")]
+#: (phase, tokens/rank, attention kernel, compute_backend)
+CASES = [("decode", 256, "ref", "aten"), ("prefill", 1024, "ref", "aten"),
+         ("decode", 256, "proj", "inductor"), ("prefill", 1024, "proj", "inductor")]
+KEYS = [f"{p}{t}" + ("" if be == "aten" else f"/{be}") for p, t, _, be in CASES]
 
 
 def _init_rank(rank: int, world: int, port: int) -> torch.device:
@@ -61,8 +64,7 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
         from dbo_compile.runtime import cudagraph as cg
 
         B.register()
-        for phase, tokens, attention in CASES:
-            key = f"{phase}{tokens}"
+        for (phase, tokens, attention, backend), key in zip(CASES, KEYS):
             try:
                 H.install_kernels("cuda", experts="grouped", attention=attention)
                 torch._dynamo.reset()
@@ -76,7 +78,8 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
                     c.normal_(generator=g)
                 kv0 = [c.clone() for c in model.kv_caches()]
                 ids, pos, md = step.input_ids, step.positions, step.attn_metadata
-                cm = torch.compile(model, backend="dbo", options={"split": "always"})
+                cm = torch.compile(model, backend="dbo",
+                                   options={"split": "always", "compute_backend": backend})
                 with torch.no_grad():
                     ref = model(ids, pos, md).clone()
                     for c, c0 in zip(model.kv_caches(), kv0):
@@ -201,7 +204,7 @@ def _check(results: dict, key: str, what: str) -> None:
 
 
 @needs_2gpu
-@pytest.mark.parametrize("key", [f"{p}{t}" for p, t, _ in CASES])
+@pytest.mark.parametrize("key", KEYS)
 def test_split_eager_matches_unsplit(gpu_results, key):
     for res in gpu_results.values():
         assert res.get(key + "/split_steps", 0) >= 1
@@ -209,13 +212,13 @@ def test_split_eager_matches_unsplit(gpu_results, key):
 
 
 @needs_2gpu
-@pytest.mark.parametrize("key", [f"{p}{t}" for p, t, _ in CASES])
+@pytest.mark.parametrize("key", KEYS)
 def test_split_graph_replay_matches_unsplit(gpu_results, key):
     _check(gpu_results, key, "graph")
 
 
 @needs_2gpu
-@pytest.mark.parametrize("key", [f"{p}{t}" for p, t, _ in CASES])
+@pytest.mark.parametrize("key", KEYS)
 def test_graph_replay_new_step_no_recapture(gpu_results, key):
     _check(gpu_results, key, "graph_new")
     for res in gpu_results.values():  # the new step really is different

@@ -47,9 +47,13 @@ def _resolve(node: fx.Node) -> fx.Node:
 
 
 def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
-                       compile_unit: Callable[[fx.GraphModule, int], Callable] | None = None
+                       compile_unit: Callable[[fx.GraphModule, Any], Callable] | None = None
                        ) -> tuple[list[Callable], list[UnitIO]]:
-    """Extract one GraphModule per unit; its inputs are values made outside the unit."""
+    """Extract one GraphModule per unit; its inputs are values made outside the unit.
+
+    ``compile_unit(gm, unit)``, if given, turns each *compute* unit's GraphModule into the
+    callable the wrapper calls (e.g. :func:`~dbo_compile.codegen.inductor.inductor_unit_compiler`);
+    comm units always stay the GraphModule of their one comm op."""
     graph = split_gm.graph
     by_name = {n.name: n for n in graph.nodes}
     unit_of = schedule.unit_of_node()
@@ -91,7 +95,8 @@ def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
             env[n] = new
         sub.output(tuple(env[o] for o in outputs))
         gm = fx.GraphModule(split_gm, sub, class_name=f"DboUnit{unit.id}")
-        modules.append(compile_unit(gm, unit.id) if compile_unit is not None else gm)
+        compiled = compile_unit is not None and unit.stream != COMM
+        modules.append(compile_unit(gm, unit) if compiled else gm)
         ios.append(UnitIO([a.name for a in inputs], [o.name for o in outputs]))
     return modules, ios
 
@@ -173,7 +178,7 @@ class SplitProgram:
     """
 
     def __init__(self, split_gm: fx.GraphModule, schedule: Schedule,
-                 compile_unit: Callable[[fx.GraphModule, int], Callable] | None = None,
+                 compile_unit: Callable[[fx.GraphModule, Any], Callable] | None = None,
                  carveout_sms: int | None = None):
         self.schedule = schedule
         self.carveout_sms = carveout_sms

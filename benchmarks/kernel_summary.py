@@ -1,0 +1,112 @@
+"""Where the split program's extra time goes: per-kernel totals of the unsplit graph and of a
+split schedule's graph, side by side, from one profiled replay of each.
+
+Run (2 GPUs)::
+
+    torchrun --nproc-per-node 2 benchmarks/kernel_summary.py --phase prefill --tokens 2048 \
+        --compute-backend inductor
+
+Prints, for rank 0, the kernels grouped by a short name: calls and total µs in the unsplit
+graph and in the split graph (the runner's fastest variant), sorted by the difference; and the
+total kernel count and kernel time of each. NCCL kernels are listed like the others; run with
+``NCCL_P2P_DISABLE=1`` for the comm-heavy link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import moe_harness as H  # noqa: E402
+
+from dbo_compile import backend as dbo_backend  # noqa: E402
+from dbo_compile.runtime.graphs import CudaGraphRunner  # noqa: E402
+
+
+def _short(name: str) -> str:
+    name = re.sub(r"<.*", "", name)  # template arguments
+    name = re.sub(r"\(.*", "", name)
+    return name.split("::")[-1][:60] or name[:60]
+
+
+def kernel_table(graph, reps: int) -> dict[str, list[float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    table: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            row = table[_short(ev.name)]
+            row[0] += 1 / reps
+            row[1] += ev.device_time / reps
+    return table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--phase", default="prefill", choices=("decode", "prefill"))
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--compute-backend", default="aten", choices=["aten", "inductor"])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args(argv)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    dbo_backend.register()
+    H.install_kernels("cuda", experts="grouped", attention="proj")
+    model = H.build_model("deepseek-v2-lite", args.layers, dist.group.WORLD, str(device),
+                          vocab_size=args.vocab, first_k_dense_replace=0)
+    step = H.make_bucket_step(model.config, args.phase, args.tokens, str(device), seed=1)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    cm = torch.compile(model, backend="dbo", options={"split": "always",
+                                                      "compute_backend": args.compute_backend})
+    runner = CudaGraphRunner(cm, [args.tokens], block_size=step.block_size,
+                             max_blocks_per_req=int(step.attn_metadata.block_table.shape[1]),
+                             vocab_size=model.config.vocab_size, timing_iters=5,
+                             keep_variants=True, device=device)
+    with torch.no_grad():
+        runner.capture()
+    b = runner.graphs[args.tokens]
+    tables = {"unsplit": kernel_table(b.graphs["unsplit"], args.reps),
+              "split": kernel_table(b.graphs[b.best_variant], args.reps)}
+    if dist.get_rank() == 0:
+        print(f"{args.phase} {args.tokens} tok/rank, compute_backend={args.compute_backend}, "
+              f"split = {b.best_variant}; warm-up µs {dict((k, round(v)) for k, v in b.times_us.items())}")
+        for name, t in tables.items():
+            print(f"{name}: {sum(r[0] for r in t.values()):.0f} kernels, "
+                  f"{sum(r[1] for r in t.values()):,.0f} µs of kernel time")
+        names = set(tables["unsplit"]) | set(tables["split"])
+        rows = sorted(names, key=lambda n: -(tables["split"].get(n, [0, 0])[1]
+                                              - tables["unsplit"].get(n, [0, 0])[1]))
+        print(f"{'kernel':60s} {'n unsplit':>9s} {'µs unsplit':>10s} {'n split':>8s} "
+              f"{'µs split':>9s} {'Δ µs':>8s}")
+        for n in rows[:args.top]:
+            u = tables["unsplit"].get(n, [0, 0.0])
+            s = tables["split"].get(n, [0, 0.0])
+            print(f"{n:60s} {u[0]:9.0f} {u[1]:10.0f} {s[0]:8.0f} {s[1]:9.0f} {s[1] - u[1]:8.0f}")
+    sys.stdout.flush()
+    dist.barrier()
+    # destroy_process_group() hung here with the captured graphs (holding NCCL work) alive
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

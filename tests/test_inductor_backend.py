@@ -1,0 +1,153 @@
+"""``compute_backend="inductor"``: the stages of the split program and the unsplit program
+compiled by Inductor (CPU: C++ kernels), checked against eager and against the ATen backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import moe_cases as mc
+from conftest import last_artifact
+from dbo_compile.codegen import inductor as ind
+from dbo_compile.codegen.inductor import InductorStage
+from dbo_compile.errors import UBatchExecutionError
+from dbo_compile.passes.stream_assign import COMM
+
+
+def _stages(art) -> list[InductorStage]:
+    return list({id(fn): fn for p in art.variants.values() for fn in p.units
+                 if isinstance(fn, InductorStage)}.values())
+
+
+@pytest.fixture(scope="module")
+def compiled_split():
+    """One tiny MoE layer, a step that cuts a prefill between the ubatches, split always; the
+    compiled model is called twice from the same KV state (tests reset Dynamo between them,
+    so everything is done here)."""
+    torch._dynamo.reset()
+    model, step = mc.build(mc.MIXED_CUT, layers=1)
+    eager, eager_kv = mc.eager_then_restore(model, step)
+    saved = [c.clone() for c in model.kv_caches()]
+    compiled = torch.compile(model, backend="dbo",
+                             options={"split": "always", "compute_backend": "inductor"})
+    runs = []
+    with torch.no_grad():
+        for _ in range(2):
+            out = compiled(step.input_ids, step.positions, step.attn_metadata)
+            art = last_artifact()
+            runs.append(dict(out=out, kv=[c.clone() for c in model.kv_caches()], art=art,
+                             compiled=[len(s.compiled) for s in _stages(art)],
+                             split_steps=art.stats.split_steps))
+            for c, s in zip(model.kv_caches(), saved):
+                c.copy_(s)
+    return eager, eager_kv, runs
+
+
+def test_split_program_matches_eager(compiled_split):
+    eager, eager_kv, runs = compiled_split
+    assert runs[0]["split_steps"] == 1
+    torch.testing.assert_close(runs[0]["out"], eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(runs[0]["kv"], eager_kv):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_compute_units_are_inductor_stages_comm_units_are_not(compiled_split):
+    art = compiled_split[2][0]["art"]
+    assert isinstance(art.unsplit, InductorStage)
+    for program in art.variants.values():
+        for unit, fn in zip(program.schedule.units, program.units):
+            if unit.stream == COMM:
+                assert isinstance(fn, fx.GraphModule), unit.name
+            else:
+                assert isinstance(fn, InductorStage), unit.name
+    # a unit with the same nodes in several schedule variants is one stage, compiled once
+    per_variant = [sum(isinstance(fn, InductorStage) for fn in p.units) for p in art.variants.values()]
+    assert len(art.variants) > 1 and len(_stages(art)) == per_variant[0] < sum(per_variant)
+    assert compiled_split[2][0]["compiled"] == [1] * per_variant[0]
+
+
+def test_stage_graphs_carry_no_stream_annotation_split_graph_keeps_it(compiled_split):
+    art = compiled_split[2][0]["art"]
+    for s in _stages(art):
+        assert all("stream" not in n.meta.get("custom", {}) for n in s.gm.graph.nodes)
+    annotated = [n for n in art.split_gm.graph.nodes if "stream" in n.meta.get("custom", {})]
+    assert annotated, "stream_assign's annotations on the split graph must survive"
+
+
+def test_same_shapes_run_again_without_recompiling(compiled_split):
+    first, second = compiled_split[2]
+    assert second["art"] is first["art"] and second["split_steps"] == 2
+    assert second["compiled"] == first["compiled"]
+    torch.testing.assert_close(second["out"], first["out"], rtol=0, atol=0)
+    for a, b in zip(second["kv"], first["kv"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_unsplit_program_matches_eager():
+    torch._dynamo.reset()
+    model, step = mc.build(mc.DECODE_64, layers=1)
+    eager, out, eager_kv, out_kv = mc.eager_and_compiled(
+        model, step, {"split": "never", "compute_backend": "inductor"})
+    art = last_artifact()
+    assert art.stats.unsplit_steps == 1 and isinstance(art.unsplit, InductorStage)
+    assert len(art.unsplit.compiled) == 1
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(out_kv, eager_kv):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class NoComm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * 2
+
+
+def test_unsplittable_graph_still_compiles_with_inductor(caplog):
+    torch._dynamo.reset()
+    m = NoComm()
+    x = torch.randn(5, 8)
+    out = torch.compile(m, backend="dbo", options={"compute_backend": "inductor"})(x)
+    art = last_artifact()
+    assert isinstance(art.fn, InductorStage) and len(art.fn.compiled) == 1
+    assert "no comm op" in art.reason
+    torch.testing.assert_close(out, m(x))
+    with pytest.raises(Exception, match="UnsplittableGraphError: the graph has no comm op"):
+        torch.compile(NoComm(), backend="dbo",
+                      options={"compute_backend": "inductor", "on_unsplittable": "raise"}
+                      )(torch.randn(5, 8))
+
+
+def test_first_signature_during_capture_raises_instead_of_compiling(monkeypatch):
+    gm = fx.symbolic_trace(NoComm())
+    stage = InductorStage(gm, "unit 7 (test)")
+    monkeypatch.setattr(ind, "_capturing", lambda args: True)
+    with pytest.raises(UBatchExecutionError, match=r"unit 7 .*first time during CUDA-graph capture"):
+        stage(torch.randn(3, 8))
+    assert not stage.compiled
+
+
+def test_auto_compute_backend_is_inductor_on_cuda_aten_elsewhere():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dbo_compile import DboConfig
+    from dbo_compile.backend import _resolve_compute_backend
+
+    with FakeTensorMode():
+        on_gpu = torch.empty(4, 8, device="cuda")
+    assert DboConfig().compute_backend == "auto"
+    assert _resolve_compute_backend(DboConfig(), [on_gpu, 3]).compute_backend == "inductor"
+    assert _resolve_compute_backend(DboConfig(), [torch.ones(4, 8)]).compute_backend == "aten"
+    forced = DboConfig(compute_backend="aten")
+    assert _resolve_compute_backend(forced, [on_gpu]).compute_backend == "aten"
+    # the default on CPU runs the traced ATen ops
+    torch._dynamo.reset()
+    model, step = mc.build(mc.DECODE_64, layers=1)
+    mc.eager_and_compiled(model, step, {"split": "always"})
+    art = last_artifact()
+    assert art.config.compute_backend == "aten"
+    assert not any(isinstance(fn, InductorStage) for fn in art.split_program.units)
+    assert isinstance(art.unsplit, fx.GraphModule)
