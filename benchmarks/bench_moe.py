@@ -86,8 +86,9 @@ def parse(argv=None):
     p.add_argument("--comm-sms", type=int, default=None,
                    help="option comm_sms: SM carve-out for compute GEMMs in the split program and a "
                         "dedicated high-priority EP group with that NCCL CTA cap")
-    p.add_argument("--carveout-candidates", default="",
-                   help="option sm_carveout_candidates, comma-separated SM counts (e.g. 16)")
+    p.add_argument("--carveout-candidates", default="default",
+                   help="option sm_carveout_candidates: comma-separated SM counts (e.g. 16), '' "
+                        "for none, 'default' for the package default ((16,) on CUDA)")
     p.add_argument("--compute-backend", default="auto", choices=["auto", "aten", "inductor"],
                    help="option compute_backend (default: the package default, 'auto' = Inductor "
                         "on CUDA): 'inductor' compiles every stage of the split program and the "
@@ -181,7 +182,8 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     qlens = step.num_scheduled_tokens
     row: dict = {"phase": phase, "tokens_per_rank": tokens, "errors": []}
     # default options: split="auto", schedule candidates on; the runner measures and decides
-    cand = tuple(int(v) for v in args.carveout_candidates.split(",") if v)
+    cand = (None if args.carveout_candidates == "default"
+            else tuple(int(v) for v in args.carveout_candidates.split(",") if v))
     cmodel = torch.compile(model, backend="dbo", options={"scheduler": args.scheduler,
                                                           "comm_sms": args.comm_sms,
                                                           "sm_carveout_candidates": cand,
@@ -365,7 +367,7 @@ def main(argv=None) -> int:
              f"EP={dist.get_world_size()}, experts={kernels['experts']}, "
              f"attention={kernels['attention']}, scheduler={args.scheduler}"
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
-             + (f", carve-out candidates {args.carveout_candidates}" if args.carveout_candidates else "")
+             + f", carve-out candidates {args.carveout_candidates or 'none'}"
              + f", compute_backend={args.compute_backend}")
     log(f"[bench] {machine} torch {torch.__version__} nccl {nccl} link={link} {setup}")
     rows = []

@@ -76,7 +76,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     from dbo_compile.runtime.program import DboCompiledModule
 
     _ensure_ops_registered()
-    config = _resolve_compute_backend(config, example_inputs)
+    config = _resolve_device_defaults(config, example_inputs)
     t0 = time.perf_counter()
     specs = classify_inputs(gm, example_inputs, input_kinds)
     if not any(s.kind == "token" for s in specs):
@@ -164,13 +164,18 @@ def schedule_variants(config: DboConfig) -> list[tuple[str, DboConfig]]:
     return out
 
 
-def _resolve_compute_backend(config: DboConfig, example_inputs: Sequence[Any]) -> DboConfig:
-    """``compute_backend="auto"``: Inductor for a graph with CUDA inputs, ATen otherwise (every
-    rank of a job sees the same device type, so every rank resolves the same way)."""
-    if config.compute_backend != "auto":
-        return config
+def _resolve_device_defaults(config: DboConfig, example_inputs: Sequence[Any]) -> DboConfig:
+    """The defaults that depend on the device, for a graph with CUDA inputs / otherwise (every
+    rank of a job sees the same device type, so every rank resolves the same way):
+    ``compute_backend="auto"`` -> ``"inductor"`` / ``"aten"``; ``sm_carveout_candidates=None``
+    -> ``(16,)`` where torch can carve SMs out / ``()``."""
     cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
-    return config.replace(compute_backend="inductor" if cuda else "aten")
+    if config.compute_backend == "auto":
+        config = config.replace(compute_backend="inductor" if cuda else "aten")
+    if config.sm_carveout_candidates is None:
+        carve = cuda and hasattr(torch._C, "_set_sm_carveout_experimental")
+        config = config.replace(sm_carveout_candidates=(16,) if carve else ())
+    return config
 
 
 def _unit_compiler(config: DboConfig):
@@ -241,7 +246,7 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
 
     # torch imports this package while parsing TORCH_LOGS and then adds its handler again
     _drop_duplicate_handlers(logging.getLogger("dbo_compile"))
-    config = _resolve_compute_backend(DboConfig.from_options(options), example_inputs)
+    config = _resolve_device_defaults(DboConfig.from_options(options), example_inputs)
     try:
         compiled = compile_split(gm, example_inputs, config)
     except UnsplittableGraphError as e:

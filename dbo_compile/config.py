@@ -50,8 +50,13 @@ class DboConfig:
             the candidates makes the order right on the link at hand. ``False``: one schedule.
         sm_carveout_candidates: SM carve-outs (ints) to try as well: each schedule candidate is
             also compiled with each carve-out (``comm_sms`` semantics) and measured by the
-            runner. Default none (on 2x H200 a carve-out of 16 gained 6 % at comm-heavy prefill
-            and lost elsewhere: a per-bucket measurement keeps only the gain).
+            runner, which keeps a carve-out only in buckets where it was faster. ``None``
+            (default): ``(16,)`` for graphs on CUDA where torch has
+            ``torch._C._set_sm_carveout_experimental``, ``()`` elsewhere. Measured on 2x H200
+            with Inductor stages (README): the carve-out made the split step 6.6 / 9.1 / 10.2 %
+            faster at comm-heavy prefill 2048 / 4096 / 8192 and lost 2–5 % over NVLink, where
+            the runner then keeps the variant without it. ``()``: none (half the graphs to
+            capture at warm-up).
         compute_backend: ``"inductor"`` compiles each compute stage of the split program and
             the unsplit program with Inductor (fused Triton kernels; seconds of compile time
             per stage and bucket, once); ``"aten"`` runs each stage's ATen ops as traced (one or
@@ -86,7 +91,7 @@ class DboConfig:
     split: str = "auto"
     scheduler: str = "list"
     schedule_candidates: bool = True
-    sm_carveout_candidates: tuple = ()
+    sm_carveout_candidates: tuple | None = None
     compute_backend: str = "auto"
     on_unsplittable: str = "fallback"
     comm_sms: int | None = None
@@ -132,10 +137,11 @@ class DboConfig:
             raise bad("schedule_candidates", "must be a bool")
         if isinstance(self.sm_carveout_candidates, list):
             object.__setattr__(self, "sm_carveout_candidates", tuple(self.sm_carveout_candidates))
-        if not isinstance(self.sm_carveout_candidates, tuple) or any(
+        if self.sm_carveout_candidates is not None and (
+                not isinstance(self.sm_carveout_candidates, tuple) or any(
                 isinstance(v, bool) or not isinstance(v, int) or v < 1
-                for v in self.sm_carveout_candidates):
-            raise bad("sm_carveout_candidates", "must be a tuple of positive ints (SMs)")
+                for v in self.sm_carveout_candidates)):
+            raise bad("sm_carveout_candidates", "must be None or a tuple of positive ints (SMs)")
         for name in ("dump_dir", "dp_group_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

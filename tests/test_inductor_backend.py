@@ -130,24 +130,29 @@ def test_first_signature_during_capture_raises_instead_of_compiling(monkeypatch)
     assert not stage.compiled
 
 
-def test_auto_compute_backend_is_inductor_on_cuda_aten_elsewhere():
+def test_device_defaults_inductor_and_carveout_on_cuda_aten_elsewhere():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dbo_compile import DboConfig
-    from dbo_compile.backend import _resolve_compute_backend
+    from dbo_compile.backend import _resolve_device_defaults
 
     with FakeTensorMode():
         on_gpu = torch.empty(4, 8, device="cuda")
-    assert DboConfig().compute_backend == "auto"
-    assert _resolve_compute_backend(DboConfig(), [on_gpu, 3]).compute_backend == "inductor"
-    assert _resolve_compute_backend(DboConfig(), [torch.ones(4, 8)]).compute_backend == "aten"
-    forced = DboConfig(compute_backend="aten")
-    assert _resolve_compute_backend(forced, [on_gpu]).compute_backend == "aten"
+    assert DboConfig().compute_backend == "auto" and DboConfig().sm_carveout_candidates is None
+    gpu = _resolve_device_defaults(DboConfig(), [on_gpu, 3])
+    carve = (16,) if hasattr(torch._C, "_set_sm_carveout_experimental") else ()
+    assert (gpu.compute_backend, gpu.sm_carveout_candidates) == ("inductor", carve)
+    cpu = _resolve_device_defaults(DboConfig(), [torch.ones(4, 8)])
+    assert (cpu.compute_backend, cpu.sm_carveout_candidates) == ("aten", ())
+    forced = _resolve_device_defaults(
+        DboConfig(compute_backend="aten", sm_carveout_candidates=(8, 24)), [on_gpu])
+    assert (forced.compute_backend, forced.sm_carveout_candidates) == ("aten", (8, 24))
     # the default on CPU runs the traced ATen ops
     torch._dynamo.reset()
     model, step = mc.build(mc.DECODE_64, layers=1)
     mc.eager_and_compiled(model, step, {"split": "always"})
     art = last_artifact()
-    assert art.config.compute_backend == "aten"
+    assert art.config.compute_backend == "aten" and art.config.sm_carveout_candidates == ()
+    assert not any("+sms" in name for name in art.variants)
     assert not any(isinstance(fn, InductorStage) for fn in art.split_program.units)
     assert isinstance(art.unsplit, fx.GraphModule)
