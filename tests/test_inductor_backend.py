@@ -156,3 +156,34 @@ def test_device_defaults_inductor_and_carveout_on_cuda_aten_elsewhere():
     assert not any("+sms" in name for name in art.variants)
     assert not any(isinstance(fn, InductorStage) for fn in art.split_program.units)
     assert isinstance(art.unsplit, fx.GraphModule)
+
+
+def test_stage_stops_compiling_after_max_signatures_and_stays_correct(monkeypatch, caplog):
+    monkeypatch.setattr(ind, "MAX_SIGNATURES", 2)
+    m = NoComm()
+    stage = InductorStage(fx.symbolic_trace(m), "unit 3 (test)")
+    with caplog.at_level("WARNING", logger="dbo_compile"):
+        for rows in (3, 5, 7, 9, 3):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(stage(x), m(x))
+    assert len(stage.compiled) == 2 and stage.uncompiled_calls == 2
+    warned = [r for r in caplog.records if "compiled by Inductor for 2 input signatures" in r.message]
+    assert len(warned) == 1 and "compute_backend='aten'" in warned[0].message
+
+
+class TwoOut(nn.Module):
+    def forward(self, x):
+        return torch.relu(x), x * 3
+
+
+@pytest.mark.parametrize("cls", [NoComm, TwoOut])
+def test_stage_returns_what_the_traced_graph_returns_for_every_signature(cls):
+    m = cls()
+    stage = InductorStage(fx.symbolic_trace(m), "unit 4 (test)")
+    for rows in (3, 5):
+        x = torch.randn(rows, 8)
+        got, want = stage(x), m(x)
+        assert type(got) is type(want)  # noqa: E721 - tensor stays tensor, tuple stays tuple
+        torch.testing.assert_close(got, want)
+    assert len(stage.compiled) == 2
+    torch.testing.assert_close(stage.gm(torch.ones(2, 8)), m(torch.ones(2, 8)))  # graph untouched

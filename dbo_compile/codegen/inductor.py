@@ -23,6 +23,7 @@ pool, so a signature first seen while the current stream is capturing raises
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -36,7 +37,10 @@ from dbo_compile.errors import UBatchExecutionError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InductorStage", "inductor_unit_compiler"]
+__all__ = ["MAX_SIGNATURES", "InductorStage", "inductor_unit_compiler"]
+
+#: input signatures one stage compiles at most (Dynamo's default recompile limit is also 8)
+MAX_SIGNATURES = 8
 
 
 def _signature(args: tuple[Any, ...]) -> tuple:
@@ -79,6 +83,19 @@ def _fake_inputs(args: tuple[Any, ...]) -> list[Any]:
             for a in args]
 
 
+def _as_traced(fn: Callable, tuple_out: bool) -> Callable:
+    """Inductor returns a tuple-output graph's outputs as a list: give them back as the traced
+    graph does."""
+    if not tuple_out:
+        return fn
+
+    def call(*args: Any) -> Any:
+        out = fn(*args)
+        return tuple(out) if isinstance(out, list) else out
+
+    return call
+
+
 def _capturing(args: tuple[Any, ...]) -> bool:
     if not torch.cuda.is_available():
         return False
@@ -95,8 +112,10 @@ class InductorStage:
         name: for logs and errors, e.g. ``"unit 12 (u0.L1.experts)"``.
 
     Calling it with tensors of a new signature compiles (seconds); later calls with the same
-    signature run the compiled code. Raises UBatchExecutionError if the first call with a
-    signature happens during CUDA-graph capture.
+    signature run the compiled code. After :data:`MAX_SIGNATURES` signatures (Dynamo's default
+    recompile limit), new ones run the ATen graph as traced and a warning says so once: the
+    eager path (no buckets) with ever new token counts must not compile every step. Raises
+    UBatchExecutionError if the first call with a signature happens during CUDA-graph capture.
     """
 
     def __init__(self, gm: fx.GraphModule, name: str):
@@ -105,12 +124,24 @@ class InductorStage:
         self.name = name
         self.compiled: dict[tuple, Callable] = {}
         self.compile_s = 0.0
+        self.uncompiled_calls = 0
         self._lock = threading.Lock()
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        self._tuple_out = isinstance(out, tuple)
 
     def __call__(self, *args: Any) -> Any:
         key = _signature(args)
         fn = self.compiled.get(key)
         if fn is None:
+            if len(self.compiled) >= MAX_SIGNATURES:
+                if self.uncompiled_calls == 0:
+                    log.warning(
+                        "dbo: %s has been compiled by Inductor for %d input signatures; new ones "
+                        "run the traced ATen ops. Pad token counts to a few buckets "
+                        "(CudaGraphRunner does) or use compute_backend='aten'.", self.name,
+                        MAX_SIGNATURES)
+                self.uncompiled_calls += 1
+                return self.gm(*args)
             fn = self._compile(key, args)
         return fn(*args)
 
@@ -128,7 +159,11 @@ class InductorStage:
             if fn is not None:
                 return fn
             t0 = time.perf_counter()
-            fn = inductor_compile(self.gm, _fake_inputs(args))
+            # a fresh GraphModule over a copy of the graph (weights shared): Inductor rewrites
+            # the graph it is given (e.g. a single output into a tuple), and self.gm must stay
+            # the traced program for the next signature and for the ATen fallback
+            gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
+            fn = _as_traced(inductor_compile(gm, _fake_inputs(args)), self._tuple_out)
             dt = time.perf_counter() - t0
             self.compile_s += dt
             self.compiled[key] = fn
