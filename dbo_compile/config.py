@@ -135,8 +135,9 @@ class DboConfig:
                 raise bad(name, "must be a finite number")
         if not isinstance(self.schedule_candidates, bool):
             raise bad("schedule_candidates", "must be a bool")
-        if isinstance(self.sm_carveout_candidates, list):
-            object.__setattr__(self, "sm_carveout_candidates", tuple(self.sm_carveout_candidates))
+        if isinstance(self.sm_carveout_candidates, (list, tuple)):  # duplicates dropped
+            object.__setattr__(self, "sm_carveout_candidates",
+                               tuple(dict.fromkeys(self.sm_carveout_candidates)))
         if self.sm_carveout_candidates is not None and (
                 not isinstance(self.sm_carveout_candidates, tuple) or any(
                 isinstance(v, bool) or not isinstance(v, int) or v < 1

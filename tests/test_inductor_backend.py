@@ -187,3 +187,45 @@ def test_stage_returns_what_the_traced_graph_returns_for_every_signature(cls):
         torch.testing.assert_close(got, want)
     assert len(stage.compiled) == 2
     torch.testing.assert_close(stage.gm(torch.ones(2, 8)), m(torch.ones(2, 8)))  # graph untouched
+
+
+@pytest.mark.parametrize("split", ["always", "never"])
+def test_call_with_grad_enabled_compiles_an_inference_graph(split):
+    torch._dynamo.reset()
+    model, step = mc.build(mc.MIXED_CUT, layers=1)
+    eager, _ = mc.eager_then_restore(model, step)
+    compiled = torch.compile(model, backend="dbo",
+                             options={"split": split, "compute_backend": "inductor"})
+    out = compiled(step.input_ids, step.positions, step.attn_metadata)  # grad mode on
+    art = last_artifact()
+    assert (art.stats.split_steps if split == "always" else art.stats.unsplit_steps) == 1
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+
+
+class AddsStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, step: int):  # an int value, not a size (a decode step counter)
+        return torch.relu(self.lin(x)) + step
+
+
+def test_int_value_input_runs_aten_instead_of_compiling_every_value(caplog):
+    torch._dynamo.reset()
+    m = AddsStep()
+    compiled = torch.compile(m, backend="dbo", options={"compute_backend": "inductor"})
+    x = torch.randn(4, 8)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="dbo_compile"):
+        for step in range(6):
+            torch.testing.assert_close(compiled(x, step), m(x, step))
+    stage = last_artifact().fn  # Dynamo made `step` a SymInt input after its second value
+    assert isinstance(stage, InductorStage) and stage.aten_reason is not None
+    assert not stage.compiled and stage.uncompiled_calls >= 4
+    assert any("values, not tensor sizes" in r.message for r in caplog.records)
+
+
+def test_carveout_candidates_are_deduplicated():
+    from dbo_compile import DboConfig
+
+    assert DboConfig(sm_carveout_candidates=[16, 8, 16]).sm_carveout_candidates == (16, 8)

@@ -111,11 +111,19 @@ class InductorStage:
             parameters and buffers (``get_attr``) are lifted to inputs by Inductor.
         name: for logs and errors, e.g. ``"unit 12 (u0.L1.experts)"``.
 
-    Calling it with tensors of a new signature compiles (seconds); later calls with the same
-    signature run the compiled code. After :data:`MAX_SIGNATURES` signatures (Dynamo's default
-    recompile limit), new ones run the ATen graph as traced and a warning says so once: the
-    eager path (no buckets) with ever new token counts must not compile every step. Raises
-    UBatchExecutionError if the first call with a signature happens during CUDA-graph capture.
+    Calling it with tensors of a new signature compiles (seconds; inference graph, whatever the
+    caller's grad mode: the backend compiles inference steps); later calls with the same
+    signature run the compiled code. The traced ATen graph runs instead, with a warning, where
+    compiling would not pay or cannot work:
+
+    - the graph takes an int input that is not a tensor size (a step counter, a cache
+      position): compiled code bakes ints in, so every new value would compile again;
+    - after :data:`MAX_SIGNATURES` signatures (Dynamo's default recompile limit): the eager
+      path (no buckets) with ever new token counts must not compile every step;
+    - Inductor raised while compiling this signature.
+
+    Raises UBatchExecutionError if the first call with a signature happens during CUDA-graph
+    capture.
     """
 
     def __init__(self, gm: fx.GraphModule, name: str):
@@ -128,8 +136,19 @@ class InductorStage:
         self._lock = threading.Lock()
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self._tuple_out = isinstance(out, tuple)
+        value_ints = _value_int_inputs(gm)
+        self.aten_reason: str | None = None
+        if value_ints:
+            self.aten_reason = (
+                f"int input(s) {value_ints} are values, not tensor sizes (e.g. a step counter): "
+                "compiled code would be specialised to each value")
+            log.warning("dbo: %s runs its traced ATen ops, not Inductor: %s", name,
+                        self.aten_reason)
 
     def __call__(self, *args: Any) -> Any:
+        if self.aten_reason is not None:
+            self.uncompiled_calls += 1
+            return self.gm(*args)
         key = _signature(args)
         fn = self.compiled.get(key)
         if fn is None:
@@ -143,7 +162,8 @@ class InductorStage:
                 self.uncompiled_calls += 1
                 return self.gm(*args)
             fn = self._compile(key, args)
-        return fn(*args)
+        with torch.no_grad():
+            return fn(*args)
 
     def _compile(self, key: tuple, args: tuple[Any, ...]) -> Callable:
         if _capturing(args):
@@ -163,13 +183,38 @@ class InductorStage:
             # the graph it is given (e.g. a single output into a tuple), and self.gm must stay
             # the traced program for the next signature and for the ATen fallback
             gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
-            fn = _as_traced(inductor_compile(gm, _fake_inputs(args)), self._tuple_out)
+            try:
+                with torch.no_grad():  # an inference graph even if the caller records autograd
+                    fn = _as_traced(inductor_compile(gm, _fake_inputs(args)), self._tuple_out)
+            except Exception as e:  # noqa: BLE001 - a stage Inductor cannot compile still runs
+                log.warning("dbo: Inductor could not compile %s (%s: %s); it runs its traced ATen "
+                            "ops for these input shapes", self.name, type(e).__name__,
+                            str(e).splitlines()[0][:300] if str(e) else "")
+                fn = self.gm
             dt = time.perf_counter() - t0
             self.compile_s += dt
             self.compiled[key] = fn
         log.info("dbo: Inductor compiled %s for %d-th signature (%.2f s)", self.name,
                  len(self.compiled), dt)
         return fn
+
+
+def _value_int_inputs(gm: fx.GraphModule) -> list[str]:
+    """Placeholders holding a symbolic int that is no tensor input's size or stride."""
+    def val(n: fx.Node) -> Any:
+        return n.meta.get("val", n.meta.get("example_value"))
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    size_symbols: set = set()
+    for n in placeholders:
+        for t in pytree.tree_leaves(val(n)):
+            if isinstance(t, torch.Tensor):
+                for d in (*t.shape, *t.stride()):
+                    if isinstance(d, torch.SymInt):
+                        size_symbols |= d.node.expr.free_symbols
+    return [n.name for n in placeholders
+            if isinstance(val(n), torch.SymInt)
+            and not val(n).node.expr.free_symbols <= size_symbols]
 
 
 def inductor_unit_compiler() -> Callable[[fx.GraphModule, Any], Callable]:
