@@ -148,7 +148,8 @@ class InductorStage:
     def __call__(self, *args: Any) -> Any:
         if self.aten_reason is not None:
             self.uncompiled_calls += 1
-            return self.gm(*args)
+            with torch.no_grad():  # like the compiled stages: no autograd history
+                return self.gm(*args)
         key = _signature(args)
         fn = self.compiled.get(key)
         if fn is None:
@@ -160,8 +161,9 @@ class InductorStage:
                         "(CudaGraphRunner does) or use compute_backend='aten'.", self.name,
                         MAX_SIGNATURES)
                 self.uncompiled_calls += 1
-                return self.gm(*args)
-            fn = self._compile(key, args)
+                fn = self.gm
+            else:
+                fn = self._compile(key, args)
         with torch.no_grad():
             return fn(*args)
 
