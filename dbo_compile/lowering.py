@@ -139,7 +139,33 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
                 "tensor with a dim 0"
             )
         specs.append(InputSpec(i, node.name, source, kind, field if kind != "shared" else None))
+    if kinds is None:
+        _check_scalars_are_not_token_counts(specs, placeholders)
     return specs
+
+
+def _check_scalars_are_not_token_counts(specs: list[InputSpec], placeholders: list[fx.Node]) -> None:
+    """An int argument equal to the token count at trace time gets the token dim's symbol
+    (Dynamo's duck sizing, e.g. ``forward(x, n)`` with ``x.view(n, -1)``). As a scalar it would
+    reach every ubatch unchanged, the full count where the ubatch has half the rows."""
+    def example(node: fx.Node) -> Any:
+        return node.meta.get("example_value", node.meta.get("val"))
+
+    def symbols(v: Any) -> set:
+        return set(v.node.expr.free_symbols) if isinstance(v, torch.SymInt) else set()
+
+    token_symbols: set = set()
+    for spec, node in zip(specs, placeholders):
+        v = example(node)
+        if spec.kind == "token" and isinstance(v, torch.Tensor) and v.dim():
+            token_symbols |= symbols(v.shape[0])
+    for spec, node in zip(specs, placeholders):
+        if spec.kind == "scalar" and symbols(example(node)) & token_symbols:
+            raise UnsplittableGraphError(
+                f"int input {node.name} (source {spec.source!r}) equals the token count (Dynamo "
+                "gave it the token dim's symbol), but as an argument it would reach every ubatch "
+                "as the whole step's count. Derive it from the tokens (x.shape[0]) or use -1 in "
+                "views")
 
 
 @dataclass

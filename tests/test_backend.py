@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import dbo_compile.ops  # noqa: F401 - registers torch.ops.dbo.*
 from conftest import last_artifact
 from dbo_compile import DboConfig, DboConfigError, UnsplittableGraphError
 from dbo_compile.runtime.program import UnsplitProgram
@@ -175,5 +176,36 @@ def test_unsplittable_inputs_and_ops_fall_back_with_a_reason(cls, args, why):
     torch._dynamo.mark_dynamic(inputs[0], 0)  # else the routing built from x.shape[0] is the reason
     out = torch.compile(model, backend="dbo", options={"split": "always"})(*inputs)
     torch.testing.assert_close(out, model(*inputs))
+    art = last_artifact()
+    assert isinstance(art, UnsplitProgram) and why in art.reason, art.reason
+
+
+class ViewsByIntArg(nn.Module):
+    """``x.view(n * scale, -1)`` with ``n`` an int argument: the row count comes from outside the
+    tokens, so each ubatch would regroup its rows with the whole step's count."""
+
+    def __init__(self, scale: int):
+        super().__init__()
+        self.scale = scale
+        self.lin = nn.Linear(8 // scale, 8 // scale)
+
+    def forward(self, x, n: int):
+        h = self.lin(x.view(n * self.scale, -1))
+        ids = torch.zeros_like(h[:, :1], dtype=torch.int64)
+        recv, rid, rw = torch.ops.dbo.dispatch(h, ids, torch.ones_like(h[:, :1]), 1, "")
+        return torch.ops.dbo.combine(recv * rw, "")
+
+
+@pytest.mark.parametrize("scale, why", [
+    (1, "equals the token count"),          # n == T: Dynamo gives n the token dim's symbol
+    (2, "only dim 0 may be the token dim"),  # view to 2n rows: n gets its own symbol
+])
+def test_int_argument_sizing_a_token_view_compiles_unsplit_and_says_why(scale, why, caplog):
+    m = ViewsByIntArg(scale)
+    compiled = torch.compile(m, backend="dbo", options={"split": "always"})
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"), torch.no_grad():
+        for t in (16, 16, 24, 32):
+            x = torch.randn(t, 8)
+            torch.testing.assert_close(compiled(x, t), m(x, t))
     art = last_artifact()
     assert isinstance(art, UnsplitProgram) and why in art.reason, art.reason
