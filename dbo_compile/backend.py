@@ -274,13 +274,8 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     has_comm = any(comm_kind(n) is not None for n in gm.graph.nodes)
     # a graph Dynamo traced with symbolic sizes runs at any token count; a static one cannot
     dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
-    fn = gm.forward
-    if config.compute_backend == "inductor":
-        from dbo_compile.codegen.inductor import InductorStage
-
-        fn = InductorStage(gm, "the unsplit graph")
-    return UnsplitProgram(fn, reason, config, specs, has_comm, fixed_num_tokens=not dynamic,
-                          row_local=row_local)
+    return UnsplitProgram(_unsplit_callable(gm, config), reason, config, specs, has_comm,
+                          fixed_num_tokens=not dynamic, row_local=row_local)
 
 
 def register() -> None:
