@@ -193,11 +193,11 @@ class InductorStage:
                             "ops for these input shapes", self.name, type(e).__name__,
                             str(e).splitlines()[0][:300] if str(e) else "")
                 fn = self.gm
-            dt = time.perf_counter() - t0
-            self.compile_s += dt
+            else:
+                log.info("dbo: Inductor compiled %s for signature %d (%.2f s)", self.name,
+                         len(self.compiled) + 1, time.perf_counter() - t0)
+            self.compile_s += time.perf_counter() - t0
             self.compiled[key] = fn
-        log.info("dbo: Inductor compiled %s for %d-th signature (%.2f s)", self.name,
-                 len(self.compiled), dt)
         return fn
 
 
