@@ -56,6 +56,46 @@ def kernel_table(graph, reps: int) -> dict[str, list[float]]:
     return table
 
 
+def op_table(fn, reps: int) -> dict[str, list[float]]:
+    """Kernels of ``reps`` eager calls of ``fn`` grouped by ``"<innermost CPU op> > <kernel>"``
+    (the launching op; a unit's ``record_function`` range for Inductor's own launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    table: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        for k in ev.kernels:
+            row = table[f"{re.sub(r'^dbo[.]u[0-9]+[.]', 'unit ', ev.name)[:40]} > {_short(k.name)}"]
+            row[0] += 1 / reps
+            row[1] += k.duration / reps
+    return table
+
+
+def print_tables(tables: dict[str, dict[str, list[float]]], top: int, title: str) -> None:
+    print(title)
+    for name, t in tables.items():
+        print(f"{name}: {sum(r[0] for r in t.values()):.0f} kernels, "
+              f"{sum(r[1] for r in t.values()):,.0f} µs of kernel time")
+    names = set(tables["unsplit"]) | set(tables["split"])
+    rows = sorted(names, key=lambda n: -(tables["split"].get(n, [0, 0])[1]
+                                          - tables["unsplit"].get(n, [0, 0])[1]))
+    w = max([60] + [len(n) for n in rows[:top]])
+    print(f"{'kernel':{w}s} {'n unsplit':>9s} {'µs unsplit':>10s} {'n split':>8s} "
+          f"{'µs split':>9s} {'Δ µs':>8s}")
+    for n in rows[:top]:
+        u = tables["unsplit"].get(n, [0, 0.0])
+        s = tables["split"].get(n, [0, 0.0])
+        print(f"{n:{w}s} {u[0]:9.0f} {u[1]:10.0f} {s[0]:8.0f} {s[1]:9.0f} {s[1] - u[1]:8.0f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--phase", default="prefill", choices=("decode", "prefill"))
@@ -65,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--compute-backend", default="aten", choices=["aten", "inductor"])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--ops", action="store_true",
+                   help="also profile both programs eagerly and group kernels by launching op")
     args = p.parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -87,21 +129,21 @@ def main(argv=None) -> int:
     b = runner.graphs[args.tokens]
     tables = {"unsplit": kernel_table(b.graphs["unsplit"], args.reps),
               "split": kernel_table(b.graphs[b.best_variant], args.reps)}
+    if args.ops:
+        from dbo_compile.runtime.graphs import _split_fn
+
+        art = b.artifact
+        with torch.no_grad():
+            op_tables = {"unsplit": op_table(lambda: art.unsplit(*b.args), args.reps),
+                         "split": op_table(_split_fn(art.variants[b.best_variant], b.split_args,
+                                                     art.signature.outputs), args.reps)}
     if dist.get_rank() == 0:
-        print(f"{args.phase} {args.tokens} tok/rank, compute_backend={args.compute_backend}, "
-              f"split = {b.best_variant}; warm-up µs {dict((k, round(v)) for k, v in b.times_us.items())}")
-        for name, t in tables.items():
-            print(f"{name}: {sum(r[0] for r in t.values()):.0f} kernels, "
-                  f"{sum(r[1] for r in t.values()):,.0f} µs of kernel time")
-        names = set(tables["unsplit"]) | set(tables["split"])
-        rows = sorted(names, key=lambda n: -(tables["split"].get(n, [0, 0])[1]
-                                              - tables["unsplit"].get(n, [0, 0])[1]))
-        print(f"{'kernel':60s} {'n unsplit':>9s} {'µs unsplit':>10s} {'n split':>8s} "
-              f"{'µs split':>9s} {'Δ µs':>8s}")
-        for n in rows[:args.top]:
-            u = tables["unsplit"].get(n, [0, 0.0])
-            s = tables["split"].get(n, [0, 0.0])
-            print(f"{n:60s} {u[0]:9.0f} {u[1]:10.0f} {s[0]:8.0f} {s[1]:9.0f} {s[1] - u[1]:8.0f}")
+        print_tables(tables, args.top,
+                     f"{args.phase} {args.tokens} tok/rank, compute_backend={args.compute_backend}, "
+                     f"split = {b.best_variant}; warm-up µs "
+                     f"{dict((k, round(v)) for k, v in b.times_us.items())}")
+        if args.ops:
+            print_tables(op_tables, args.top, "eager calls, kernels by launching op:")
     sys.stdout.flush()
     dist.barrier()
     # destroy_process_group() hung here with the captured graphs (holding NCCL work) alive
