@@ -15,14 +15,15 @@ row-local along the token dim (the split pass may cut it anywhere).
 
 Kernels:
 
-- CUDA (static shapes, no host sync, CUDA-graph capturable): sort the ``N*K`` slots by expert
-  (slots not on this rank sort last), gather their rows, two ``torch._grouped_mm`` calls (the
-  grouped GEMM of the field: one launch for all local experts, rows past the last expert's
-  offset are not computed) with a Triton SiLU-and-multiply between them (rows past the last
-  routed slot skipped), then a weighted gather-sum back to rows — a Triton kernel that reads
-  each valid slot's output row once and writes ``y`` once (without Triton: torch's SiLU and
-  multiply, a gather, a mask and a ``bmm``). Slots are padded to the static worst case ``N*K``: the elementwise work is sized
-  for it, the GEMMs only for the routed slots.
+- CUDA (static shapes, no host sync, CUDA-graph capturable): narrow expert keys per slot
+  (slots not on this rank sort last), a stable sort of the keys, the expert offsets by binary
+  search over the sorted keys, a Triton gather of the routed rows in sorted order (rows of
+  slots on other ranks are not copied) that also writes the inverse permutation, two
+  ``torch._grouped_mm`` calls (the grouped GEMM of the field: one launch for all local experts,
+  rows past the last expert's offset are not computed) with a Triton SiLU-and-multiply between
+  them (rows past the last routed slot skipped), then a weighted gather-sum back to rows — a
+  Triton kernel that reads each local slot's output row once and writes ``y`` once. 10 kernel
+  launches besides the sort's (without Triton: the same algorithm in torch ops).
 - CPU, other dtypes than bf16, GPUs before sm90 (where ``torch._grouped_mm`` has no fused
   kernel and its fallback syncs with the host): the reference per-expert loop (every expert on
   every row, masked), exact and capturable; :func:`grouped_reference` runs the CUDA algorithm with torch ops on any device
@@ -71,18 +72,29 @@ def experts_loop(x, ids, weights, w13, w2) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def _narrow_key_dtype(num_experts: int) -> torch.dtype:
+    # sort narrow keys: CUB's radix sort makes one pass per 8 key bits (int64: 8 passes, int16:
+    # 2); profiled on H200, the int64 sort was the third-largest cost of a split step
+    return torch.int16 if num_experts < 2**15 else torch.int32
+
+
+def _expert_offsets(sorted_keys: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``offs[e]`` = number of slots of experts ``0..e``: ``[E]`` int32 from the sorted keys.
+
+    One binary search per expert over the sorted keys (2 kernels) instead of a zeroed count
+    buffer, a scatter-add and a cumulative sum (5 kernels).
+    """
+    experts = torch.arange(num_experts, dtype=sorted_keys.dtype, device=sorted_keys.device)
+    return torch.searchsorted(sorted_keys, experts, right=True, out_int32=True)
+
+
 def _sorted_slots(ids: torch.Tensor, num_experts: int):
     """Slots sorted by expert: ``(order, rows, offs, valid)``; slots with id < 0 sort last."""
     flat = ids.reshape(-1)
     valid = flat >= 0
-    key = torch.where(valid, flat, num_experts)
-    # sort narrow keys: CUB's radix sort makes one pass per 8 key bits (int64: 8 passes, int16:
-    # 2); profiled on H200, the int64 sort was the third-largest cost of a split step
-    narrow = torch.int16 if num_experts < 2**15 else torch.int32
-    order = torch.argsort(key.to(narrow), stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)
+    key = torch.where(valid, flat, num_experts).to(_narrow_key_dtype(num_experts))
+    sorted_keys, order = torch.sort(key, stable=True)
+    offs = _expert_offsets(sorted_keys, num_experts)
     rows = torch.div(order, ids.shape[1], rounding_mode="floor")
     return order, rows, offs, valid
 
@@ -139,53 +151,101 @@ def _triton_kernel():
         return None
 
     @triton.jit
-    def wgs_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    def slot_key_kernel(ids_ptr, key_ptr, n, E, BLOCK: tl.constexpr):
+        """``key = ids`` as a narrow int, slots not on this rank (id < 0) -> ``E`` (sort last)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        i = tl.load(ids_ptr + offs, mask=m, other=0)
+        tl.store(key_ptr + offs, tl.where(i >= 0, i, E).to(key_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def gather_sorted_kernel(x_ptr, order_ptr, skey_ptr, xs_ptr, pos_ptr, H, E, stride_x,
+                             K: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Sorted slot ``i`` of a local expert: ``xs[i] = x[order[i] // K]`` and
+        ``pos[order[i]] = i``; slots not on this rank (sorted last) are skipped."""
+        i = tl.program_id(0).to(tl.int64)
+        if tl.load(skey_ptr + i) < E:
+            s = tl.load(order_ptr + i)
+            cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            m = cols < H
+            row = tl.load(x_ptr + (s // K) * stride_x + cols, mask=m)
+            tl.store(xs_ptr + i * H + cols, row, mask=m)
+            if tl.program_id(1) == 0:
+                tl.store(pos_ptr + s, i.to(tl.int32))
+
+    @triton.jit
+    def wgs_kernel(o_ptr, pos_ptr, ids_ptr, w_ptr, y_ptr, H, K: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)  # t * H overflows int32 past 2**31 elements
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         m = cols < H
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(K):
-            w = tl.load(w_ptr + t * K + j)
-            p = tl.load(pos_ptr + t * K + j)
-            if w != 0.0:  # slots not on this rank carry weight 0: their rows are never read
+            if tl.load(ids_ptr + t * K + j) >= 0:  # slots on another rank: rows never read
+                w = tl.load(w_ptr + t * K + j)
+                p = tl.load(pos_ptr + t * K + j).to(tl.int64)
                 acc += w * tl.load(o_ptr + p * H + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(y_ptr + t * H + cols, acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def silu_mul_kernel(h_ptr, a_ptr, n_valid_ptr, inter, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         # rows past the last routed slot are never read downstream: no traffic for them
-        m = (cols < inter) & (row < tl.load(n_valid_ptr))
-        gate = tl.load(h_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(a_ptr + row * inter + cols, act.to(a_ptr.dtype.element_ty), mask=m)
+        if row < tl.load(n_valid_ptr):
+            cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            m = cols < inter
+            gate = tl.load(h_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
+            up = tl.load(h_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0)
+            act = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+            tl.store(a_ptr + row * inter + cols, act.to(a_ptr.dtype.element_ty), mask=m)
 
-    return triton, wgs_kernel, silu_mul_kernel
+    kernels = {"slot_key": slot_key_kernel, "gather_sorted": gather_sorted_kernel,
+               "wgs": wgs_kernel, "silu_mul": silu_mul_kernel}
+    return triton, kernels
+
+
+def _grouped_triton(x, ids, weights, w13, w2) -> torch.Tensor:
+    """The grouped algorithm with Triton kernels around torch's sort and grouped GEMMs.
+
+    Per call: slot keys (1 kernel), a stable sort of the narrow keys (CUB), expert offsets (2),
+    the gather of the routed rows in sorted order with the inverse permutation (1, rows of
+    slots on other ranks are not copied), gate/up grouped GEMM, SiLU-and-multiply (1), down
+    grouped GEMM, weighted gather-sum (1).
+    """
+    triton, kern = _triton_kernel()
+    n, k = ids.shape
+    e, hidden, inter = w13.shape[0], x.shape[1], w2.shape[2]
+    ids = ids.contiguous()
+    weights = weights.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    nk = n * k
+    key = torch.empty(nk, dtype=_narrow_key_dtype(e), device=x.device)
+    kern["slot_key"][(triton.cdiv(nk, 1024),)](ids, key, nk, e, BLOCK=1024)
+    sorted_keys, order = torch.sort(key, stable=True)
+    offs = _expert_offsets(sorted_keys, e)
+    xs = torch.empty(nk, hidden, dtype=x.dtype, device=x.device)
+    pos = torch.empty(nk, dtype=torch.int32, device=x.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    kern["gather_sorted"][(nk, triton.cdiv(hidden, block_h))](
+        x, order, sorted_keys, xs, pos, hidden, e, x.stride(0), K=k, BLOCK_H=block_h)
+    h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+    act = torch.empty(nk, inter, dtype=h.dtype, device=h.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    kern["silu_mul"][(nk, triton.cdiv(inter, block))](h, act, offs[-1:], inter, BLOCK=block)
+    o = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # row-major, whatever x's strides
+    kern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids, weights, y, hidden, K=k,
+                                                   BLOCK_H=block_h)
+    return y
 
 
 def _grouped_cuda(x, ids, weights, w13, w2) -> torch.Tensor:
-    kernel = _triton_kernel()
-    if kernel is None:  # without Triton: the same algorithm with torch ops
+    if _triton_kernel() is None:  # without Triton: the same algorithm with torch ops
         return grouped_reference(x, ids, weights, w13, w2)
-    n, k = ids.shape
-    if n == 0:
+    if ids.shape[0] == 0:
         return torch.zeros_like(x)
-    triton, wgs, silu_mul = kernel
-    order, rows, offs, valid = _sorted_slots(ids, w13.shape[0])
-    h = _gate_up(x, rows, offs, w13)
-    inter = w2.shape[2]
-    act = torch.empty(h.shape[0], inter, dtype=h.dtype, device=h.device)
-    block = min(1024, triton.next_power_of_2(inter))
-    silu_mul[(h.shape[0], triton.cdiv(inter, block))](h, act, offs[-1:], inter, BLOCK=block)
-    o = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
-    pos, w = _slot_positions(order, valid, weights)
-    hidden = x.shape[1]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # row-major, whatever x's strides
-    block = min(1024, triton.next_power_of_2(hidden))
-    wgs[(n, triton.cdiv(hidden, block))](o, pos, w, y, hidden, K=k, BLOCK_H=block)
-    return y
+    return _grouped_triton(x, ids, weights, w13, w2)
 
 
 @torch.library.custom_op("dbo::grouped_experts", mutates_args=())
