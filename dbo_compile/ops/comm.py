@@ -32,6 +32,7 @@ routing metadata costs one collective.
 """
 
 import dataclasses
+import functools
 import importlib
 import logging
 from typing import Callable
@@ -213,8 +214,16 @@ def _send_buffers(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                   e_local: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Static-capacity send buffers: x ``[W, T, H]`` and packed ids/weights ``[W, T, 2K]`` fp32.
 
-    Negative ids (masked slots) go to no rank.
+    Negative ids (masked slots) go to no rank. On CUDA with Triton one kernel writes both
+    buffers (:func:`_send_buffers_triton`); elsewhere torch ops (:func:`_send_buffers_torch`)
+    give the same bits.
     """
+    if x.is_cuda and x.numel() > 0 and _pack_kernel() is not None:
+        return _send_buffers_triton(x, topk_ids, topk_weights, e_local, world_size)
+    return _send_buffers_torch(x, topk_ids, topk_weights, e_local, world_size)
+
+
+def _send_buffers_torch(x, topk_ids, topk_weights, e_local, world_size):
     ranks = torch.arange(world_size, device=x.device, dtype=torch.int64).view(-1, 1, 1)
     dest = torch.div(topk_ids, e_local, rounding_mode="floor")  # [T, K]
     mask = (dest.unsqueeze(0) == ranks) & (topk_ids.unsqueeze(0) >= 0)  # [W, T, K]
@@ -224,6 +233,58 @@ def _send_buffers(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     send_ids = torch.where(mask, local_ids, -1).to(torch.float32)
     send_w = torch.where(mask, topk_weights.unsqueeze(0), 0.0)
     return send_x.contiguous(), torch.cat([send_ids, send_w], dim=-1).contiguous()
+
+
+@functools.cache
+def _pack_kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def pack_kernel(x_ptr, ids_ptr, w_ptr, send_x_ptr, meta_ptr, T, H, stride_x, e_local,
+                    K: tl.constexpr, K_P2: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Program ``(r*T + t, c)``: row ``t`` of the send buffer for rank ``r``, columns block
+        ``c``; column block 0 also writes the row's ``[2K]`` routing metadata."""
+        pid = tl.program_id(0).to(tl.int64)
+        r = pid // T
+        t = pid % T
+        ks = tl.arange(0, K_P2)
+        km = ks < K
+        ids = tl.load(ids_ptr + t * K + ks, mask=km, other=-1)
+        local = ids - r * e_local
+        mine = (ids >= 0) & (local >= 0) & (local < e_local)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        cm = cols < H
+        if tl.max(mine.to(tl.int32), axis=0) > 0:
+            row = tl.load(x_ptr + t * stride_x + cols, mask=cm)
+        else:
+            row = tl.zeros([BLOCK_H], dtype=send_x_ptr.dtype.element_ty)
+        tl.store(send_x_ptr + pid * H + cols, row, mask=cm)
+        if tl.program_id(1) == 0:
+            w = tl.load(w_ptr + t * K + ks, mask=km, other=0.0)
+            tl.store(meta_ptr + pid * 2 * K + ks, tl.where(mine, local, -1).to(tl.float32),
+                     mask=km)
+            tl.store(meta_ptr + pid * 2 * K + K + ks, tl.where(mine, w, 0.0), mask=km)
+
+    return triton, pack_kernel
+
+
+def _send_buffers_triton(x, topk_ids, topk_weights, e_local, world_size):
+    triton, pack = _pack_kernel()
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    send_x = torch.empty((world_size, t, h), dtype=x.dtype, device=x.device)
+    meta = torch.empty((world_size, t, 2 * k), dtype=torch.float32, device=x.device)
+    block_h = min(1024, triton.next_power_of_2(h))
+    pack[(world_size * t, triton.cdiv(h, block_h))](
+        x, topk_ids.contiguous(), topk_weights.contiguous(), send_x, meta, t, h, x.stride(0),
+        e_local, K=k, K_P2=triton.next_power_of_2(k), BLOCK_H=block_h)
+    return send_x, meta
 
 
 def _unpack_meta(meta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,7 +332,9 @@ def _torch_combine(y, group_name):
 def _sum_sources(recv: torch.Tensor, world_size: int) -> torch.Tensor:
     """``[W*T, H] -> [T, H]``: sum over the W source ranks, accumulating in fp32."""
     acc_dtype = torch.float32 if recv.dtype in (torch.float16, torch.bfloat16) else recv.dtype
-    return recv.view(world_size, -1, recv.shape[-1]).to(acc_dtype).sum(dim=0).to(recv.dtype)
+    # sum(dtype=) accumulates in fp32 without materialising an fp32 copy of recv
+    summed = recv.view(world_size, -1, recv.shape[-1]).sum(dim=0, dtype=acc_dtype)
+    return summed.to(recv.dtype)
 
 
 register_comm_backend(CommBackend(
