@@ -37,6 +37,10 @@ def main(argv=None) -> int:
     p.add_argument("--graph", action="store_true",
                    help="profile a replay of the split program captured as one CUDA graph "
                         "(no host overhead; kernels are matched to comm units by order)")
+    p.add_argument("--variant", default=None,
+                   help="schedule variant to profile (e.g. 'list@link/16+sms16'; default: the "
+                        "primary schedule)")
+    p.add_argument("--compute-backend", default="auto", choices=["auto", "aten", "inductor"])
     args = p.parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -49,9 +53,16 @@ def main(argv=None) -> int:
                           vocab_size=args.vocab)
     step = H.make_bucket_step(model.config, args.phase, args.tokens, str(device), seed=rank)
     model.allocate_kv_cache(step.num_blocks, step.block_size)
-    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    compiled = torch.compile(model, backend="dbo", options={
+        "split": "always", "compute_backend": args.compute_backend})
     with torch.no_grad():
-        for _ in range(3):  # compile + warm up
+        compiled(step.input_ids, step.positions, step.attn_metadata)  # compile
+        art = dbo_backend.compiled_artifacts()[-1]
+        if args.variant is not None:
+            if args.variant not in art.variants:
+                raise SystemExit(f"--variant {args.variant!r}: compiled {sorted(art.variants)}")
+            art.split_program = art.variants[args.variant]
+        for _ in range(2):  # warm up
             compiled(step.input_ids, step.positions, step.attn_metadata)
         torch.cuda.synchronize()
         dist.barrier()
@@ -60,7 +71,6 @@ def main(argv=None) -> int:
         if args.graph:
             from dbo_compile.runtime import cudagraph as cg
 
-            art = dbo_backend.compiled_artifacts()[-1]
             sstep = cg.SplitStep(art, lambda: compiled(step.input_ids, step.positions,
                                                        step.attn_metadata))
             graph, _ = cg.capture(sstep, warmup=2)
@@ -76,24 +86,24 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     if rank == 0 or args.all_ranks:
         prof.export_chrome_trace(os.path.join(args.out, f"trace_rank{rank}.json"))
-    art = dbo_backend.compiled_artifacts()[-1]
+    schedule = art.split_program.schedule
     if rank == 0:
         with open(os.path.join(args.out, "schedule.json"), "w") as f:
-            f.write(art.schedule.to_json())
+            f.write(schedule.to_json())
         from dbo_compile.viz.png import to_png
         from dbo_compile.viz.profile import load_trace, match_profile
         from dbo_compile.viz.text import render_text
 
         try:
-            measured = match_profile(art.schedule,
+            measured = match_profile(schedule,
                                      load_trace(os.path.join(args.out, "trace_rank0.json")))
         except Exception as e:  # noqa: BLE001 - keep the trace and schedule for a later look
             print(f"could not match the profile to the schedule: {e}")
             measured = None
-        text = render_text(art.schedule, measured=measured)
+        text = render_text(schedule, measured=measured)
         with open(os.path.join(args.out, "measured.txt"), "w") as f:
             f.write(text)
-        to_png(art.schedule, os.path.join(args.out, "measured.png"), measured=measured)
+        to_png(schedule, os.path.join(args.out, "measured.png"), measured=measured)
         print(text)
     dist.destroy_process_group()
     return 0
