@@ -56,19 +56,18 @@ class _Inputs:
                          block_size=block_size, num_blocks=nb, seed=seed, pad_to=pad_to)
         md = step.attn_metadata
         self.step = step
-        def conv(x):
-            return x.to(device, meta_dtype or x.dtype)
-
-        self.qsl = conv(md.query_start_loc)
-        self.seq_lens = conv(md.seq_lens)
-        self.block_table = conv(md.block_table)
+        meta = [x.to(device, meta_dtype or x.dtype)
+                for x in (md.query_start_loc, md.seq_lens, md.block_table)]
+        self.qsl, self.seq_lens, self.block_table = meta
         self.slot_mapping = md.slot_mapping.to(device)
         t = step.num_tokens
-        gen = torch.Generator().manual_seed(seed + 1)
-        self.q = torch.randn(t, hq, d, generator=gen).to(device, dtype)
-        self.k = torch.randn(t, hkv, d, generator=gen).to(device, dtype)
-        self.v = torch.randn(t, hkv, d, generator=gen).to(device, dtype)
-        self.cache0 = torch.randn(2, nb, block_size, hkv, d, generator=gen).to(device, dtype)
+        gen = torch.Generator(device=device).manual_seed(seed + 1)  # drawn where they live
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+        self.q, self.k, self.v = randn(t, hq, d), randn(t, hkv, d), randn(t, hkv, d)
+        self.cache0 = randn(2, nb, block_size, hkv, d)
         self.cache = self.cache0.clone()
         attention_mod._write_kv(self.cache, self.k, self.v, self.slot_mapping)
         self.scale = d ** -0.5

@@ -200,7 +200,8 @@ def _triton_kernel():
     except ImportError:
         return None
 
-    @triton.jit
+    # num_reqs changes every step: one compiled variant for all values (no ==1 / %16 variants)
+    @triton.jit(do_not_specialize=["num_reqs"])
     def paged_attention_kernel(
             out_ptr, q_ptr, k_ptr, v_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
             scale_log2, num_reqs,
