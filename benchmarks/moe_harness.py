@@ -8,8 +8,10 @@ package, only what this process runs):
   per-expert dense loop (every expert on every received row).
 - ``attention="proj"``: ``dbo.attention`` on the benchmark's device type writes the KV cache and
   returns ``q`` (projection-only attention, as in the hand-written schedule of
-  ../shared/REFERENCES.md); ``"ref"`` keeps the reference implementation (a Python chunk loop:
-  correct, capturable, but far slower than a fused kernel).
+  ../shared/REFERENCES.md); ``"ref"`` runs the reference implementation (a Python chunk loop:
+  correct, capturable, but far slower than a fused kernel); ``"fused"`` runs the package's own
+  implementation: on CUDA the fused Triton kernel (``dbo_compile.ops.attention``; the reference
+  where it does not apply), elsewhere the reference.
 - :func:`no_comm`: the ``torch`` comm backend replaced by a local stand-in of the same shapes
   (packs the send buffers, copies instead of all_to_all): "split program without comm".
 """
@@ -46,15 +48,27 @@ def _attention_proj(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, 
     return q.clone()
 
 
-def install_kernels(device_type: str, experts: str = "grouped", attention: str = "proj") -> dict:
-    """Switch this process's expert / attention implementations (see the module docstring)."""
-    from dbo_compile.ops.attention import _check_args, _paged_attention, _write_kv
+ATTENTION_KINDS = ("proj", "ref", "fused")
 
+
+def install_kernels(device_type: str, experts: str = "grouped", attention: str = "proj") -> dict:
+    """Switch this process's expert / attention implementations (see the module docstring).
+
+    Raises:
+        ValueError: ``attention`` is not one of :data:`ATTENTION_KINDS`.
+    """
+    from dbo_compile.ops.attention import _attention_cuda, _check_args, _paged_attention, _write_kv
+
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_KINDS}")
     if experts == "loop":
         torch.library.register_kernel("dbo::grouped_experts", device_type, _experts_loop_kernel)
     _STATE["attention"] = attention
 
     def attn(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, scale):
+        if _STATE["attention"] == "fused" and q.is_cuda:  # the package's CUDA kernel, unchanged
+            return _attention_cuda(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
+                                   block_table, scale)
         _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
         if _STATE["attention"] == "proj":
             return _attention_proj(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,

@@ -1,11 +1,22 @@
 """``dbo.attention``: paged causal attention with a KV-cache write, flattened-token layout.
 
-This is the CPU **reference** implementation (dense gather of each query's context through the
-block table, softmax in fp32). It is written in tensor ops only: no ``.item()``, no
-``.tolist()``, no host synchronisation, no Python branch on tensor values (branches on *shapes*
-only), so it is CUDA-graph capturable, but it materialises ``[T, max_blocks * block_size, Hkv,
-D]`` per chunk of queries and is meant to be replaced on GPU by a fused paged-attention kernel
-behind the same op schema.
+Implementations (same semantics, see :func:`attention`):
+
+- **CUDA** (:func:`_attention_cuda`, registered for the ``cuda`` device type): the KV write, then
+  a fused Triton kernel (:func:`_paged_attention_triton`, in the style of vLLM's unified
+  attention). Its grid depends on shapes only: axis 0 has ``T // BLOCK_M + R`` query-block
+  programs (``BLOCK_M`` tokens each; program ``b`` finds its request by binary search over
+  ``query_start_loc[i] // BLOCK_M + i`` and exits if it has no tokens), axis 1 the ``Hkv`` KV
+  heads; a program computes its ``BLOCK_M`` tokens x the ``G = Hq / Hkv`` query heads that share
+  its KV head, with an online softmax (fp32) over the context up to its last query's position,
+  read ``TILE_N`` positions at a time through ``block_table``. No host sync: CUDA-graph
+  capturable, and a captured graph serves new metadata of the same shapes. It runs where Triton
+  imports, the head dim is a power of two in [16, 256] and q / cache are bf16, fp16 or fp32
+  (:func:`_kernel_supports`); elsewhere the CUDA op runs the reference.
+- **Reference** (:func:`_paged_attention`, every other device, and the CUDA fallback): dense
+  gather of each query's context through the block table, softmax in fp32. Tensor ops only (no
+  ``.item()``, no branch on tensor values), so it is capturable too, but it materialises
+  ``[chunk, max_blocks * block_size, Hkv, D]`` per chunk of queries in a Python loop.
 
 Shapes (``T`` = token dim, ``R`` = requests, ``Hq``/``Hkv`` query/KV heads, ``D`` head dim)::
 
@@ -17,7 +28,10 @@ Shapes (``T`` = token dim, ``R`` = requests, ``Hq``/``Hkv`` query/KV heads, ``D`
     out          [T, Hq, D]                       q.dtype; rows >= query_start_loc[-1] are 0
 """
 
+import functools
 import logging
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -140,6 +154,211 @@ def _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
     return out.view(t, hq, d).to(q.dtype)
 
 
+# ----------------------------------------------------------------------------- Triton kernel
+#: head dims the kernel takes (tl.dot needs >= 16; above 256 the tiles leave no registers)
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class _KernelConfig:
+    """Tile shape and launch options of :func:`_paged_attention_triton`.
+
+    Attributes:
+        block_m: query tokens per program (its tile has ``block_m * next_pow2(G)`` rows; at
+            least 16 for ``tl.dot`` on GPU).
+        tile_n: context positions per iteration (power of two >= 16; may span several pages).
+        num_warps: warps per program.
+        num_stages: software-pipelining stages of the context loop.
+    """
+
+    block_m: int
+    tile_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _kernel_config(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype) -> _KernelConfig:
+    """The launch config, from shapes only (capturable). Steps with about one token per request
+    (decode) get 16-row tiles, the others 64 rows (prefill); fp32 gets narrower key tiles (the
+    tiles double in bytes)."""
+    decode = num_tokens <= 2 * num_reqs
+    rows = 16 if decode else 64
+    tile_n = 32 if dtype == torch.float32 else 64
+    return _KernelConfig(block_m=max(1, rows // g_pad), tile_n=tile_n)
+
+
+@functools.cache
+def _triton_kernel():
+    """``(triton, kernel, interpreted)``, or None without Triton. Built on first use, so that
+    importing the package does not import Triton. ``interpreted``: the process runs Triton's
+    interpreter (``TRITON_INTERPRET=1`` before triton was imported; kernels take CPU tensors)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    # num_reqs changes every step: one compiled variant for all values (no ==1 / %16 variants)
+    @triton.jit(do_not_specialize=["num_reqs"])
+    def paged_attention_kernel(
+            out_ptr, q_ptr, k_ptr, v_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+            scale_log2, num_reqs,
+            stride_qt, stride_qh, stride_ot, stride_oh,
+            stride_kb, stride_ks, stride_kh, stride_bt,
+            G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr):
+        qblock = tl.program_id(0)
+        kvh = tl.program_id(1)
+        # the request: the last i whose first query block qsl[i] // BLOCK_M + i is <= qblock.
+        # Request i owns blocks [qsl[i] // BLOCK_M + i, qsl[i+1] // BLOCK_M + i + 1), at least
+        # cdiv(q_i, BLOCK_M) of them, so T // BLOCK_M + R programs cover every request.
+        # (Inlined: Triton's interpreter cannot call a jit function defined in this closure.)
+        lo = qblock * 0
+        hi = lo + num_reqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(qsl_ptr + mid) // BLOCK_M + mid <= qblock:
+                lo = mid + 1
+            else:
+                hi = mid
+        req = lo - 1
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+        local = qblock - (q_start // BLOCK_M + req)  # this program's query block in the request
+        if local * BLOCK_M >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + req)
+        ctx_len = seq_len - q_len
+
+        # rows: BLOCK_M tokens x G_PAD heads (token-major); rows of padding heads or of tokens
+        # past the request are computed on zeros and not stored
+        ROWS: tl.constexpr = BLOCK_M * G_PAD
+        rows = tl.arange(0, ROWS)
+        tok = local * BLOCK_M + rows // G_PAD
+        hig = rows % G_PAD
+        row_ok = (tok < q_len) & (hig < G)
+        head = kvh * G + hig
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_off = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        kv_ty = k_ptr.dtype.element_ty
+        q = q.to(kv_ty)
+        qpos = ctx_len + tok  # absolute position of each row's query
+
+        # causal: nothing past this block's last query; key 0 is visible to every row, so the
+        # running max is finite after the first tile
+        kv_end = tl.minimum(seq_len, ctx_len + (local + 1) * BLOCK_M)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+        for n0 in range(0, kv_end, TILE_N):
+            kpos = n0 + tl.arange(0, TILE_N)
+            k_ok = kpos < kv_end
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0)
+            base = (blk.to(tl.int64) * stride_kb + (kpos % BLOCK_SIZE) * stride_ks
+                    + kvh * stride_kh)
+            k = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=k_ok[None, :], other=0.0)
+            v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            s = s * scale_log2
+            s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p_kv = p.to(kv_ty)  # P as the 16-bit dot reads it (no-op for fp32 caches)
+            if DOT_FP32:
+                pv = tl.dot(p_kv.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p_kv, v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / l_i[:, None]
+        o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+    # Triton's interpreter (TRITON_INTERPRET=1, tests on CPU) multiplies bf16 operands of
+    # tl.dot as raw integer bit patterns (Triton 3.9): there the dots run in fp32
+    interpreted = type(paged_attention_kernel).__name__ == "InterpretedFunction"
+    return triton, paged_attention_kernel, interpreted
+
+
+def _kernel_supports(head_dim: int, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernel is defined for these: head dim a power of two in [16, 256], q and
+    cache bf16 / fp16 / fp32."""
+    return head_dim in _HEAD_DIMS and q_dtype in _KERNEL_DTYPES and cache_dtype in _KERNEL_DTYPES
+
+
+def _fused_ok(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The CUDA op's choice: the kernel for CUDA tensors it supports when Triton imports."""
+    return (q.is_cuda and _kernel_supports(q.shape[-1], q.dtype, kv_cache.dtype)
+            and _triton_kernel() is not None)
+
+
+def _paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, scale, *,
+                            config: _KernelConfig | None = None) -> torch.Tensor:
+    """The attention of :func:`attention` (no KV write) by the Triton kernel.
+
+    Args:
+        q: ``[T, Hq, D]`` bf16/fp16/fp32, ``D`` in ``_HEAD_DIMS``; cast to the cache dtype for
+            the dot products (fp32 caches: exact fp32 dots, no TF32).
+        kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` bf16/fp16/fp32 (contiguous in ``D``),
+            already holding this step's K/V.
+        query_start_loc, seq_lens, block_table: as :func:`attention` (int32 or int64).
+            Block-table entries past a request's ``cdiv(seq_lens[i], block_size)`` blocks are
+            never read.
+        scale: softmax scale.
+        config: tile shape (default :func:`_kernel_config`, chosen from shapes).
+
+    Returns:
+        ``[T, Hq, D]`` of ``q.dtype``, softmax and accumulation in fp32; rows
+        ``>= query_start_loc[-1]`` are 0.
+
+    Raises:
+        AttentionOpError: Triton is not installed, the head dim / dtypes are not supported, or
+            the cache is not contiguous in ``D``.
+    """
+    t, hq, d = q.shape
+    r = seq_lens.shape[0]
+    built = _triton_kernel()
+    if built is None or not _kernel_supports(d, q.dtype, kv_cache.dtype):
+        raise AttentionOpError(
+            f"dbo.attention: no Triton kernel for head_dim={d}, q {q.dtype}, cache "
+            f"{kv_cache.dtype} (Triton {'missing' if built is None else 'present'}; needs head_dim "
+            f"in {_HEAD_DIMS} and dtypes in {_KERNEL_DTYPES})")
+    out = torch.zeros((t, hq, d), dtype=q.dtype, device=q.device)
+    if t == 0 or r == 0:
+        return out
+    triton, kernel, interpreted = built
+    hkv, bs = kv_cache.shape[3], kv_cache.shape[2]
+    g = hq // hkv
+    g_pad = triton.next_power_of_2(g)
+    cfg = config or _kernel_config(t, r, g_pad, kv_cache.dtype)
+    if kv_cache.stride(-1) != 1:
+        raise AttentionOpError("dbo.attention: kv_cache must be contiguous in the head dim")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    qsl, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
+    # Triton's interpreter would multiply bf16 bit patterns as integers: fp32 dots there
+    dot_fp32 = kv_cache.dtype == torch.float32 or (interpreted and kv_cache.dtype == torch.bfloat16)
+    grid = (t // cfg.block_m + r, hkv)
+    kernel[grid](
+        out, q, kv_cache[0], kv_cache[1], qsl, seq_lens, block_table,
+        scale * _LOG2E, r,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        G=g, G_PAD=g_pad, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, HEAD_DIM=d, BLOCK_SIZE=bs,
+        DOT_FP32=dot_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
 @torch.library.custom_op("dbo::attention", mutates_args=("kv_cache",))
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -154,8 +373,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
     decode and chunked prefill mixed in one step, GQA (``Hq`` a multiple of ``Hkv``),
     ``T == 0`` and ``R == 0``.
 
+    On CUDA the attention is the fused Triton kernel where Triton imports, ``D`` is a power of
+    two in [16, 256] and q / cache are bf16, fp16 or fp32; otherwise (other head dims or dtypes,
+    no Triton, other devices) the reference gather. Both are CUDA-graph capturable (see the
+    module docstring).
+
     Args:
-        q: ``[T, Hq, D]`` queries (``T`` = token dim, padding rows included).
+        q: ``[T, Hq, D]`` queries (``T`` = token dim, padding rows included), any float dtype.
         k: ``[T, Hkv, D]`` keys of this step's tokens.
         v: ``[T, Hkv, D]`` values of this step's tokens.
         kv_cache: ``[2, num_blocks, block_size, Hkv, D]``, contiguous; ``[0]`` keys, ``[1]``
@@ -174,6 +398,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
     """
     _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
     _write_kv(kv_cache, k, v, slot_mapping)
+    return _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
+
+
+@attention.register_kernel("cuda")
+def _attention_cuda(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
+                    scale):
+    """``dbo.attention`` on CUDA: the KV write, then the Triton kernel where :func:`_fused_ok`
+    (else the reference)."""
+    _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
+    _write_kv(kv_cache, k, v, slot_mapping)
+    if _fused_ok(q, kv_cache):
+        return _paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
     return _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
 
 
