@@ -30,8 +30,10 @@ MAX_ROWS_OFF = 0.02
 
 #: (phase, tokens/rank, attention kernel, compute_backend)
 CASES = [("decode", 256, "ref", "aten"), ("prefill", 1024, "ref", "aten"),
-         ("decode", 256, "proj", "inductor"), ("prefill", 1024, "proj", "inductor")]
-KEYS = [f"{p}{t}" + ("" if be == "aten" else f"/{be}") for p, t, _, be in CASES]
+         ("decode", 256, "proj", "inductor"), ("prefill", 1024, "proj", "inductor"),
+         ("decode", 256, "fused", "inductor"), ("prefill", 1024, "fused", "inductor")]
+KEYS = [f"{p}{t}" + ("" if be == "aten" else f"/{be}") + ("/fused" if att == "fused" else "")
+        for p, t, att, be in CASES]
 
 
 def _init_rank(rank: int, world: int, port: int) -> torch.device:
