@@ -324,7 +324,7 @@ def markdown(doc: dict) -> str:
             f"| {r['link']} | {r['phase']} | {r['tokens_per_rank']} | {fmt(r['t_unsplit_eager_us'])} | "
             f"{fmt(r['t_baseline_us'])} | {fmt(r['t_split_serial_us'])} | {fmt(r['t_split_nocomm_us'])} | "
             f"{fmt(r['t_comm_us'])} | {fmt(r['t_dbo_eager_us'])} | {fmt(r['t_dbo_graph_us'])} ({r['dbo_variant']}) | "
-            f"{r['chosen']} {fmt(r['t_chosen_us'])} | {fmt(r['speedup'], 2)}× | {fmt(r['eta'], 2)} | "
+            f"{r['chosen']} {fmt(r['t_chosen_us'])} | {fmt(r['speedup'], 3)}× | {fmt(r['eta'], 2)} | "
             f"{fmt(r['chosen_vs_baseline'], 3)}× | {fmt(err, 4)} |")
     lines.append("")
     lines.append("µs per step, median of CUDA-event-timed graph replays on the benchmark's step, max "
