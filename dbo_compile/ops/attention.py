@@ -88,17 +88,34 @@ def _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, bloc
 
 def _write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
-    """Write k/v rows to their slots without a host sync, skipping slot -1.
+    """Write k/v rows ``[T, Hkv, D]`` to their cache slots without a host sync; slot -1 rows
+    (padding) are not written.
+
+    On CUDA with Triton one kernel does it (:func:`_write_kv_triton`); elsewhere torch ops
+    (:func:`_write_kv_torch`), with the same result.
+
+    Raises:
+        AttentionOpError: ``kv_cache`` is not contiguous.
+    """
+    if k.shape[0] == 0:
+        return
+    if not kv_cache.is_contiguous():
+        raise AttentionOpError("dbo.attention: kv_cache must be contiguous")
+    if kv_cache.is_cuda and _write_kv_kernel() is not None:
+        _write_kv_triton(kv_cache, k, v, slot_mapping)
+    else:
+        _write_kv_torch(kv_cache, k, v, slot_mapping)
+
+
+def _write_kv_torch(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """:func:`_write_kv` in torch ops (an index_put cannot skip rows without a host sync).
 
     Padding rows are redirected to the slot of the last real row and write that row's values
     (duplicate indices then carry identical values, so the result is deterministic); if no row
     is real, they rewrite slot 0 with its own contents.
     """
     t = k.shape[0]
-    if t == 0:
-        return
-    if not kv_cache.is_contiguous():
-        raise AttentionOpError("dbo.attention: kv_cache must be contiguous")
     _, nb, bs, hkv, d = kv_cache.shape
     flat = kv_cache.view(2, nb * bs, hkv, d)
     valid = slot_mapping >= 0
@@ -112,6 +129,53 @@ def _write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         new = x[src].to(kv_cache.dtype)
         new = torch.where(has_valid, new, flat[i, idx])
         flat[i].index_put_((idx,), new)
+
+
+@functools.cache
+def _write_kv_kernel():
+    """``(triton, kernel)`` of the KV-cache write, or None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
+                        stride_vh, plane, D: tl.constexpr, ROW: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """Program ``(t, c)``: columns block ``c`` of token ``t``'s ``Hkv * D`` k and v values
+        into cache slot ``slot_mapping[t]`` (row ``slot`` of each ``[slots, Hkv * D]`` plane);
+        padding rows (slot < 0) write nothing."""
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            m = cols < ROW
+            h = cols // D
+            d = cols % D
+            kk = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=m)
+            vv = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=m)
+            out_ty = cache_ptr.dtype.element_ty
+            tl.store(cache_ptr + slot * ROW + cols, kk.to(out_ty), mask=m)
+            tl.store(cache_ptr + plane + slot * ROW + cols, vv.to(out_ty), mask=m)
+
+    return triton, write_kv_kernel
+
+
+def _write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+    """:func:`_write_kv` as one Triton kernel: one program per token row and column block;
+    k / v may be strided views (a fused qkv projection's slices) with unit stride in ``D``."""
+    triton, kernel = _write_kv_kernel()
+    t, hkv, d = k.shape
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    row = hkv * d
+    block = min(1024, triton.next_power_of_2(row))
+    kernel[(t, triton.cdiv(row, block))](
+        k, v, kv_cache, slot_mapping.contiguous(), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), kv_cache[0].numel(), D=d, ROW=row, BLOCK=block)
 
 
 def _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale) -> torch.Tensor:
