@@ -80,7 +80,8 @@ class DboConfig:
         link_gbps: all-to-all bus bandwidth of the cost model, GB/s per rank.
         comm_latency_us: fixed cost of one collective, µs.
         launch_us: fixed cost of one compute kernel, µs.
-        dump_dir: if set, each compiled schedule is written there as JSON.
+        dump_dir: if set, each compiled schedule is written there as JSON, and the generated
+            wrapper as ``.py``.
         dp_group_name: name of the CPU (Gloo) process group that carries the DP vote; ``None``
             means the default group when torch.distributed is initialised, else no vote.
     """

@@ -132,3 +132,18 @@ def test_triton_kernels_match_loop_in_interpreter():
     from triton_interp import run_interpreted
 
     assert run_interpreted(_TRITON_CHECK).strip().endswith("ok")
+
+
+def test_loop_ignores_non_finite_values_outside_local_slots():
+    """The loop (the op on CPU) agrees with the grouped path: a NaN weight on a slot of another
+    rank, or an inf row with no local slot, does not reach the output."""
+    x, ids, w, w13, w2 = _case(seed=5)
+    w = w.clone()
+    w[ids < 0] = float("nan")
+    x = x.clone()
+    x[0] = float("inf")  # row 0 has no local slot (_case sets ids[:5] = -1)
+    y = experts_loop(x, ids, w, w13, w2)
+    assert torch.isfinite(y).all()
+    assert y[0].abs().max() == 0
+    if hasattr(torch, "_grouped_mm"):
+        torch.testing.assert_close(y, grouped_reference(x, ids, w, w13, w2), atol=1e-5, rtol=1e-5)

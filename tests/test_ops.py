@@ -311,6 +311,27 @@ def test_attention_chunked_gather(monkeypatch):
     assert_close(out, case.reference(), atol=1e-5, rtol=1e-5)
 
 
+def test_attention_reference_ignores_stale_block_table_entries():
+    """Block-table entries past a request's own blocks may hold anything (an engine's stale
+    rows, out of the pool): they are never attended to, and must not make the op fail."""
+    cfg = type("Cfg", (), {"vocab_size": 10})
+    step = make_step(cfg, decode_context_lens=[5, 17], prefills=[(0, 6)], block_size=4,
+                     num_blocks=64, seed=3)
+    md = step.attn_metadata
+    g = torch.Generator().manual_seed(0)
+    t, nb = step.num_tokens, 64
+    q, k, v = (torch.randn(t, 2, 8, generator=g) for _ in range(3))
+    cache = torch.randn(2, nb, 4, 2, 8, generator=g)
+    need = (md.seq_lens + 3) // 4
+    junk = md.block_table.clone()
+    cols = torch.arange(junk.shape[1]).unsqueeze(0)
+    junk[cols >= need.unsqueeze(1)] = 4_000_000
+    out = [torch.ops.dbo.attention(q, k, v, c, md.slot_mapping, md.query_start_loc,
+                                   md.seq_lens, bt, 8 ** -0.5)
+           for c, bt in ((cache.clone(), md.block_table), (cache.clone(), junk))]
+    assert_close(out[1], out[0])
+
+
 def test_attention_zero_tokens_and_requests():
     q = torch.zeros(0, 4, 8)
     k = torch.zeros(0, 2, 8)
@@ -345,3 +366,13 @@ def test_opcheck_attention():
         (case.q, case.k, case.v, case.cache.clone(), md.slot_mapping, md.query_start_loc,
          md.seq_lens, md.block_table, case.scale),
     )
+
+
+@pytest.mark.parametrize("bad", [dict(block_m=3, tile_n=64), dict(block_m=16, tile_n=8),
+                                 dict(block_m=0, tile_n=64)])
+def test_attention_kernel_config_rejects_tiles_triton_cannot_take(bad):
+    from dbo_compile.ops.attention import AttentionOpError, _KernelConfig
+
+    with pytest.raises(AttentionOpError, match="power of two"):
+        _KernelConfig(**bad)
+    _KernelConfig(block_m=1, tile_n=16)  # the smallest valid tile

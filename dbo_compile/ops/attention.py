@@ -188,7 +188,9 @@ def _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
     flat = kv_cache.reshape(2, nb * bs, hkv, d)
     qsl = query_start_loc.to(torch.int64)
     seq = seq_lens.to(torch.int64)
-    bt = block_table.to(torch.int64).clamp(min=0)
+    # entries past a request's own blocks may hold anything (a serving engine's stale rows):
+    # clamp into the pool; the causal mask keeps their keys and values out
+    bt = block_table.to(torch.int64).clamp(min=0, max=nb - 1)
     ctx_len = bt.shape[1] * bs
     kpos = torch.arange(ctx_len, device=q.device)
     rows = torch.arange(t, device=q.device)
@@ -241,6 +243,13 @@ class _KernelConfig:
     tile_n: int
     num_warps: int = 4
     num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name, value, low in (("block_m", self.block_m, 1), ("tile_n", self.tile_n, 16)):
+            if value < low or value & (value - 1):
+                raise AttentionOpError(
+                    f"dbo.attention kernel config: {name}={value} must be a power of two >= "
+                    f"{low} (Triton's tl.arange and tl.dot need it)")
 
 
 def _kernel_config(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype) -> _KernelConfig:

@@ -218,7 +218,7 @@ def _send_buffers(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     buffers (:func:`_send_buffers_triton`); elsewhere torch ops (:func:`_send_buffers_torch`)
     give the same bits.
     """
-    if x.is_cuda and x.numel() > 0 and _pack_kernel() is not None:
+    if x.is_cuda and x.numel() > 0 and topk_ids.shape[1] > 0 and _pack_kernel() is not None:
         return _send_buffers_triton(x, topk_ids, topk_weights, e_local, world_size)
     return _send_buffers_torch(x, topk_ids, topk_weights, e_local, world_size)
 

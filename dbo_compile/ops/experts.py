@@ -66,9 +66,13 @@ def experts_loop(x, ids, weights, w13, w2) -> torch.Tensor:
     """Reference: every local expert on every row, weighted by the row's slots for it."""
     y = torch.zeros_like(x, dtype=torch.float32)
     for e in range(w13.shape[0]):
-        w_e = (weights * (ids == e)).sum(dim=-1, keepdim=True)  # [N, 1] fp32
+        mine = ids == e
+        # weights of other experts' slots and outputs of rows without a slot of e never enter
+        # the sum (as in the grouped path), even when they are inf / NaN
+        w_e = torch.where(mine, weights, 0.0).sum(dim=-1, keepdim=True)  # [N, 1] fp32
         gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
-        y = y + w_e * F.linear(F.silu(gate) * up, w2[e]).to(torch.float32)
+        out = F.linear(F.silu(gate) * up, w2[e]).to(torch.float32)
+        y = y + torch.where(mine.any(dim=-1, keepdim=True), w_e * out, 0.0)
     return y.to(x.dtype)
 
 
@@ -209,8 +213,8 @@ def _grouped_triton(x, ids, weights, w13, w2) -> torch.Tensor:
 
     Per call: slot keys (1 kernel), a stable sort of the narrow keys (CUB), expert offsets (2),
     the gather of the routed rows in sorted order with the inverse permutation (1, rows of
-    slots on other ranks are not copied), gate/up grouped GEMM, SiLU-and-multiply (1), down
-    grouped GEMM, weighted gather-sum (1).
+    slots on other ranks are not copied), gate/up grouped GEMM (2 launches: its argument setup
+    and the GEMM), SiLU-and-multiply (1), down grouped GEMM (2), weighted gather-sum (1).
     """
     triton, kern = _triton_kernel()
     n, k = ids.shape
