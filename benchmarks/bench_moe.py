@@ -34,9 +34,11 @@ speedup = baseline / dbo_graph; η = (split_serial − dbo_graph) / (split_seria
 comm)) (../shared/DESIGN.md); pick / baseline = baseline / chosen.
 
 GPU stand-ins (see moe_harness): routed experts as one grouped-GEMM op (``--experts grouped``),
-projection-only attention (``--attention proj``, the default); ``--attention fused`` runs the
-package's ``dbo.attention`` (on CUDA the fused Triton paged-attention kernel), ``--attention
-ref`` the reference attention op (a Python chunk loop: representative of nothing on GPU).
+attention as the package's ``dbo.attention`` (``--attention fused``, the default: on CUDA the
+fused Triton paged-attention kernel); ``--attention proj`` writes the KV cache and skips the
+attention itself (as the hand-written schedule of REFERENCES.md, and the runs before
+2026-11-30 afternoon); ``--attention ref`` the reference attention op (a Python chunk loop:
+representative of nothing on GPU).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def parse(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--experts", default="grouped", choices=["grouped", "loop"])
-    p.add_argument("--attention", default="proj", choices=list(H.ATTENTION_KINDS),
+    p.add_argument("--attention", default="fused", choices=list(H.ATTENTION_KINDS),
                    help="proj: KV write + projections only (default); fused: the package's "
                         "dbo.attention (Triton kernel on CUDA); ref: the reference gather loop")
     p.add_argument("--scheduler", default="list", choices=["list", "naive"])

@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--attention", default="fused", choices=list(H.ATTENTION_KINDS))
     p.add_argument("--compute-backend", default="aten", choices=["aten", "inductor"])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--top", type=int, default=30)
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device)
     dbo_backend.register()
-    H.install_kernels("cuda", experts="grouped", attention="proj")
+    H.install_kernels("cuda", experts="grouped", attention=args.attention)
     model = H.build_model("deepseek-v2-lite", args.layers, dist.group.WORLD, str(device),
                           vocab_size=args.vocab, first_k_dense_replace=0)
     step = H.make_bucket_step(model.config, args.phase, args.tokens, str(device), seed=1)

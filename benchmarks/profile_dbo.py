@@ -26,6 +26,25 @@ import moe_harness as H  # noqa: E402
 from dbo_compile import backend as dbo_backend  # noqa: E402
 
 
+def variant_options(name: str) -> dict:
+    """Backend options that compile only the schedule variant ``name`` (as the runner names
+    them: ``list``, ``naive``, ``list@link/16``, ``...+sms16``), as the primary schedule:
+    compiling every candidate with Inductor takes minutes."""
+    from dbo_compile.config import DboConfig
+
+    base, _, sms = name.partition("+sms")
+    scheduler, _, factor = base.partition("@link/")
+    if scheduler not in ("list", "naive") or (factor and not factor.isdigit()) or (
+            sms and not sms.isdigit()):
+        raise SystemExit(f"--variant {name!r}: expected list|naive[@link/N][+smsN]")
+    opts = {"scheduler": scheduler, "schedule_candidates": False, "sm_carveout_candidates": ()}
+    if factor:
+        opts["link_gbps"] = DboConfig().link_gbps / int(factor)
+    if sms:
+        opts["comm_sms"] = int(sms)
+    return opts
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="prof")
@@ -38,8 +57,9 @@ def main(argv=None) -> int:
                    help="profile a replay of the split program captured as one CUDA graph "
                         "(no host overhead; kernels are matched to comm units by order)")
     p.add_argument("--variant", default=None,
-                   help="schedule variant to profile (e.g. 'list@link/16+sms16'; default: the "
-                        "primary schedule)")
+                   help="schedule variant to profile (e.g. 'list@link/16+sms16'; compiled "
+                        "alone; default: the default options' primary schedule)")
+    p.add_argument("--attention", default="fused", choices=list(H.ATTENTION_KINDS))
     p.add_argument("--compute-backend", default="auto", choices=["auto", "aten", "inductor"])
     args = p.parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -48,20 +68,18 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl", device_id=device)
     rank = dist.get_rank()
     dbo_backend.register()
-    H.install_kernels("cuda", experts="grouped", attention="proj")
+    H.install_kernels("cuda", experts="grouped", attention=args.attention)
     model = H.build_model("deepseek-v2-lite", args.layers, dist.group.WORLD, str(device),
-                          vocab_size=args.vocab)
+                          vocab_size=args.vocab, first_k_dense_replace=0)  # as bench_moe
     step = H.make_bucket_step(model.config, args.phase, args.tokens, str(device), seed=rank)
     model.allocate_kv_cache(step.num_blocks, step.block_size)
-    compiled = torch.compile(model, backend="dbo", options={
-        "split": "always", "compute_backend": args.compute_backend})
+    options = {"split": "always", "compute_backend": args.compute_backend}
+    if args.variant is not None:
+        options.update(variant_options(args.variant))
+    compiled = torch.compile(model, backend="dbo", options=options)
     with torch.no_grad():
         compiled(step.input_ids, step.positions, step.attn_metadata)  # compile
         art = dbo_backend.compiled_artifacts()[-1]
-        if args.variant is not None:
-            if args.variant not in art.variants:
-                raise SystemExit(f"--variant {args.variant!r}: compiled {sorted(art.variants)}")
-            art.split_program = art.variants[args.variant]
         for _ in range(2):  # warm up
             compiled(step.input_ids, step.positions, step.attn_metadata)
         torch.cuda.synchronize()
