@@ -308,6 +308,12 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
             # Dynamo specialised the request count (e.g. 1 request), but only our ops read the
             # tensor and they take any request count: the graph is still generic in it
             continue
+        if not expr.free_symbols and expr in (0, 1):
+            raise UnsplittableGraphError(
+                f"dim 0 of input {s.name} ({s.source or s.kind}) is {expr}: Dynamo never makes "
+                "sizes 0 and 1 dynamic, so this graph serves exactly that size and is not split "
+                "(a step of >= 2 tokens gets its own, splittable graph)"
+            )
         if not expr.free_symbols:
             raise UnsplittableGraphError(
                 f"dim 0 of input {s.name} ({s.source or s.kind}) was specialised to {expr} while "

@@ -127,6 +127,20 @@ def test_dynamic_token_count_in_a_dbo_op_input_splits():
     assert last_artifact().stats.split_steps == 1
 
 
+def test_one_token_step_runs_unsplit_and_the_next_size_splits():
+    """Dynamo never makes a size-1 dim dynamic: the 1-token graph runs unsplit and says so
+    (not "mark it dynamic", which Dynamo refuses for size 1); a 6-token step gets its own
+    graph, which splits."""
+    fn = torch.compile(RoutesByShape(), backend="dbo", options={"split": "always"})
+    one = torch.randn(1, 4)
+    torch.testing.assert_close(fn(one), RoutesByShape()(one))
+    art = last_artifact()
+    assert art.split_program is None and "never makes sizes 0 and 1 dynamic" in art.reason
+    six = torch.randn(6, 4)
+    torch.testing.assert_close(fn(six), RoutesByShape()(six))
+    assert last_artifact() is not art and last_artifact().stats.split_steps == 1
+
+
 def test_torch_logs_prints_each_dbo_record_once():
     """TORCH_LOGS="+dbo_compile": torch imports the package while parsing TORCH_LOGS and then
     adds its handler again; each record must still print once."""
