@@ -84,8 +84,8 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--experts", default="grouped", choices=["grouped", "loop"])
     p.add_argument("--attention", default="fused", choices=list(H.ATTENTION_KINDS),
-                   help="proj: KV write + projections only (default); fused: the package's "
-                        "dbo.attention (Triton kernel on CUDA); ref: the reference gather loop")
+                   help="fused (default): the package's dbo.attention (Triton kernel on CUDA); "
+                        "proj: KV write + projections only; ref: the reference gather loop")
     p.add_argument("--scheduler", default="list", choices=["list", "naive"])
     p.add_argument("--link", default=None, help="label: nvlink | shm (default from NCCL_P2P_DISABLE)")
     p.add_argument("--comm-sms", type=int, default=None,
