@@ -307,3 +307,27 @@ def test_explicit_split_points_match_padded_rule_and_are_checked():
         make_ubatch_slices_at([8, 8], [12, 4])
     with pytest.raises(MetadataError, match="non-decreasing"):
         make_ubatch_slices_at([8, 8], [20])
+
+
+def test_split_reads_the_device_once(monkeypatch):
+    """Every device read is a host sync on CUDA: the split reads the step's counts once and
+    validates the ubatch parts from the host lists it built them from (which must agree with
+    the parts' device tensors)."""
+    md = make_metadata([8, 1, 1, 20], [32, 9, 17, 20])
+    slices, padded = make_ubatch_slices([8, 1, 1, 20], 32)
+    reads = []
+    real = AttentionMetadata.host_fields
+    monkeypatch.setattr(AttentionMetadata, "host_fields",
+                        lambda self: reads.append(self) or real(self))
+    parts = split_attn_metadata(padded, md)
+    assert reads == [md]
+    monkeypatch.undo()
+    for p in parts:
+        p.validate()  # the parts' own tensors pass too
+
+
+def test_validate_reads_three_fields_in_one_copy():
+    md = make_metadata([3, 1], [3, 9])
+    assert md.host_fields() == ([0, 3, 4], [3, 9], [0, 8])
+    with pytest.raises(MetadataError, match="num_computed_tokens must equal"):
+        md.validate(host=([0, 3, 4], [3, 9], [0, 7]))  # checks the host copy it is given

@@ -74,8 +74,23 @@ class AttentionMetadata:
     def to(self, device: torch.device | str) -> AttentionMetadata:
         return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
 
-    def validate(self) -> AttentionMetadata:
+    def host_fields(self) -> tuple[list[int], list[int], list[int]]:
+        """``query_start_loc``, ``seq_lens`` and ``num_computed_tokens`` as host ints, read from
+        the device in one copy (each device read is a host sync on CUDA)."""
+        r = self.num_reqs
+        fields = (self.query_start_loc, self.seq_lens, self.num_computed_tokens)
+        if len({t.device for t in fields}) == 1 and len({t.dtype for t in fields}) == 1:
+            flat = torch.cat([t.reshape(-1) for t in fields]).tolist()
+            return flat[:r + 1], flat[r + 1:2 * r + 1], flat[2 * r + 1:]
+        return tuple(t.tolist() for t in fields)  # type: ignore[return-value]
+
+    def validate(self, host: tuple[list[int], list[int], list[int]] | None = None
+                 ) -> AttentionMetadata:
         """Check dtypes, shapes and the relations between the fields.
+
+        Args:
+            host: ``(query_start_loc, seq_lens, num_computed_tokens)`` as host ints when the
+                caller has them (no device read); default :meth:`host_fields` (one read).
 
         Raises:
             MetadataError: naming the field and the values that disagree.
@@ -108,7 +123,10 @@ class AttentionMetadata:
             )
         if self.slot_mapping.dim() != 1:
             raise MetadataError("slot_mapping must be 1-D [num_tokens]")
-        qsl = self.query_start_loc.cpu()
+        host_qsl, host_seq, host_ctx = host if host is not None else self.host_fields()
+        qsl = torch.tensor(host_qsl, dtype=torch.int64)
+        seq = torch.tensor(host_seq, dtype=torch.int64)
+        ctx = torch.tensor(host_ctx, dtype=torch.int64)
         qlens = qsl[1:] - qsl[:-1]
         if r and int(qsl[0]) != 0:
             raise MetadataError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
@@ -119,13 +137,11 @@ class AttentionMetadata:
                 f"query_start_loc[-1]={int(qsl[-1])} exceeds num_tokens={self.num_tokens} "
                 "(slot_mapping rows)"
             )
-        seq = self.seq_lens.cpu()
-        if bool((seq < qlens.to(seq.dtype)).any()):
+        if bool((seq < qlens).any()):
             raise MetadataError(
                 f"seq_lens {seq.tolist()} shorter than the query lens {qlens.tolist()}"
             )
-        ctx = self.num_computed_tokens.cpu()
-        if not torch.equal(ctx, (seq - qlens).to(ctx.dtype)):
+        if not torch.equal(ctx, seq - qlens):
             raise MetadataError(
                 "num_computed_tokens must equal seq_lens - query_lens: got "
                 f"{ctx.tolist()} vs {(seq - qlens).tolist()}"

@@ -262,10 +262,11 @@ class DboCompiledModule:
         try:
             md = None
             if "query_start_loc" in self._fields:
-                md = self._metadata(args, num_tokens).validate()
+                md, host = self._metadata(args, num_tokens)
+                md.validate(host=host)
                 if real > num_tokens:
                     raise MetadataError(f"{real} scheduled tokens but only {num_tokens} rows")
-                _check_scheduled_tokens(qlens, md)
+                _check_scheduled_tokens(qlens, host[0])
             veto = self._veto(md, qlens) if self.config.split != "never" else None
         except MetadataError as e:
             local_error = f"{type(e).__name__}: {e}"
@@ -289,8 +290,8 @@ class DboCompiledModule:
         self.last_slices = padded
         per_ubatch_md: list[dict[str, torch.Tensor]] | None = None
         if "query_start_loc" in self._fields:
-            md = self._metadata(args, num_tokens)
-            per_ubatch_md = [m.tensors() for m in split_attn_metadata(padded, md)]
+            md, host = self._metadata(args, num_tokens)
+            per_ubatch_md = [m.tensors() for m in split_attn_metadata(padded, md, host=host)]
         out: list[Any] = []
         for index, ubatch in self.signature.inputs:
             spec = self.specs[index]
@@ -310,7 +311,10 @@ class DboCompiledModule:
                 out[pos] = out[self.signature.inputs.index((src, ubatch))].shape[dim]
         return out
 
-    def _metadata(self, args: Sequence[Any], num_tokens: int) -> AttentionMetadata:
+    def _metadata(self, args: Sequence[Any], num_tokens: int
+                  ) -> tuple[AttentionMetadata, tuple[list[int], list[int], list[int]]]:
+        """The step's metadata from the graph inputs, and its counts as host ints
+        (:meth:`AttentionMetadata.host_fields`: the one device read)."""
         f = self._fields
         qsl = args[f["query_start_loc"]]
         num_reqs = int(qsl.shape[0]) - 1
@@ -321,15 +325,20 @@ class DboCompiledModule:
 
         seq_lens = get("seq_lens", lambda: (qsl[1:] - qsl[:-1]).to(torch.int32))
         qlens = (qsl[1:] - qsl[:-1]).to(torch.int32)
-        return AttentionMetadata(
+        md = AttentionMetadata(
             query_start_loc=qsl,
             seq_lens=seq_lens,
             num_computed_tokens=get("num_computed_tokens", lambda: (seq_lens - qlens).to(torch.int32)),
             block_table=get("block_table", lambda: torch.zeros(num_reqs, 1, dtype=torch.int32, device=dev)),
             slot_mapping=get("slot_mapping", lambda: torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)),
-            max_query_len=int(qlens.max()) if num_reqs else 0,
-            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            max_query_len=0,
+            max_seq_len=0,
         )
+        host = md.host_fields()
+        host_qsl, host_seq = host[0], host[1]
+        md.max_query_len = max((b - a for a, b in zip(host_qsl, host_qsl[1:])), default=0)
+        md.max_seq_len = max(host_seq, default=0)
+        return md, host
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         if _RECORDED[0] is not None:
@@ -368,7 +377,7 @@ def join_ubatch_outputs(outs: Sequence[Any], outputs: Sequence[Sequence[int]]) -
                  for idx in outputs)
 
 
-def _check_scheduled_tokens(qlens: list[int], md: AttentionMetadata) -> None:
+def _check_scheduled_tokens(qlens: list[int], query_start_loc: list[int]) -> None:
     """The engine's ``num_scheduled_tokens`` must be the metadata's query lens (>= 1 each).
     Checked before the vote, so that a mismatch raises on every rank instead of breaking the
     split on one rank after the others entered the step's collectives."""
@@ -378,7 +387,7 @@ def _check_scheduled_tokens(qlens: list[int], md: AttentionMetadata) -> None:
     if bad:
         raise MetadataError(f"num_scheduled_tokens must be >= 1 per request, got {bad[:4]} "
                             "(index, count); leave requests without tokens out of the step")
-    md_lens = md.query_lens().tolist()
+    md_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
     if qlens != md_lens:
         first = next((i for i, (a, b) in enumerate(zip(qlens, md_lens)) if a != b),
                      min(len(qlens), len(md_lens)))

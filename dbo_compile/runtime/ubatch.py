@@ -271,7 +271,8 @@ def _check_slice(s: UBatchSlice, cu: list[int], index: int) -> tuple[int, int, i
 
 
 def split_attn_metadata(
-    slices: Sequence[UBatchSlice], metadata: AttentionMetadata
+    slices: Sequence[UBatchSlice], metadata: AttentionMetadata,
+    host: tuple[list[int], list[int], list[int]] | None = None,
 ) -> list[AttentionMetadata]:
     """One :class:`AttentionMetadata` per ubatch, following REFERENCES.md §Slicing (vLLM DBO).
 
@@ -297,6 +298,9 @@ def split_attn_metadata(
         slices: from :func:`make_ubatch_slices` (real or padded), or any slices whose request
             slice matches their token slice by the searchsorted rule.
         metadata: the step's metadata; validated first.
+        host: its ``(query_start_loc, seq_lens, num_computed_tokens)`` as host ints when the
+            caller has them (:meth:`AttentionMetadata.host_fields`); else read here, in one
+            copy from the device (the split's only device read).
 
     Returns:
         A list with one validated metadata per slice, in ubatch order.
@@ -305,15 +309,14 @@ def split_attn_metadata(
         MetadataError: the metadata is inconsistent (see :meth:`AttentionMetadata.validate`), a
             request has zero query tokens, or a slice does not match the metadata.
     """
-    metadata.validate()
-    qsl = [int(x) for x in metadata.query_start_loc.tolist()]
+    qsl, seq, ctx = host if host is not None else metadata.host_fields()
+    metadata.validate(host=(qsl, seq, ctx))
     zero = [i for i in range(len(qsl) - 1) if qsl[i + 1] == qsl[i]]
     if zero:
         raise MetadataError(
             f"requests {zero[:8]} have zero query tokens (query_start_loc {qsl[:16]}...); "
             "ubatch slicing needs >= 1 token per request"
         )
-    seq = [int(x) for x in metadata.seq_lens.tolist()]
     qsl_dev = metadata.query_start_loc.device
     seq_dev = metadata.seq_lens.device
     ctx_dev = metadata.num_computed_tokens.device
@@ -337,5 +340,5 @@ def split_attn_metadata(
             max_query_len=max(qlens, default=0),
             max_seq_len=max(new_seq, default=0),
         )
-        out.append(part.validate())
+        out.append(part.validate(host=(new_qsl, new_seq, new_ctx)))
     return out

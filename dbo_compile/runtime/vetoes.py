@@ -73,7 +73,9 @@ def prefix_read_veto(
             f"block_size must be a positive int (tokens per KV block), got {block_size!r}"
         )
     counts = _counts(num_scheduled_tokens)
-    qlens = [int(x) for x in metadata.query_lens().tolist()]
+    # device reads are host syncs on CUDA: the counts in one copy, slots and table in another
+    qsl, _, host_computed = metadata.host_fields()
+    qlens = [b - a for a, b in zip(qsl, qsl[1:])]
     if counts != qlens:
         raise MetadataError(
             f"num_scheduled_tokens {counts[:16]} disagree with the query lens of "
@@ -82,16 +84,19 @@ def prefix_read_veto(
     num_reqs = len(counts)
     if num_reqs < 2:
         return None
-    num_real = int(metadata.query_start_loc[-1])
-    slots = metadata.slot_mapping[:num_real].cpu()
+    num_real = qsl[-1]
+    table_dev = metadata.block_table
+    both = torch.cat([metadata.slot_mapping[:num_real],
+                      table_dev.reshape(-1).to(metadata.slot_mapping.dtype)]).cpu()
+    slots = both[:num_real]
+    table = both[num_real:].view(table_dev.shape).to(torch.int64)
     writer = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(counts))
     valid = slots >= 0
     written = slots[valid] // block_size
     writer = writer[valid]
     if written.numel() == 0:
         return None
-    table = metadata.block_table.cpu().to(torch.int64)
-    computed = metadata.num_computed_tokens.cpu().to(torch.int64)
+    computed = torch.tensor(host_computed, dtype=torch.int64)
     full = (computed // block_size).clamp(max=table.shape[1])  # whole blocks before the query
     mask = torch.arange(table.shape[1])[None, :] < full[:, None]
     read = table[mask]
