@@ -229,6 +229,17 @@ def test_prefix_read_veto_fires_when_another_request_writes_a_read_block():
     assert reason is not None and "request 1 reads KV block 7" in reason and "request 0 writes" in reason
 
 
+def test_prefix_read_veto_takes_the_callers_host_counts(monkeypatch):
+    """The vote already read the counts (one device read, a host sync on CUDA): the veto reads
+    them from the host copy it is given, with the same reason."""
+    md = _md([4, 2], [0, 8], [[7, 0, 0], [7, 8, 9]], _slots(7, 0, 4) + _slots(9, 0, 2))
+    host = md.host_fields()
+    expected = check_vetoes(md, [4, 2], block_size=BS)
+    monkeypatch.setattr(type(md), "host_fields", lambda self: pytest.fail("read the device"))
+    assert expected is not None
+    assert check_vetoes(md, [4, 2], block_size=BS, host=host) == expected
+
+
 def test_prefix_read_veto_partial_block_own_blocks_and_padding_do_not_fire():
     # request 1 has 6 computed tokens: only block 7 is whole; request 0 writes block 8 -> no veto
     md = _md([4, 2], [0, 6], [[8, 0, 0], [7, 8, 0]], _slots(8, 0, 4) + _slots(8, 2, 2))

@@ -40,6 +40,11 @@ FIELD_LAYOUT: dict[str, str] = {
 }
 
 
+def query_lens_from(query_start_loc: list[int]) -> list[int]:
+    """Query lens (tokens per request) from host ``query_start_loc`` offsets ``[R+1]``."""
+    return [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step attention metadata; see the module docstring for shapes and dtypes."""

@@ -19,7 +19,7 @@ from dbo_compile.errors import MetadataError, UBatchExecutionError
 from dbo_compile.lowering import InputSpec
 from dbo_compile.passes.split_ubatch import SplitSignature
 from dbo_compile.runtime.context import current_step_context
-from dbo_compile.runtime.metadata import AttentionMetadata
+from dbo_compile.runtime.metadata import AttentionMetadata, query_lens_from
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,8 @@ class DboCompiledModule:
 
 
     @staticmethod
-    def _veto(md: AttentionMetadata | None, qlens: list[int]) -> str | None:
+    def _veto(md: AttentionMetadata | None, qlens: list[int],
+              host: tuple[list[int], list[int], list[int]] | None) -> str | None:
         from dbo_compile.runtime.vetoes import check_vetoes
 
         ctx = current_step_context()
@@ -244,7 +245,7 @@ class DboCompiledModule:
             return "engine: allow_split=False"
         if md is None or (ctx.block_size is None and not ctx.vetoes):
             return None
-        return check_vetoes(md, qlens, block_size=ctx.block_size, vetoes=ctx.vetoes)
+        return check_vetoes(md, qlens, block_size=ctx.block_size, vetoes=ctx.vetoes, host=host)
 
     def decide(self, args: Sequence[Any], min_padded: int = 0) -> tuple[Any, str, list[int]]:
         """The DP vote for this step: ``(VoteResult, reason, query lens)``.
@@ -260,14 +261,14 @@ class DboCompiledModule:
         local_error = None
         veto = None
         try:
-            md = None
+            md = host = None
             if "query_start_loc" in self._fields:
                 md, host = self._metadata(args, num_tokens)
                 md.validate(host=host)
                 if real > num_tokens:
                     raise MetadataError(f"{real} scheduled tokens but only {num_tokens} rows")
                 _check_scheduled_tokens(qlens, host[0])
-            veto = self._veto(md, qlens) if self.config.split != "never" else None
+            veto = self._veto(md, qlens, host) if self.config.split != "never" else None
         except MetadataError as e:
             local_error = f"{type(e).__name__}: {e}"
         vote = coordinate_across_dp(
@@ -323,21 +324,22 @@ class DboCompiledModule:
         def get(name: str, default: Callable[[], torch.Tensor]) -> torch.Tensor:
             return args[f[name]] if name in f else default()
 
-        seq_lens = get("seq_lens", lambda: (qsl[1:] - qsl[:-1]).to(torch.int32))
-        qlens = (qsl[1:] - qsl[:-1]).to(torch.int32)
+        def qlens() -> torch.Tensor:  # device work only for fields the graph does not take
+            return (qsl[1:] - qsl[:-1]).to(torch.int32)
+
+        seq_lens = get("seq_lens", qlens)
         md = AttentionMetadata(
             query_start_loc=qsl,
             seq_lens=seq_lens,
-            num_computed_tokens=get("num_computed_tokens", lambda: (seq_lens - qlens).to(torch.int32)),
+            num_computed_tokens=get("num_computed_tokens", lambda: (seq_lens - qlens()).to(torch.int32)),
             block_table=get("block_table", lambda: torch.zeros(num_reqs, 1, dtype=torch.int32, device=dev)),
             slot_mapping=get("slot_mapping", lambda: torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)),
             max_query_len=0,
             max_seq_len=0,
         )
         host = md.host_fields()
-        host_qsl, host_seq = host[0], host[1]
-        md.max_query_len = max((b - a for a, b in zip(host_qsl, host_qsl[1:])), default=0)
-        md.max_seq_len = max(host_seq, default=0)
+        md.max_query_len = max(query_lens_from(host[0]), default=0)
+        md.max_seq_len = max(host[1], default=0)
         return md, host
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
@@ -387,7 +389,7 @@ def _check_scheduled_tokens(qlens: list[int], query_start_loc: list[int]) -> Non
     if bad:
         raise MetadataError(f"num_scheduled_tokens must be >= 1 per request, got {bad[:4]} "
                             "(index, count); leave requests without tokens out of the step")
-    md_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+    md_lens = query_lens_from(query_start_loc)
     if qlens != md_lens:
         first = next((i for i, (a, b) in enumerate(zip(qlens, md_lens)) if a != b),
                      min(len(qlens), len(md_lens)))

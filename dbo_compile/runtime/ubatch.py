@@ -48,7 +48,7 @@ from typing import Sequence
 import torch
 
 from dbo_compile.errors import MetadataError
-from dbo_compile.runtime.metadata import AttentionMetadata
+from dbo_compile.runtime.metadata import AttentionMetadata, query_lens_from
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ def split_attn_metadata(
     for k, s in enumerate(slices):
         a, b, r0, r1 = _check_slice(s, qsl, k)
         new_qsl = [min(max(x, a), b) - a for x in qsl[r0 : r1 + 1]] if r1 > r0 else [0]
-        qlens = [new_qsl[i + 1] - new_qsl[i] for i in range(r1 - r0)]
+        qlens = query_lens_from(new_qsl)
         new_seq = [seq[i] - max(0, qsl[i + 1] - b) for i in range(r0, r1)]
         new_ctx = [sl - ql for sl, ql in zip(new_seq, qlens)]
         slot = slice_token_tensor(

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from dbo_compile.errors import MetadataError
-from dbo_compile.runtime.metadata import AttentionMetadata
+from dbo_compile.runtime.metadata import AttentionMetadata, query_lens_from
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ def prefix_read_veto(
     metadata: AttentionMetadata,
     num_scheduled_tokens: Sequence[int] | torch.Tensor,
     block_size: int,
+    host: tuple[list[int], list[int], list[int]] | None = None,
 ) -> str | None:
     """Veto a step in which a request reads, as cached prefix, KV blocks another request writes.
 
@@ -60,6 +61,8 @@ def prefix_read_veto(
             ``[num_tokens]``).
         num_scheduled_tokens: tokens per request ``[num_reqs]``; must match the metadata.
         block_size: tokens per KV block (> 0).
+        host: the metadata's :meth:`~AttentionMetadata.host_fields` when the caller has them
+            (one device read fewer: each is a host sync on CUDA).
 
     Returns:
         A reason naming the requests and the block, or ``None``.
@@ -74,8 +77,8 @@ def prefix_read_veto(
         )
     counts = _counts(num_scheduled_tokens)
     # device reads are host syncs on CUDA: the counts in one copy, slots and table in another
-    qsl, _, host_computed = metadata.host_fields()
-    qlens = [b - a for a, b in zip(qsl, qsl[1:])]
+    qsl, _, host_computed = host if host is not None else metadata.host_fields()
+    qlens = query_lens_from(qsl)
     if counts != qlens:
         raise MetadataError(
             f"num_scheduled_tokens {counts[:16]} disagree with the query lens of "
@@ -166,11 +169,12 @@ def check_vetoes(
     *,
     block_size: int | None = None,
     vetoes: VetoRegistry | Iterable[Veto] = (),
+    host: tuple[list[int], list[int], list[int]] | None = None,
 ) -> str | None:
     """The first reason not to split this step on this rank, or ``None``.
 
-    Runs :func:`prefix_read_veto` first when ``block_size`` is given, then each engine veto in
-    order. A veto that raises counts as a veto (its exception is logged and named in the
+    Runs :func:`prefix_read_veto` first when ``block_size`` is given (with ``host``, the
+    metadata's host counts when the caller has them), then each engine veto in order. A veto that raises counts as a veto (its exception is logged and named in the
     reason): raising here, before the DP vote, would leave the other ranks waiting in it.
 
     Returns:
@@ -183,7 +187,8 @@ def check_vetoes(
     else:
         named = [(getattr(v, "__name__", repr(v)), v) for v in vetoes]
     if block_size is not None:
-        named = [("prefix_read", lambda md, n: prefix_read_veto(md, n, block_size))] + named
+        named = [("prefix_read",
+                  lambda md, n: prefix_read_veto(md, n, block_size, host=host))] + named
     for name, veto in named:
         try:
             reason = veto(metadata, counts)
