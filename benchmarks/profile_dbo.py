@@ -30,16 +30,17 @@ def variant_options(name: str) -> dict:
     """Backend options that compile only the schedule variant ``name`` (as the runner names
     them: ``list``, ``naive``, ``list@link/16``, ``...+sms16``), as the primary schedule:
     compiling every candidate with Inductor takes minutes."""
+    from dbo_compile.backend import schedule_variants
     from dbo_compile.config import DboConfig
 
     base, _, sms = name.partition("+sms")
-    scheduler, _, factor = base.partition("@link/")
-    if scheduler not in ("list", "naive") or (factor and not factor.isdigit()) or (
-            sms and not sms.isdigit()):
-        raise SystemExit(f"--variant {name!r}: expected list|naive[@link/N][+smsN]")
-    opts = {"scheduler": scheduler, "schedule_candidates": False, "sm_carveout_candidates": ()}
-    if factor:
-        opts["link_gbps"] = DboConfig().link_gbps / int(factor)
+    schedules = dict(schedule_variants(DboConfig()))
+    if base not in schedules or (sms and not sms.isdigit()):
+        raise SystemExit(f"--variant {name!r}: expected one of {sorted(schedules)}, "
+                         "optionally with +sms<N>")
+    cfg = schedules[base]
+    opts = {"scheduler": cfg.scheduler, "link_gbps": cfg.link_gbps, "schedule_candidates": False,
+            "sm_carveout_candidates": ()}
     if sms:
         opts["comm_sms"] = int(sms)
     return opts
