@@ -21,8 +21,9 @@ graphs, times them at warm-up and decides. Then, on the benchmark's own step:
   (``dbo_compile.runtime.cudagraph.serial_comm``): same kernels, same order, no overlap.
 - ``split_nocomm``: as split_serial, with the collectives replaced by local copies of the same
   shapes (``moe_harness.no_comm``): the compute of the split program alone.
-- ``comm``: the collectives of the split program alone (per MoE layer and ubatch: dispatch = 2
-  ``all_to_all_single``, combine = 1, static capacity), captured in a CUDA graph.
+- ``comm``: the collectives of the split program alone (per MoE layer and ubatch: dispatch = 1
+  ``all_to_all_single`` of payload rows, combine = 1, static capacity), captured in a CUDA
+  graph.
 - ``dbo_eager``: the compiled model called eagerly through ``run_step`` (vote, metadata split,
   generated wrapper on two streams).
 - ``dbo_graph``: the fastest split schedule variant (by the runner's warm-up timing) in a CUDA
@@ -61,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
+from dbo_compile.ops import comm as _comm  # noqa: E402
 from dbo_compile.runtime import cudagraph as cg  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
 from dbo_compile.runtime.graphs import CudaGraphRunner, _split_fn  # noqa: E402
@@ -154,26 +156,25 @@ def comm_only_fn(model, tokens_per_ubatch: list[int], device):
     """The collectives of the split program, in its per-layer order, alone."""
     cfg = model.config
     w = dist.get_world_size()
+    _, cols = _comm.payload_layout(cfg.hidden_size, model.dtype, cfg.top_k)
     bufs = []
     for _layer in range(cfg.num_moe_layers):
         per = []
         for t in tokens_per_ubatch:
             rows = w * t
             per.append(dict(
-                xs=torch.randn(rows, cfg.hidden_size, device=device, dtype=model.dtype),
-                xr=torch.empty(rows, cfg.hidden_size, device=device, dtype=model.dtype),
-                ms=torch.randn(rows, 2 * cfg.top_k, device=device, dtype=torch.float32),
-                mr=torch.empty(rows, 2 * cfg.top_k, device=device, dtype=torch.float32),
+                ps=torch.randn(rows, cols, device=device, dtype=model.dtype),
+                pr=torch.empty(rows, cols, device=device, dtype=model.dtype),
+                ys=torch.randn(rows, cfg.hidden_size, device=device, dtype=model.dtype),
                 yr=torch.empty(rows, cfg.hidden_size, device=device, dtype=model.dtype)))
         bufs.append(per)
 
     def run():
         for per in bufs:
             for b in per:
-                dist.all_to_all_single(b["xr"], b["xs"])
-                dist.all_to_all_single(b["mr"], b["ms"])
+                dist.all_to_all_single(b["pr"], b["ps"])
             for b in per:
-                dist.all_to_all_single(b["yr"], b["xr"])
+                dist.all_to_all_single(b["yr"], b["ys"])
     return run
 
 

@@ -84,10 +84,9 @@ def install_kernels(device_type: str, experts: str = "grouped", attention: str =
 def _nocomm_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
     w = _comm.ep_world_size(group_name)
     e_local = _comm._check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
-    send_x, meta = _comm._send_buffers(x, topk_ids, topk_weights, e_local, w)
-    recv_x = send_x.view(-1, x.shape[1]).clone()
-    ids, wts = _comm._unpack_meta(meta.view(-1, meta.shape[-1]).clone(), topk_ids.shape[1])
-    return recv_x, ids, wts
+    send = _comm._send_buffers(x, topk_ids, topk_weights, e_local, w)
+    recv = send.view(-1, send.shape[-1]).clone()
+    return _comm._split_payload(recv, x.shape[1], topk_ids.shape[1])
 
 
 def _nocomm_combine(y, group_name):

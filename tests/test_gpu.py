@@ -389,8 +389,8 @@ def test_dispatch_pack_kernel_matches_torch_ops(tokens):
     for world in (2, 4):
         got = _send_buffers_triton(x, ids, w, 64 // world, world)
         ref = _send_buffers_torch(x, ids, w, 64 // world, world)
-        for a, b in zip(got, ref):
-            assert a.shape == b.shape and torch.equal(a, b)
+        # bitwise: halves of the float32 metadata can be NaN patterns in bf16
+        assert got.shape == ref.shape and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
 
 
 @needs_cuda

@@ -104,6 +104,44 @@ def test_dispatch_errors():
         torch.ops.dbo.dispatch(x[0], ids, w, 4, "")
 
 
+@pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 16), (torch.bfloat16, 7),
+                                          (torch.float16, 5), (torch.float32, 7),
+                                          (torch.float64, 3)])
+def test_dispatch_payload_carries_routing_bits(dtype, hidden):
+    """One payload row per (rank, token) holds x and the routing metadata's float32 bits at a
+    4-byte aligned column; unpacking gives back exactly what the reference sends, including
+    weights whose bits are unusual in x's dtype (NaN patterns, -0.0, subnormals)."""
+    from dbo_compile.ops.comm import _send_buffers_torch, _split_payload, payload_layout
+
+    world, num_experts, k = 2, 8, 3
+    x, ids, w = _routing(5, hidden, k, num_experts, seed=3, dtype=dtype)
+    ids[0, 0] = -1
+    w[1] = torch.tensor([-0.0, 1e-42, float("nan")])
+    w[2, 0] = torch.tensor(0x7F7FFFFF, dtype=torch.int32).view(torch.float32)  # fp32 max
+    meta_col, cols = payload_layout(hidden, dtype, k)
+    size = x.element_size()
+    assert meta_col >= hidden and (meta_col * size) % 4 == 0 and (cols * size) % 4 == 0
+    assert (cols - meta_col) * size == 8 * k
+    payload = _send_buffers_torch(x, ids, w, num_experts // world, world)
+    assert payload.shape == (world, 5, cols) and payload.dtype == dtype
+    # what each destination rank receives from this one source rank
+    for r in range(world):
+        rx, rid, rw = _split_payload(payload[r].clone(), hidden, k)
+        ex, eid, ew = _reference_dispatch([(x, ids, w)], r, world, num_experts)
+        assert rx.is_contiguous() and rid.is_contiguous() and rw.is_contiguous()
+        assert torch.equal(rx, ex) and torch.equal(rid, eid)
+        assert torch.equal(rw.view(torch.int32), ew.view(torch.int32)), "weight bits changed"
+
+
+def test_dispatch_payload_top_k_zero():
+    from dbo_compile.ops.comm import payload_layout
+
+    x, ids, w = _routing(3, 4, 1, 4, seed=0)
+    rx, rid, rw = torch.ops.dbo.dispatch(x, ids[:, :0], w[:, :0], 4, "")
+    assert payload_layout(4, x.dtype, 0) == (4, 4)
+    assert torch.equal(rx, torch.zeros_like(x)) and rid.shape == (3, 0) and rw.shape == (3, 0)
+
+
 def _multirank_comm(rank, world_size, cases):
     """Each case ``(t, num_experts, dtype_name)`` runs dispatch -> fake experts -> combine."""
     import torch.distributed as dist
@@ -113,18 +151,28 @@ def _multirank_comm(rank, world_size, cases):
     group = dist.new_group(list(range(world_size)))
     name = ep_group_name(group)
     assert name != ""
+    calls = []
+    a2a = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return a2a(*args, **kwargs)
+
+    dist.all_to_all_single = counted
     results = []
-    for t, num_experts, dtype_name in cases:
+    for t, num_experts, dtype_name, hidden in cases:
         dtype = getattr(torch, dtype_name)
-        inputs = [_routing(t, 16, 3, num_experts, seed=100 + s, dtype=dtype)
+        inputs = [_routing(t, hidden, 3, num_experts, seed=100 + s, dtype=dtype)
                   for s in range(world_size)]
         for _, ids, _ in inputs:  # a masked slot on every rank's first token
             if t:
                 ids[0, 0] = -1
         x, ids, w = inputs[rank]
+        calls.clear()
         rx, rid, rw = torch.ops.dbo.dispatch(x, ids, w, num_experts, name)
+        assert len(calls) == 1, f"dispatch issued {len(calls)} collectives, not one"
         ex, eid, ew = _reference_dispatch(inputs, rank, world_size, num_experts)
-        assert rx.shape == (world_size * t, 16)
+        assert rx.shape == (world_size * t, hidden)
         assert torch.equal(rx, ex), "recv_x differs from the reference"
         assert torch.equal(rid, eid), "recv_topk_ids differ from the reference"
         assert torch.equal(rw, ew), "recv_topk_weights differ from the reference"
@@ -143,7 +191,8 @@ _PACK_CHECK = """
 import torch
 from dbo_compile.ops.comm import _send_buffers_torch, _send_buffers_triton
 g = torch.Generator().manual_seed(0)
-for world, t, h, k, e_local in ((2, 7, 48, 6, 4), (4, 5, 64, 3, 2), (1, 3, 16, 1, 8), (2, 1, 8, 2, 3)):
+for world, t, h, k, e_local in ((2, 7, 48, 6, 4), (4, 5, 64, 3, 2), (1, 3, 16, 1, 8), (2, 1, 8, 2, 3),
+                                (2, 4, 7, 2, 3)):  # odd hidden: a padding column before the ids
     x = torch.randn(t, h, generator=g).to(torch.bfloat16)
     ids = torch.randint(-1, world * e_local, (t, k), generator=g)
     ids[0] = -1  # a token routed nowhere
@@ -151,15 +200,16 @@ for world, t, h, k, e_local in ((2, 7, 48, 6, 4), (4, 5, 64, 3, 2), (1, 3, 16, 1
     ref = _send_buffers_torch(x, ids, w, e_local, world)
     for xs in (x, x.t().contiguous().t()):  # the kernel reads rows through their stride
         got = _send_buffers_triton(xs, ids, w, e_local, world)
-        for a, b in zip(got, ref):
-            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), (world, t, k)
+        # bitwise: halves of the float32 metadata can be NaN patterns in bf16
+        assert got.shape == ref.shape and got.dtype == ref.dtype, (world, t, h, k)
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), (world, t, h, k)
 print("ok")
 """
 
 
 def test_dispatch_pack_kernel_matches_torch_in_interpreter():
-    """The CUDA dispatch's Triton packing kernel writes the same bits as the torch ops (send
-    rows zeroed where a token has no expert on the rank, local ids / weights or -1 / 0)."""
+    """The CUDA dispatch's Triton packing kernel writes the same payload bits as the torch ops
+    (x zeroed where a token has no expert on the rank, padding, local ids / weights or -1 / 0)."""
     from triton_interp import run_interpreted
 
     assert run_interpreted(_PACK_CHECK).strip().endswith("ok")
@@ -200,10 +250,12 @@ def test_write_kv_kernel_matches_torch_in_interpreter():
 
 @pytest.mark.multirank
 def test_dispatch_combine_two_ranks():
-    """fp32, bf16 and an empty ubatch (T == 0: the collectives still run on every rank)."""
-    cases = [(6, 8, "float32"), (5, 8, "bfloat16"), (0, 8, "float32"), (4, 4, "float32")]
+    """fp32, bf16 (odd hidden: a padding column in the payload) and an empty ubatch (T == 0:
+    the collective still runs on every rank); one collective per dispatch."""
+    cases = [(6, 8, "float32", 16), (5, 8, "bfloat16", 16), (5, 8, "bfloat16", 7),
+             (0, 8, "float32", 16), (4, 4, "float32", 16)]
     outs = run_multirank(_multirank_comm, 2, args=(cases,), timeout_s=120)
-    assert outs == [[(t, 16) for t, _, _ in cases]] * 2
+    assert outs == [[(t, h) for t, _, _, h in cases]] * 2
 
 
 # ------------------------------------------------------------------------------------------

@@ -8,11 +8,19 @@ replace this later without changing the graph (see :func:`register_comm_backend`
 
 Layout (``W`` = EP world size, ``T`` = tokens per rank, ``H`` = hidden, ``K`` = top-k)::
 
-    rank s, dispatch send buffer [W, T, H]   row (r, t) = x[t] if token t has >= 1 expert on r
-                                             else zeros
-    rank r, dispatch recv        [W*T, H]    row s*T + t = token t of source rank s
+    rank s, dispatch send buffer [W, T, P]   row (r, t) = payload of token t for rank r
+    rank r, dispatch recv        [W*T, P]    row s*T + t = payload of token t of source rank s
     rank r, combine send         [W*T, H]    row s*T + t = expert output for token t of rank s
     rank s, combine recv         [W, T, H]   summed over the W expert ranks -> [T, H]
+
+A **dispatch payload row** carries the token and its routing metadata in ``x``'s dtype, so that
+one collective moves both (DeepEP sends them in one kernel too)::
+
+    [ x[t] (H) | pad to a 4-byte boundary | K local expert ids, K weights (2K float32 bits) ]
+
+``x[t]`` is zeros where token ``t`` has no expert on rank ``r``; an id is the local expert index
+on rank ``r`` (exact in float32, ids < 2**24) or -1, its weight the routing weight or 0. The
+collective copies bytes, so the float32 bits arrive unchanged (:func:`payload_layout`).
 
 Experts are sharded contiguously: rank ``r`` owns global experts ``[r*E_local, (r+1)*E_local)``,
 ``E_local = num_experts // W``.
@@ -25,10 +33,8 @@ rank issues the same collectives in the same order. Gloo and NCCL both accept ze
 ``all_to_all_single`` (checked on Gloo, torch 2.13 CPU: fp32/bf16/fp16/int64), so no dummy row
 is sent.
 
-Each op issues exactly two (dispatch) or one (combine) ``all_to_all_single`` calls,
-synchronously (``async_op=False``) on the process group's stream; dispatch packs the top-k ids
-(as exact float32, ids < 2**24) and weights into one ``[W, T, 2K]`` float32 buffer so that the
-routing metadata costs one collective.
+Each op issues exactly one ``all_to_all_single`` call, synchronously (``async_op=False``) on the
+process group's stream.
 """
 
 import dataclasses
@@ -210,13 +216,32 @@ def _check_dispatch_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     return num_experts // world_size
 
 
-def _send_buffers(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  e_local: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Static-capacity send buffers: x ``[W, T, H]`` and packed ids/weights ``[W, T, 2K]`` fp32.
+def payload_layout(hidden: int, dtype: torch.dtype, top_k: int) -> tuple[int, int]:
+    """Columns of a dispatch payload row in ``dtype`` (see the module docstring).
 
-    Negative ids (masked slots) go to no rank. On CUDA with Triton one kernel writes both
-    buffers (:func:`_send_buffers_triton`); elsewhere torch ops (:func:`_send_buffers_torch`)
-    give the same bits.
+    Returns:
+        ``(meta_col, row_cols)``: the routing metadata (``2 * top_k`` float32) starts at column
+        ``meta_col >= hidden`` (byte offset a multiple of 4) and a row has ``row_cols`` columns,
+        its bytes a multiple of 4, so that the metadata can be viewed as float32 in place.
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    meta_bytes = 8 * top_k
+    meta_col = -(-hidden * size // 4) * 4 // size
+    return meta_col, meta_col + -(-meta_bytes // size)
+
+
+def _meta_view(payload: torch.Tensor, meta_col: int) -> torch.Tensor:
+    """``[..., P]`` payload rows -> their ``[..., 2K]`` float32 metadata, a view."""
+    return payload[..., meta_col:].view(torch.float32)
+
+
+def _send_buffers(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  e_local: int, world_size: int) -> torch.Tensor:
+    """Static-capacity send buffer ``[W, T, P]`` of dispatch payload rows in ``x.dtype``.
+
+    Negative ids (masked slots) go to no rank. On CUDA with Triton one kernel writes it
+    (:func:`_send_buffers_triton`); elsewhere torch ops (:func:`_send_buffers_torch`) give the
+    same bits.
     """
     if x.is_cuda and x.numel() > 0 and topk_ids.shape[1] > 0 and _pack_kernel() is not None:
         return _send_buffers_triton(x, topk_ids, topk_weights, e_local, world_size)
@@ -224,15 +249,20 @@ def _send_buffers(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 
 def _send_buffers_torch(x, topk_ids, topk_weights, e_local, world_size):
+    t, h = x.shape
+    meta_col, cols = payload_layout(h, x.dtype, topk_ids.shape[1])
     ranks = torch.arange(world_size, device=x.device, dtype=torch.int64).view(-1, 1, 1)
     dest = torch.div(topk_ids, e_local, rounding_mode="floor")  # [T, K]
     mask = (dest.unsqueeze(0) == ranks) & (topk_ids.unsqueeze(0) >= 0)  # [W, T, K]
     routed = mask.any(dim=-1, keepdim=True)  # [W, T, 1]
-    send_x = torch.where(routed, x.unsqueeze(0), torch.zeros((), dtype=x.dtype, device=x.device))
+    payload = torch.zeros((world_size, t, cols), dtype=x.dtype, device=x.device)
+    payload[..., :h] = torch.where(routed, x.unsqueeze(0), torch.zeros((), dtype=x.dtype,
+                                                                       device=x.device))
     local_ids = topk_ids.unsqueeze(0) - ranks * e_local  # [W, T, K]
-    send_ids = torch.where(mask, local_ids, -1).to(torch.float32)
-    send_w = torch.where(mask, topk_weights.unsqueeze(0), 0.0)
-    return send_x.contiguous(), torch.cat([send_ids, send_w], dim=-1).contiguous()
+    meta = _meta_view(payload, meta_col)
+    meta.copy_(torch.cat([torch.where(mask, local_ids, -1).to(torch.float32),
+                          torch.where(mask, topk_weights.unsqueeze(0), 0.0)], dim=-1))
+    return payload
 
 
 @functools.cache
@@ -244,10 +274,13 @@ def _pack_kernel():
         return None
 
     @triton.jit
-    def pack_kernel(x_ptr, ids_ptr, w_ptr, send_x_ptr, meta_ptr, T, H, stride_x, e_local,
-                    K: tl.constexpr, K_P2: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Program ``(r*T + t, c)``: row ``t`` of the send buffer for rank ``r``, columns block
-        ``c``; column block 0 also writes the row's ``[2K]`` routing metadata."""
+    def pack_kernel(x_ptr, ids_ptr, w_ptr, out_ptr, meta_ptr, T, H, stride_x, row_cols,
+                    meta_row, e_local, K: tl.constexpr, K_P2: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+        """Program ``(r*T + t, c)``: payload row ``t`` for rank ``r``, columns block ``c`` of
+        ``x``; column block 0 also writes the row's ``[2K]`` float32 routing metadata through
+        ``meta_ptr`` (the same buffer seen as float32, ``meta_row`` floats per row, already
+        offset to the metadata column)."""
         pid = tl.program_id(0).to(tl.int64)
         r = pid // T
         t = pid % T
@@ -261,13 +294,13 @@ def _pack_kernel():
         if tl.max(mine.to(tl.int32), axis=0) > 0:
             row = tl.load(x_ptr + t * stride_x + cols, mask=cm)
         else:
-            row = tl.zeros([BLOCK_H], dtype=send_x_ptr.dtype.element_ty)
-        tl.store(send_x_ptr + pid * H + cols, row, mask=cm)
+            row = tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + pid * row_cols + cols, row, mask=cm)
         if tl.program_id(1) == 0:
             w = tl.load(w_ptr + t * K + ks, mask=km, other=0.0)
-            tl.store(meta_ptr + pid * 2 * K + ks, tl.where(mine, local, -1).to(tl.float32),
+            tl.store(meta_ptr + pid * meta_row + ks, tl.where(mine, local, -1).to(tl.float32),
                      mask=km)
-            tl.store(meta_ptr + pid * 2 * K + K + ks, tl.where(mine, w, 0.0), mask=km)
+            tl.store(meta_ptr + pid * meta_row + K + ks, tl.where(mine, w, 0.0), mask=km)
 
     return triton, pack_kernel
 
@@ -276,27 +309,40 @@ def _send_buffers_triton(x, topk_ids, topk_weights, e_local, world_size):
     triton, pack = _pack_kernel()
     t, h = x.shape
     k = topk_ids.shape[1]
+    meta_col, cols = payload_layout(h, x.dtype, k)
     if x.stride(1) != 1:
         x = x.contiguous()
-    send_x = torch.empty((world_size, t, h), dtype=x.dtype, device=x.device)
-    meta = torch.empty((world_size, t, 2 * k), dtype=torch.float32, device=x.device)
+    payload = torch.empty((world_size, t, cols), dtype=x.dtype, device=x.device)
+    if meta_col > h:
+        payload[..., h:meta_col].zero_()
+    meta = _meta_view(payload, meta_col)
     block_h = min(1024, triton.next_power_of_2(h))
     pack[(world_size * t, triton.cdiv(h, block_h))](
-        x, topk_ids.contiguous(), topk_weights.contiguous(), send_x, meta, t, h, x.stride(0),
-        e_local, K=k, K_P2=triton.next_power_of_2(k), BLOCK_H=block_h)
-    return send_x, meta
+        x, topk_ids.contiguous(), topk_weights.contiguous(), payload, meta, t, h, x.stride(0),
+        cols, meta.stride(1), e_local, K=k, K_P2=triton.next_power_of_2(k), BLOCK_H=block_h)
+    return payload
 
 
-def _unpack_meta(meta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # fresh storage (offset 0) even for empty tensors, as the fake impl promises
-    return meta[:, :k].to(torch.int64), meta[:, k:].clone(memory_format=torch.contiguous_format)
+def _split_payload(recv: torch.Tensor, hidden: int, top_k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Received payload rows ``[N, P]`` -> ``(x [N, H], ids [N, K] int64, weights [N, K]
+    float32)``, each in fresh contiguous storage (offset 0, even when empty), as the fake
+    implementation promises."""
+    meta_col, cols = payload_layout(hidden, recv.dtype, top_k)
+    if cols == hidden:  # top_k == 0 and no padding: the payload is x itself
+        x = recv
+    else:
+        x = torch.empty((recv.shape[0], hidden), dtype=recv.dtype, device=recv.device)
+        x.copy_(recv[:, :hidden])
+    meta = _meta_view(recv, meta_col)
+    return (x, meta[:, :top_k].to(torch.int64),
+            meta[:, top_k:].clone(memory_format=torch.contiguous_format))
 
 
 def _local_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
     e_local = _check_dispatch_args(x, topk_ids, topk_weights, num_experts, 1)
-    send_x, meta = _send_buffers(x, topk_ids, topk_weights, e_local, 1)
-    ids, w = _unpack_meta(meta.view(-1, meta.shape[-1]), topk_ids.shape[1])
-    return send_x.view(-1, x.shape[1]), ids, w
+    payload = _send_buffers(x, topk_ids, topk_weights, e_local, 1)
+    return _split_payload(payload.view(-1, payload.shape[-1]), x.shape[1], topk_ids.shape[1])
 
 
 def _local_combine(y, group_name):
@@ -308,15 +354,11 @@ def _torch_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
     group = _resolve_group(group_name)
     w = group.size()
     e_local = _check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
-    send_x, meta = _send_buffers(x, topk_ids, topk_weights, e_local, w)
-    send_x = send_x.view(-1, x.shape[1])
-    meta = meta.view(-1, meta.shape[-1])
-    recv_x = torch.empty_like(send_x)
-    recv_meta = torch.empty_like(meta)
-    dist.all_to_all_single(recv_x, send_x, group=group)
-    dist.all_to_all_single(recv_meta, meta, group=group)
-    ids, wts = _unpack_meta(recv_meta, topk_ids.shape[1])
-    return recv_x, ids, wts
+    send = _send_buffers(x, topk_ids, topk_weights, e_local, w)
+    send = send.view(-1, send.shape[-1])
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return _split_payload(recv, x.shape[1], topk_ids.shape[1])
 
 
 def _torch_combine(y, group_name):
