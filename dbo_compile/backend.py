@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.config import DboConfig
-from dbo_compile.errors import UnsplittableGraphError
+from dbo_compile.errors import ScheduleError, UnsplittableGraphError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     from dbo_compile.lowering import classify_inputs, lower_to_aten
     from dbo_compile.passes.comm_ops import comm_nodes
     from dbo_compile.passes.insert_yields import insert_yields
+    from dbo_compile.passes.join_experts import copy_split_graph, join_experts
     from dbo_compile.passes.reinplace import reinplace_graph_input_mutations
     from dbo_compile.passes.split_ubatch import split_ubatch
     from dbo_compile.passes.stream_assign import stream_assign
@@ -101,26 +102,47 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     insert_yields(split_gm.graph)
     split_gm.graph.lint()
     split_gm.recompile()
+    graphs = {False: split_gm}  # join_experts -> the split graph it schedules (None: same)
+
+    def graph_for(join: bool) -> fx.GraphModule | None:
+        if join not in graphs:
+            joined = copy_split_graph(split_gm)
+            try:
+                graphs[join] = joined if join_experts(joined, config.num_ubatches) else None
+            except ScheduleError as e:
+                log.warning("dbo: routed experts not joined: %s", e)
+                graphs[join] = None
+        return graphs[join]
+
+    candidates = schedule_variants(config)
+    primary_name, _ = candidates[0]
+    if graph_for(config.join_experts) is None:  # nothing to join: the primary is unjoined
+        log.info("dbo: join_experts: no routed-expert call to join; schedules are unjoined")
+        primary_name = config.scheduler
+        config = config.replace(join_experts=False)
+        candidates = [(primary_name, config)] + [c for c in candidates[1:]
+                                                 if not c[1].join_experts]
     # alternative schedules first: stream_assign annotates the graph's nodes, and the primary
-    # schedule's annotations must be the ones left on split_gm (codegen reads the schedule only)
-    alternatives = [(name, stream_assign(split_gm.graph, cfg, lowered.token_symbols,
-                                         config.num_ubatches))
-                    for name, cfg in schedule_variants(config)[1:]]
-    schedule = stream_assign(split_gm.graph, config, lowered.token_symbols, config.num_ubatches)
+    # schedule's annotations must be the ones left on its graph (codegen reads the schedule only)
+    alternatives = [(name, cfg, graph_for(cfg.join_experts)) for name, cfg in candidates[1:]]
+    alternatives = [(name, gm, stream_assign(gm.graph, cfg, lowered.token_symbols,
+                                             config.num_ubatches))
+                    for name, cfg, gm in alternatives if gm is not None]
+    primary_gm = graphs[config.join_experts]
+    schedule = stream_assign(primary_gm.graph, config, lowered.token_symbols, config.num_ubatches)
     schedule.meta.update(
         comm_ops_per_ubatch=len(comms),
         num_graph_inputs=len(specs),
     )
     _dump_graph("split", split_gm)
     compile_unit = _unit_compiler(config)  # shared: variants reuse each other's stages
-    program = SplitProgram(split_gm, schedule, compile_unit, carveout_sms=config.comm_sms)
-    variants: dict[str, Any] = {config.scheduler: program}
+    program = SplitProgram(primary_gm, schedule, compile_unit, carveout_sms=config.comm_sms)
+    variants: dict[str, Any] = {primary_name: program}
     orders = {_unit_order(schedule)}
-    for name, sched in alternatives:  # one program per distinct host order
+    for name, gm, sched in alternatives:  # one program per distinct host order
         if _unit_order(sched) not in orders:
             orders.add(_unit_order(sched))
-            variants[name] = SplitProgram(split_gm, sched, compile_unit,
-                                          carveout_sms=config.comm_sms)
+            variants[name] = SplitProgram(gm, sched, compile_unit, carveout_sms=config.comm_sms)
     schedules = dict(variants)
     for sms in config.sm_carveout_candidates:  # same code and units, another carve-out
         for name, base in schedules.items():
@@ -146,21 +168,29 @@ def _unit_order(schedule: Any) -> tuple:
 def schedule_variants(config: DboConfig) -> list[tuple[str, DboConfig]]:
     """``[(name, config)]`` of the schedules compiled for a graph, the primary first.
 
-    The primary is ``config.scheduler`` at the config's cost figures; with
-    ``schedule_candidates`` also the list scheduler under a 4x and a 16x slower link
-    (``"list@link/4"``, ``"list@link/16"``: comm-heavy networks; measured here, NCCL through
-    host memory moves ~6x less than the default figure) and the other scheduler. Deterministic in ``config`` (every rank
-    compiles the same candidates)."""
-    out = [(config.scheduler, config)]
+    The primary is ``config.scheduler`` at the config's cost figures (``"+join"`` appended with
+    ``join_experts``). With ``schedule_candidates`` also: the list scheduler under a 4x and a
+    16x slower link (``"list@link/4"``, ``"list@link/16"``: comm-heavy networks; measured here,
+    NCCL through host memory moves ~6x less than the default figure), the other scheduler, and
+    the list scheduler with the routed experts joined (``"list+join"``,
+    ``"list@link/16+join"``; :mod:`dbo_compile.passes.join_experts`: in decode, where the
+    expert GEMM is bound by its weight reads). Deterministic in ``config`` (every rank compiles
+    the same candidates)."""
+    def name(cfg: DboConfig, suffix: str = "") -> str:
+        return cfg.scheduler + suffix + ("+join" if cfg.join_experts else "")
+
+    out = [(name(config), config)]
     if config.schedule_candidates:
-        other = "naive" if config.scheduler == "list" else "list"
-        if other == "list":
-            out.append(("list", config.replace(scheduler="list")))
+        plain = config.replace(join_experts=False)
+        cands = [(name(plain.replace(scheduler="list")), plain.replace(scheduler="list"))]
         for f in (4, 16):
-            out.append((f"list@link/{f}", config.replace(scheduler="list",
-                                                         link_gbps=config.link_gbps / f)))
-        if other == "naive":
-            out.append(("naive", config.replace(scheduler="naive")))
+            cfg = plain.replace(scheduler="list", link_gbps=config.link_gbps / f)
+            cands.append((name(cfg, f"@link/{f}"), cfg))
+        cands.append(("naive", plain.replace(scheduler="naive")))
+        for suffix, base in (("", cands[0][1]), ("@link/16", cands[2][1])):
+            joined = base.replace(join_experts=True)
+            cands.append((name(joined, suffix), joined))
+        out += [c for c in cands if c[0] != out[0][0]]
     return out
 
 

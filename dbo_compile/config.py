@@ -57,6 +57,13 @@ class DboConfig:
             faster at comm-heavy prefill 2048 / 4096 / 8192 and lost 2–5 % over NVLink, where
             the runner then keeps the variant without it. ``()``: none (half the graphs to
             capture at warm-up).
+        join_experts: join the ubatch copies of each MoE layer's routed experts
+            (``dbo.grouped_experts``) into one call on the rows of both ubatches
+            (:mod:`dbo_compile.passes.join_experts`): the expert weights are read once per
+            layer instead of once per ubatch, at the price of a join (the experts wait for the
+            later ubatch's dispatch). With ``schedule_candidates`` the joined schedules
+            (``"list+join"``, ``"list@link/16+join"``) are compiled as candidates whatever this
+            says, and the runner keeps them only where they were measured faster.
         compute_backend: ``"inductor"`` compiles each compute stage of the split program and
             the unsplit program with Inductor (fused Triton kernels; seconds of compile time
             per stage and bucket, once); ``"aten"`` runs each stage's ATen ops as traced (one or
@@ -93,6 +100,7 @@ class DboConfig:
     scheduler: str = "list"
     schedule_candidates: bool = True
     sm_carveout_candidates: tuple | None = None
+    join_experts: bool = False
     compute_backend: str = "auto"
     on_unsplittable: str = "fallback"
     comm_sms: int | None = None
@@ -136,6 +144,8 @@ class DboConfig:
                 raise bad(name, "must be a finite number")
         if not isinstance(self.schedule_candidates, bool):
             raise bad("schedule_candidates", "must be a bool")
+        if not isinstance(self.join_experts, bool):
+            raise bad("join_experts", "must be a bool")
         if isinstance(self.sm_carveout_candidates, (list, tuple)):  # duplicates dropped
             object.__setattr__(self, "sm_carveout_candidates",
                                tuple(dict.fromkeys(self.sm_carveout_candidates)))

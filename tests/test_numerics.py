@@ -47,7 +47,7 @@ def test_default_thresholds_split_decode_but_not_small_mixed():
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
 
 
-def _two_rank_body(rank, world_size, case, dtype_name):
+def _two_rank_body(rank, world_size, case, dtype_name, options=None):
     import torch.distributed as dist
 
     from dbo_compile.backend import compiled_artifacts, register
@@ -55,9 +55,9 @@ def _two_rank_body(rank, world_size, case, dtype_name):
     register()
     dtype = getattr(torch, dtype_name)
     model, step = build(CASES[case], dtype=dtype, group=dist.group.WORLD, seed=rank)
-    eager, out, _, _ = eager_and_compiled(model, step, {"split": "always"})
+    eager, out, _, _ = eager_and_compiled(model, step, {"split": "always", **(options or {})})
     art = compiled_artifacts()[-1]
-    return {"err": (out.float() - eager.float()).abs().max().item(),
+    return {"units": [u.name for u in art.schedule.units],"err": (out.float() - eager.float()).abs().max().item(),
             "ok": bool(torch.allclose(out.float(), eager.float(), **TOL[dtype])),
             "split": art.stats.split_steps, "code": art.code,
             "comm": art.schedule.meta["comm_ops_per_ubatch"]}
@@ -72,4 +72,17 @@ def test_two_ranks_split_equals_eager(case, dtype):
         assert r["split"] == 1 and r["comm"] == 4
         assert r["ok"], r["err"]
     # one collective order: the generated code is byte-identical on both ranks
+    assert results[0]["code"] == results[1]["code"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case,dtype", [("decode64", "float32"), ("mixed_cut", "bfloat16")])
+def test_two_ranks_joined_experts_equal_eager(case, dtype):
+    """``join_experts``: one routed-expert call per layer on both ubatches' rows, over Gloo."""
+    results = run_multirank(_two_rank_body, 2, timeout_s=300,
+                            args=(case, dtype, {"join_experts": True,
+                                                "schedule_candidates": False}))
+    for r in results:
+        assert r["split"] == 1 and r["ok"], r["err"]
+        assert sum(n.endswith("MLP") for n in r["units"]) == 2  # one per layer, no ubatch
     assert results[0]["code"] == results[1]["code"]

@@ -192,16 +192,21 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
     from dbo_compile.config import DboConfig
 
     names = [n for n, _ in schedule_variants(DboConfig())]
-    assert names == ["list", "list@link/4", "list@link/16", "naive"]
+    assert names == ["list", "list@link/4", "list@link/16", "naive", "list+join",
+                     "list@link/16+join"]
     assert [n for n, _ in schedule_variants(DboConfig(schedule_candidates=False))] == ["list"]
+    assert [n for n, _ in schedule_variants(DboConfig(schedule_candidates=False,
+                                                      join_experts=True))] == ["list+join"]
     model, step = build(MIXED_CUT, layers=3)
     eager, _, _, _ = eager_and_compiled(model, step, {"split": "always", "link_gbps": 2.0})
     art = last_artifact()
     assert art.variants["list"] is art.split_program and len(art.variants) >= 2
     orders = {tuple(tuple(u.nodes) for u in p.schedule.units) for p in art.variants.values()}
     assert len(orders) == len(art.variants)  # duplicates were dropped
-    units = {frozenset(tuple(u.nodes) for u in p.schedule.units) for p in art.variants.values()}
-    assert len(units) == 1  # same units, other order
+    for joined in (False, True):  # same units, other order (joined: another graph)
+        units = {frozenset(tuple(u.nodes) for u in p.schedule.units)
+                 for n, p in art.variants.items() if n.endswith("+join") == joined}
+        assert len(units) == 1
     from dbo_compile.runtime.cudagraph import SplitStep
     from dbo_compile.runtime.program import join_ubatch_outputs
 
@@ -233,3 +238,142 @@ def test_sm_carveout_candidates_add_a_copy_of_each_schedule():
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
     with pytest.raises(DboConfigError, match="sm_carveout_candidates"):
         DboConfig(sm_carveout_candidates=(0,))
+
+
+# ------------------------------------------------------------------------------------------
+# join_experts
+# ------------------------------------------------------------------------------------------
+
+
+def _grouped_copies_graph(sizes, hidden=8, k=2, experts=3, inter=4):
+    """A split-graph fragment: one ``dbo.grouped_experts`` copy per ubatch (token counts
+    ``sizes``) on shared weights, annotated as split_ubatch leaves it; returns the graph module
+    and real inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    import dbo_compile.ops  # noqa: F401
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    g = fx.Graph()
+    gen = torch.Generator().manual_seed(0)
+    real = {"w13": torch.randn(experts, 2 * inter, hidden, generator=gen),
+            "w2": torch.randn(experts, hidden, inter, generator=gen)}
+    shared = {}
+    for name in ("w13", "w2"):
+        shared[name] = g.placeholder(name)
+        shared[name].meta["val"] = mode.from_tensor(real[name])
+        dbo_meta(shared[name])["ubatch"] = None
+    outs = []
+    for u, n in enumerate(sizes):
+        ins = []
+        for name, t in (("x", torch.randn(n, hidden, generator=gen)),
+                        ("ids", torch.randint(-1, experts, (n, k), generator=gen)),
+                        ("w", torch.rand(n, k, generator=gen))):
+            ph = g.placeholder(f"{name}_u{u}")
+            ph.meta["val"] = mode.from_tensor(t)
+            dbo_meta(ph).update(ubatch=u, origin=name, token_dim=0)
+            real[f"{name}_u{u}"] = t
+            ins.append(ph)
+        y = g.call_function(torch.ops.dbo.grouped_experts.default,
+                            (*ins, shared["w13"], shared["w2"]))
+        with mode:
+            y.meta["val"] = torch.empty(n, hidden)
+        dbo_meta(y).update(ubatch=u, origin="grouped_experts", token_dim=0)
+        outs.append(y)
+    g.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    args = [real[n.name] for n in g.nodes if n.op == "placeholder"]
+    return gm, args
+
+
+@pytest.mark.parametrize("sizes", [(3, 5), (4, 4), (0, 2), (2, 3, 1)])
+def test_join_experts_one_call_on_all_rows(sizes):
+    """The ubatch copies become one call on the concatenated rows; each ubatch gets its own
+    rows back (unequal ubatches, an empty one, three ubatches). Not bit for bit on CPU: the
+    matmul blocks differently for another row count."""
+    from dbo_compile.passes.join_experts import join_experts
+
+    gm, args = _grouped_copies_graph(sizes)
+    expected = gm(*args)
+    assert join_experts(gm, len(sizes)) == 1
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.dbo.grouped_experts.default]
+    assert len(calls) == 1
+    (call,) = calls
+    assert dbo_meta(call)["ubatch"] is None and dbo_meta(call)["join"] == "grouped_experts"
+    cats = call.args[:3]
+    assert all(c.target is torch.ops.aten.cat.default and len(c.args[0]) == len(sizes)
+               for c in cats)
+    assert [dbo_meta(a)["ubatch"] for a in cats[0].args[0]] == list(range(len(sizes)))
+    got = gm(*args)
+    assert [tuple(t.shape) for t in got] == [(n, 8) for n in sizes]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_join_experts_rejects_a_missing_copy():
+    from dbo_compile.errors import ScheduleError
+    from dbo_compile.passes.join_experts import join_experts
+
+    gm, _ = _grouped_copies_graph((3, 5))
+    with pytest.raises(ScheduleError, match="expected one per ubatch"):
+        join_experts(gm, 3)
+
+
+def test_joined_schedule_reads_expert_weights_once_per_layer():
+    """``join_experts=True``: one routed-expert call per layer, in a stage of its own (no
+    ubatch) that waits for both ubatches' dispatch and precedes both combines; the step equals
+    eager, KV caches included."""
+    model, step = build(MIXED_CUT, layers=3)
+    eager, out, eager_caches, caches = eager_and_compiled(
+        model, step, {"split": "always", "join_experts": True, "schedule_candidates": False})
+    art = last_artifact()
+    assert list(art.variants) == ["list+join"]
+    program = art.split_program
+    units = program.schedule.units
+    mlp = [u for u in units if u.label == "MLP"]
+    assert len(mlp) == 3 and all(u.ubatch is None for u in mlp)
+    deps = set(program.schedule.deps)
+    for u in mlp:
+        d = [c.id for c in units if c.label == "D" and c.layer == u.layer]
+        c = [c.id for c in units if c.label == "C" and c.layer == u.layer]
+        assert len(d) == 2 and len(c) == 2
+        assert all((i, u.id) in deps for i in d) and all((u.id, i) in deps for i in c)
+    calls = [n for u in units for n in u.nodes if n.startswith("grouped_experts")]
+    assert len(calls) == 3 and all(any(n in u.nodes for u in mlp) for n in calls)
+    unjoined = art.split_gm  # the graph the unjoined candidates schedule: one call per ubatch
+    assert sum(n.target is torch.ops.dbo.grouped_experts.default
+               for n in unjoined.graph.nodes) == 6
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+    for a, b in zip(caches, eager_caches):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_join_experts_without_expert_calls_compiles_unjoined():
+    """A model without ``dbo.grouped_experts`` compiles unjoined under ``join_experts=True``
+    (and its joined candidates are not compiled); a non-bool option is refused."""
+    from dbo_compile.config import DboConfig
+    from dbo_compile.errors import DboConfigError
+
+    class LinearExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            ids = torch.zeros(x.shape[0], 1, dtype=torch.int64)
+            recv, _, rw = torch.ops.dbo.dispatch(self.lin(x), ids, torch.ones(x.shape[0], 1),
+                                                 1, "")
+            return torch.ops.dbo.combine(self.lin(recv) * rw, "")
+
+    torch._dynamo.reset()
+    model, x = LinearExperts(), torch.randn(16, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    out = torch.compile(model, backend="dbo", options={"split": "always",
+                                                       "join_experts": True})(x)
+    torch.testing.assert_close(out, model(x))
+    art = last_artifact()
+    assert not art.config.join_experts
+    assert "list" in art.variants and not any(n.endswith("+join") for n in art.variants)
+    with pytest.raises(DboConfigError, match="join_experts"):
+        DboConfig(join_experts=1)

@@ -221,12 +221,14 @@ def _value_int_inputs(gm: fx.GraphModule) -> list[str]:
 
 def inductor_unit_compiler() -> Callable[[fx.GraphModule, Any], Callable]:
     """A ``compile_unit`` for :class:`~dbo_compile.codegen.wrapper.SplitProgram`: compute units
-    become :class:`InductorStage`; a unit with the same nodes in another schedule variant gets
-    the same stage (compiled once for all variants)."""
-    memo: dict[tuple[str, ...], InductorStage] = {}
+    become :class:`InductorStage`; a unit with the same nodes and the same code in another
+    schedule variant gets the same stage (compiled once for all variants). The code is part of
+    the key because variants may schedule different graphs (joined experts): a node of the
+    same name can read other inputs there."""
+    memo: dict[tuple, InductorStage] = {}
 
     def compile_unit(gm: fx.GraphModule, unit: Any) -> Callable:
-        key = tuple(unit.nodes)
+        key = (tuple(unit.nodes), gm.code)
         if key not in memo:
             memo[key] = InductorStage(gm, f"unit {unit.id} ({unit.name})")
         return memo[key]

@@ -2,7 +2,11 @@
 
 Keys of ``node.meta["dbo"]`` (a dict):
 
-- ``ubatch``: int ubatch id of a per-ubatch node; ``None`` for shared nodes (weights, their views).
+- ``ubatch``: int ubatch id of a per-ubatch node; ``None`` for shared nodes (weights, their
+  views) and for the nodes of a joined call (below).
+- ``origin``: on a per-ubatch node, the name of the unsplit node it is a copy of.
+- ``join``: on the nodes of a joined call (:mod:`dbo_compile.passes.join_experts`), the
+  ``origin`` of the ubatch copies it replaced; the nodes of one join form one stage.
 - ``token_dim``: 0 when dim 0 of the node's value is indexed by tokens (or requests), else
   ``None``. Only dim 0 may be a token dim (checked by :mod:`dbo_compile.passes.token_dim`).
 - ``comm``: ``"dispatch"`` / ``"combine"`` / ``"all_to_all"`` on communication nodes.

@@ -16,7 +16,8 @@ After (``num_ubatches=2``; the runtime passes each ubatch its own slice)::
 Algorithm:
   1. Shared nodes (not depending on any per-ubatch input) are copied once, ubatch ``None``.
   2. Every other node is copied once per ubatch, reading that ubatch's inputs and the shared
-     nodes; ``node.meta`` (``val`` included) is carried over.
+     nodes; ``node.meta`` (``val`` included) is carried over, and ``meta["dbo"]["origin"]``
+     names the node the copies came from.
   3. Outputs: per-ubatch outputs are returned once per ubatch; token-free outputs once.
 """
 
@@ -113,6 +114,7 @@ def split_ubatch(gm: fx.GraphModule, specs: list[InputSpec],
             new = graph.node_copy(node, lookup(envs[u]))
             new._rename(f"{node.name}_u{u}")
             _copy_meta(new, node, u)
+            dbo_meta(new)["origin"] = node.name  # the ubatch copies of a node share it
             envs[u][node] = new
 
     outs: list[fx.Node] = []

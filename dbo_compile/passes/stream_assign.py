@@ -56,7 +56,7 @@ class Unit:
         id: index in the schedule's host (issue) order.
         kind: ``"compute"`` or ``"comm"``.
         stream: ``"compute"`` or ``"comm"``.
-        ubatch: ubatch id, ``None`` for the shared prologue.
+        ubatch: ubatch id, ``None`` for the shared prologue and for joined calls (both ubatches).
         label: ``A`` (attention part, with the previous layer's tail), ``S`` (shared experts),
             ``MLP`` (routed experts), ``D`` (dispatch), ``C`` (combine), ``T`` (final tail),
             ``P`` (shared prologue), ``X`` (any other comm / stage).
@@ -173,8 +173,14 @@ def _stage_keys(graph: fx.Graph) -> dict[fx.Node, tuple]:
     for n in nodes:
         if n.op in ("placeholder", "output") or comm_kind(n) is not None or is_wait(n):
             continue
-        u = dbo_meta(n).get("ubatch")
-        keys[n] = ("P",) if u is None else (u, len(waits[n]), first_comm[n])
+        meta = dbo_meta(n)
+        u = meta.get("ubatch")
+        if meta.get("join") is not None:  # a joined call: its own stage, shared by all ubatches
+            keys[n] = ("J", meta["join"])
+        else:
+            # the last entry, the waits of the node's own ubatch, names the stage (labels)
+            own = sum(1 for w in waits[n] if dbo_meta(nodes[w]).get("ubatch") == u)
+            keys[n] = ("P",) if u is None else (u, len(waits[n]), first_comm[n], own)
     return keys
 
 
@@ -244,7 +250,8 @@ def _label_units(ordered: list[list[fx.Node]], cost: CostModel,
     for i, ns in enumerate(ordered):
         head = ns[0]
         meta = dbo_meta(head)
-        ubatch = meta.get("ubatch")
+        joined = keys[i] is not None and keys[i][0] == "J"
+        ubatch = None if joined else meta.get("ubatch")
         kind = comm_kind(head)
         c = sum(cost.node_cost_us(n) for n in ns)
         if kind is not None:
@@ -255,14 +262,14 @@ def _label_units(ordered: list[list[fx.Node]], cost: CostModel,
             label = {"dispatch": "D", "combine": "C"}.get(kind, "X")
             units.append(Unit(i, COMM, COMM, ubatch, label, layer, [n.name for n in ns], c))
         else:
-            units.append(Unit(i, COMPUTE, COMPUTE, ubatch, "P" if ubatch is None else "?", None,
-                              [n.name for n in ns], c))
-    _assign_stage_labels(units, ordered, [k[1] if k and len(k) == 3 else 0 for k in keys])
+            units.append(Unit(i, COMPUTE, COMPUTE, ubatch, "P" if keys[i] == ("P",) else "?",
+                              None, [n.name for n in ns], c))
+    _assign_stage_labels(units, ordered, keys)
     return units
 
 
 def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
-                         waits: list[int]) -> None:
+                         keys: list[tuple | None]) -> None:
     """Name each compute stage after the comm ops around it (labels are for people and viz).
 
     With ``w`` the number of comm waits a stage depends on and ``k`` the layer of the first comm
@@ -270,13 +277,16 @@ def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
     (``MLP``) of layer ``k``; dispatch ``k`` and ``w == 2k``: attention part (``A``, with the
     previous layer's tail) of layer ``k``; dispatch ``k`` and ``w == 2k - 2``: shared experts
     (``S``) of layer ``k - 1``, computed beside the routed ones; no dependent comm op and all
-    waits: the final tail (``T``). Anything else (e.g. RoPE tables computed ahead) is ``X``.
+    waits: the final tail (``T``). Anything else (e.g. RoPE tables computed ahead) is ``X``. A joined
+    call (:mod:`dbo_compile.passes.join_experts`, no ubatch) is the routed experts (``MLP``) of
+    the layer of the first combine depending on it.
     """
     comm_units = {u.nodes[0]: u for u in units if u.kind == COMM}
     num_layers = 1 + max((u.layer for u in comm_units.values()), default=0)
-    for u, ns, w in zip(units, ordered, waits):
-        if u.kind == COMM or u.ubatch is None:
+    for u, ns, key in zip(units, ordered, keys):
+        if u.kind == COMM or u.label == "P":
             continue
+        w = key[3] if key and len(key) == 4 else 0
         first: Unit | None = None
         seen: set[fx.Node] = set()
         frontier = list(ns)
@@ -295,7 +305,9 @@ def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
             k, kind = num_layers, "D"  # the end of the step acts as dispatch of layer L
         else:
             k, kind = first.layer, first.label
-        if kind == "C" and w == 2 * k + 1:
+        if key and key[0] == "J":
+            u.label, u.layer = "MLP", k
+        elif kind == "C" and w == 2 * k + 1:
             u.label, u.layer = "MLP", k
         elif kind == "D" and w == 2 * k:
             u.label, u.layer = ("A", k) if first is not None else ("T", k - 1)
