@@ -179,6 +179,17 @@ def _case_never_reads_past_context():
     return _record(inp, inp.kernel(_config("m8_n32")), ref, 2e-5)
 
 
+def _case_table_narrower_than_context():
+    """Metadata a serving engine should not send but the runner's warm-up steps do: requests
+    longer than the block table is wide, and an id outside the pool among a request's blocks.
+    The kernel never reads out of bounds and agrees with the reference (keys past the table's
+    width are absent, ids are clamped into the pool)."""
+    inp = _Inputs(decodes=[], prefills=[(0, 12), (0, 9)], hq=4, hkv=2, d=16, block_size=4)
+    inp.block_table = inp.block_table[:, :2].clone()  # 8 keys of 12 / 9
+    inp.block_table[1, 1] = 10**6
+    return _record(inp, inp.kernel(_config("m8_n32")), inp.reference(), 2e-5)
+
+
 INTERP_CASES = {
     **{f"{n}/{c}": (lambda n=n, c=c: _case_small(n, c)) for n in SMALL for c in CONFIGS},
     **{f"bf16/{n}": (lambda n=n: _case_bf16(n)) for n in ("chunked_mixed_gqa", "mqa_padding")},
@@ -187,6 +198,7 @@ INTERP_CASES = {
     "R0_padding": lambda: _case_no_requests(3),
     "no_real_tokens": _case_no_real_tokens,
     "never_reads_past_context": _case_never_reads_past_context,
+    "table_narrower_than_context": _case_table_narrower_than_context,
 }
 
 

@@ -274,10 +274,10 @@ def _triton_kernel():
         return None
 
     # num_reqs changes every step: one compiled variant for all values (no ==1 / %16 variants)
-    @triton.jit(do_not_specialize=["num_reqs"])
+    @triton.jit(do_not_specialize=["num_reqs", "bt_width", "num_blocks"])
     def paged_attention_kernel(
             out_ptr, q_ptr, k_ptr, v_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-            scale_log2, num_reqs,
+            scale_log2, num_reqs, bt_width, num_blocks,
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_kb, stride_ks, stride_kh, stride_bt,
             G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
@@ -329,8 +329,11 @@ def _triton_kernel():
         bt_row = bt_ptr + req.to(tl.int64) * stride_bt
         for n0 in range(0, kv_end, TILE_N):
             kpos = n0 + tl.arange(0, TILE_N)
-            k_ok = kpos < kv_end
+            # keys past the block table's width do not exist (as in the reference); a block
+            # id outside the pool is clamped into it: bad metadata never reads out of bounds
+            k_ok = (kpos < kv_end) & (kpos // BLOCK_SIZE < bt_width)
             blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0)
+            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
             base = (blk.to(tl.int64) * stride_kb + (kpos % BLOCK_SIZE) * stride_ks
                     + kvh * stride_kh)
             k = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=k_ok[None, :], other=0.0)
@@ -386,7 +389,9 @@ def _paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table,
             already holding this step's K/V.
         query_start_loc, seq_lens, block_table: as :func:`attention` (int32 or int64).
             Block-table entries past a request's ``cdiv(seq_lens[i], block_size)`` blocks are
-            never read.
+            never read; keys past the table's width count as absent and block ids outside the
+            pool are clamped into it (as in the reference: bad metadata gives a wrong answer for
+            that request, never an out-of-bounds read).
         scale: softmax scale.
         config: tile shape (default :func:`_kernel_config`, chosen from shapes).
 
@@ -424,7 +429,7 @@ def _paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table,
     grid = (t // cfg.block_m + r, hkv)
     kernel[grid](
         out, q, kv_cache[0], kv_cache[1], qsl, seq_lens, block_table,
-        scale * _LOG2E, r,
+        scale * _LOG2E, r, block_table.shape[1], kv_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         G=g, G_PAD=g_pad, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, HEAD_DIM=d, BLOCK_SIZE=bs,
