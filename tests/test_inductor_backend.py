@@ -241,6 +241,21 @@ def test_stages_share_a_compilation_only_for_the_same_program_weights_and_signat
     assert cache.compiles == 5
 
 
+def test_traced_only_runs_new_signatures_without_compiling(monkeypatch):
+    calls = _counting_inductor(monkeypatch)
+    m = NoComm()
+    stage = InductorStage(fx.symbolic_trace(m), "unit 6 (test)", ind.StageCache())
+    x = torch.randn(5, 8)
+    with ind.traced_only():
+        torch.testing.assert_close(stage(x), m(x))
+    assert not calls and not stage.compiled and stage.uncompiled_calls == 0
+    stage(x)  # outside the block the signature compiles as usual
+    assert len(calls) == 1 and len(stage.compiled) == 1
+    with ind.traced_only():  # a signature compiled before keeps its compiled code
+        stage(x)
+    assert len(calls) == 1
+
+
 class TwoOut(nn.Module):
     def forward(self, x):
         return torch.relu(x), x * 3

@@ -26,6 +26,7 @@ pool, so a signature first seen while the current stream is capturing raises
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -40,7 +41,7 @@ from dbo_compile.errors import UBatchExecutionError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_SIGNATURES", "InductorStage", "StageCache", "inductor_unit_compiler"]
+__all__ = ["MAX_SIGNATURES", "InductorStage", "StageCache", "inductor_unit_compiler", "traced_only"]
 
 #: input signatures one stage compiles at most (Dynamo's default recompile limit is also 8)
 MAX_SIGNATURES = 8
@@ -155,6 +156,23 @@ class StageCache:
             self._fns[key] = fn
 
 
+_TRACED_ONLY = threading.local()
+
+
+@contextlib.contextmanager
+def traced_only():
+    """Within the block, a stage called with an input signature it has not compiled runs its
+    traced ATen ops instead of compiling (and records nothing, so a later call compiles as
+    usual); signatures compiled before keep their compiled code. For calls whose results are
+    thrown away, such as :class:`~dbo_compile.runtime.graphs.CudaGraphRunner`'s layout probe."""
+    depth = getattr(_TRACED_ONLY, "depth", 0)
+    _TRACED_ONLY.depth = depth + 1
+    try:
+        yield
+    finally:
+        _TRACED_ONLY.depth = depth
+
+
 def _drop_stream_annotations(gm: fx.GraphModule) -> None:
     """The wrapper already runs the whole stage on its stream; Inductor would read our
     ``meta["custom"]["stream"]`` (:mod:`dbo_compile.passes.meta`) as a request to switch
@@ -222,8 +240,11 @@ class InductorStage:
       path (no buckets) with ever new token counts must not compile every step;
     - Inductor raised while compiling this signature.
 
+    Within :func:`traced_only`, a signature not compiled yet runs the traced ATen graph and
+    compiles nothing.
+
     Raises UBatchExecutionError if the first call with a signature happens during CUDA-graph
-    capture.
+    capture (and outside :func:`traced_only`).
     """
 
     def __init__(self, gm: fx.GraphModule, name: str, cache: StageCache | None = None):
@@ -255,6 +276,9 @@ class InductorStage:
         key = _signature(args)
         fn = self.compiled.get(key)
         if fn is None:
+            if getattr(_TRACED_ONLY, "depth", 0):
+                with torch.no_grad():
+                    return self.gm(*args)
             if len(self.compiled) >= MAX_SIGNATURES:
                 if self.uncompiled_calls == 0:
                     log.warning(

@@ -12,7 +12,8 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
 
 1. runs one synthetic step of exactly ``bucket`` tokens through the compiled model (Dynamo
    compiles it; the runner records the artifact and its graph inputs, which become the bucket's
-   static input buffers);
+   static input buffers), and a prefill-shaped one that must reach the same compiled graph
+   (Inductor compiles nothing for it: :func:`~dbo_compile.codegen.inductor.traced_only`);
 2. captures the **unsplit** program and, when the graph was split, every **split** (DBO)
    program variant the backend compiled (``schedule_candidates``, ``sm_carveout_candidates``)
    as one CUDA graph each, after warm-up calls on a side stream, all into one memory pool;
@@ -69,6 +70,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dbo_compile.codegen.inductor import traced_only
 from dbo_compile.errors import DboError
 from dbo_compile.runtime.context import step_context
 from dbo_compile.runtime.metadata import FIELD_LAYOUT, AttentionMetadata
@@ -268,7 +270,10 @@ class CudaGraphRunner:
         for tokens in sorted(self.buckets, reverse=True):
             art, args, input_pos = self._record(tokens, prefill=False)
             if tokens >= 4:
-                other, _, _ = self._record(tokens, prefill=True)
+                # only which graph Dynamo picks matters: Inductor stages run their traced
+                # ATen ops for the probe's signatures, which no captured graph replays
+                with traced_only():
+                    other, _, _ = self._record(tokens, prefill=True)
                 if other is not art:
                     raise GraphRunnerError(
                         f"bucket {tokens}: a prefill-shaped step ran another compiled graph than "
