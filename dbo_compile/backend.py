@@ -112,15 +112,17 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         num_graph_inputs=len(specs),
     )
     _dump_graph("split", split_gm)
-    compile_unit = _unit_compiler(config)  # shared: variants reuse each other's stages
-    program = SplitProgram(split_gm, schedule, compile_unit, carveout_sms=config.comm_sms)
+    compile_unit = _unit_compiler(config)
+    built: dict = {}  # shared: a unit of several variants is built (and compiled) once
+    program = SplitProgram(split_gm, schedule, compile_unit, carveout_sms=config.comm_sms,
+                           built=built)
     variants: dict[str, Any] = {config.scheduler: program}
     orders = {_unit_order(schedule)}
     for name, sched in alternatives:  # one program per distinct host order
         if _unit_order(sched) not in orders:
             orders.add(_unit_order(sched))
             variants[name] = SplitProgram(split_gm, sched, compile_unit,
-                                          carveout_sms=config.comm_sms)
+                                          carveout_sms=config.comm_sms, built=built)
     schedules = dict(variants)
     for sms in config.sm_carveout_candidates:  # same code and units, another carve-out
         for name, base in schedules.items():

@@ -202,6 +202,10 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
     assert len(orders) == len(art.variants)  # duplicates were dropped
     units = {frozenset(tuple(u.nodes) for u in p.schedule.units) for p in art.variants.values()}
     assert len(units) == 1  # same units, other order
+    modules: dict = {}
+    for p in art.variants.values():  # each unit's module is built once for every variant
+        for u, fn in zip(p.schedule.units, p.units):
+            assert modules.setdefault(tuple(u.nodes), fn) is fn, u.name
     from dbo_compile.runtime.cudagraph import SplitStep
     from dbo_compile.runtime.program import join_ubatch_outputs
 

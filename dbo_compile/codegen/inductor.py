@@ -357,16 +357,11 @@ def _value_int_inputs(gm: fx.GraphModule) -> list[str]:
 
 def inductor_unit_compiler() -> Callable[[fx.GraphModule, Any], Callable]:
     """A ``compile_unit`` for :class:`~dbo_compile.codegen.wrapper.SplitProgram`: compute units
-    become :class:`InductorStage`; a unit with the same nodes in another schedule variant gets
-    the same stage, and every stage shares one :class:`StageCache` (the same program compiles
-    once for all stages, ubatches and variants)."""
-    memo: dict[tuple[str, ...], InductorStage] = {}
+    become :class:`InductorStage`, all sharing one :class:`StageCache` (the same program
+    compiles once for all stages, ubatches and schedule variants)."""
     cache = StageCache()
 
     def compile_unit(gm: fx.GraphModule, unit: Any) -> Callable:
-        key = tuple(unit.nodes)
-        if key not in memo:
-            memo[key] = InductorStage(gm, f"unit {unit.id} ({unit.name})", cache)
-        return memo[key]
+        return InductorStage(gm, f"unit {unit.id} ({unit.name})", cache)
 
     return compile_unit
