@@ -159,6 +159,31 @@ def test_inductor_compiles_only_what_the_bucket_graphs_run(monkeypatch):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("options,timed", [
+    ({}, "none"),  # bucket below the thresholds: the unsplit graph alone, nothing to choose
+    ({"split": "never"}, "none"),
+    ({"split": "always", "schedule_candidates": False}, "none"),  # one split graph
+    ({"split": "always"}, "variants"),  # the unsplit time cannot change the choice
+    ({"decode_token_threshold": 16}, "all"),
+])
+def test_only_graphs_whose_time_can_change_the_choice_are_timed(options, timed):
+    cfg, model = _model(layers=1)
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo", options=options), [16],
+                             max_blocks_per_req=8, timing_iters=1, keep_variants=True)
+    runner.capture()
+    b = runner.graphs[16]
+    variants = set(b.artifact.variants) if b.split_args is not None else set()
+    assert set(b.times_us) == {"none": set(), "variants": variants,
+                               "all": variants | {"unsplit"}}[timed]
+    assert set(b.graphs) == variants | {"unsplit"}
+    if options.get("split") == "always":
+        assert b.choice in variants
+        assert b.choice == "list" or len(variants) > 1
+    elif timed == "none":
+        assert b.choice == "unsplit" and b.t_unsplit_us is None
+    assert "16: unsplit" in runner.describe()
+
+
 def test_wide_block_table_runs_eagerly_with_a_warning(caplog):
     cfg, model = _model()
     compiled = torch.compile(model, backend="dbo")
