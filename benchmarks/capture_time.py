@@ -4,7 +4,7 @@ Run (CPU: 2 Gloo ranks; on a host with 2 GPUs the same command captures CUDA gra
 
     python benchmarks/capture_time.py                          # this tree, buckets 32,64
     python benchmarks/capture_time.py --compare HEAD~3         # + the package at HEAD~3
-    python benchmarks/capture_time.py --compute-backend inductor --buckets 32
+    python benchmarks/capture_time.py --compare HEAD~3 --repeat 2 --compute-backend inductor
 
 The script launches ``torchrun --nproc-per-node 2`` once per tree (with ``--compare REV``:
 first REV's package, from ``git archive`` in a temporary folder, then this tree's, one after the other
@@ -22,14 +22,17 @@ is the max over the ranks. Parts (functions timed):
   (``lower_to_aten``, ``annotate_token_dims``, ``split_ubatch`` + ``insert_yields``,
   ``stream_assign``, ``SplitProgram`` construction); backend other: the rest of
   ``compile_split`` / ``dbo_backend``;
-- Inductor: ``InductorStage._compile`` (``compute_backend="inductor"``);
+- Inductor: ``InductorStage._compile`` (``compute_backend="inductor"``; the first includes
+  Inductor's own start-up); "Inductor runs" below the table counts the compiled callables;
 - warm-up step runs: the compiled module's calls inside ``_record`` (vote, split or not);
 - graph capture: ``CudaGraphRunner._graph`` (CUDA: 2 warm-up runs + capture; CPU: one eager
   run);
 - timing: ``CudaGraphRunner._time`` (3 rounds x ``timing_iters`` replays per graph);
 - capture() other: the rest (choice, bookkeeping).
 
-Figures are wall-clock seconds on this machine; compare trees only within one run. With
+Figures are wall-clock seconds on this machine; compare trees only within one run. Other load
+on the machine only adds time: ``--repeat N`` alternates the trees N times and keeps each part's
+least time (the load average before and after each run is printed). With
 ``compute_backend="inductor"`` every run gets a fresh Inductor cache directory (a cold cache,
 as on a new serving host) unless ``--warm-cache``.
 """
@@ -148,6 +151,11 @@ def measure(args) -> None:
     total = time.perf_counter() - t0
     arts = dbo_backend.compiled_artifacts()
     variants = sorted(getattr(arts[-1], "variants", {}) or {}) if arts else []
+    # Inductor runs = distinct compiled callables of every stage and unsplit program
+    stages = [fn for a in arts for p in getattr(a, "variants", {}).values() for fn in p.units]
+    stages += [getattr(a, "unsplit", None) for a in arts] + [getattr(a, "fn", None) for a in arts]
+    compiled = {id(fn) for s in {id(s): s for s in stages}.values()
+                for fn in getattr(s, "compiled", {}).values()}
     keys = sorted(timer.seconds)
     values = [timer.seconds[k] for k in keys] + [total]
     t = torch.tensor(values, dtype=torch.float64)
@@ -159,7 +167,7 @@ def measure(args) -> None:
                "total": values[-1], "buckets": buckets, "backend_compiles": len(arts),
                "variants": variants, "device": str(device),
                "choice": {t: b.choice for t, b in runner.graphs.items()},
-               "dynamo": _dynamo_times()}
+               "inductor_runs": len(compiled), "dynamo": _dynamo_times()}
         with open(args.out, "w") as f:
             json.dump(doc, f)
     dist.barrier()
@@ -204,20 +212,29 @@ def _run_tree(args, root: str, label: str) -> dict:
            "--compute-backend", args.compute_backend, "--timing-iters", str(args.timing_iters),
            "--layers", str(args.layers)] + (["--preset", args.preset] if args.preset else [])
     print(f"[capture_time] {label}: {root} ...", flush=True)
+    load = os.getloadavg()[0]
     subprocess.run(cmd, env=env, check=True, cwd=root)
     with open(out) as f:
         doc = json.load(f)
+    doc["load"] = [round(load, 1), round(os.getloadavg()[0], 1)]
     os.unlink(out)
     if cache:
         subprocess.run(["rm", "-rf", cache], check=False)
     return doc
 
 
-def _parts(doc: dict) -> dict[str, float]:
-    per: dict[str, float] = {}
-    for p, _b, v in doc["seconds"]:
-        per[p] = per.get(p, 0.0) + v
-    return per
+def best_of(docs: list[dict]) -> dict:
+    """One run's figures from several: per part and bucket, and for the total, the least (the
+    run least disturbed by other load on the machine)."""
+    doc = dict(docs[0])
+    seconds: dict[tuple[str, int], float] = {}
+    for d in docs:
+        for p, b, v in d["seconds"]:
+            seconds[(p, b)] = min(v, seconds.get((p, b), v))
+    doc["seconds"] = [[p, b, v] for (p, b), v in seconds.items()]
+    doc["total"] = min(d["total"] for d in docs)
+    doc["load"] = [x for d in docs for x in d["load"]]
+    return doc
 
 
 def _calls(doc: dict) -> dict[str, int]:
@@ -267,30 +284,40 @@ def main(argv=None) -> int:
                    help="also measure the package at git revision REV, first, in this run")
     p.add_argument("--warm-cache", action="store_true",
                    help="keep the Inductor cache between runs (default: a fresh one per run)")
-    p.add_argument("--json", default=None, help="write both runs' figures here")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each tree this many times, alternating, and keep each part's "
+                        "least time (other load on the machine only adds time)")
+    p.add_argument("--json", default=None, help="write every run's figures here")
     p.add_argument("--_measure", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._measure:
         measure(args)
         return 0
-    runs = []
-    if args.compare:
-        with _tree(args.compare) as root:
-            runs.append((f"before ({args.compare})", _run_tree(args, root, "before")))
-    runs.append(("after" if args.compare else "this tree", _run_tree(args, _ROOT, "this tree")))
-    head = subprocess.run(["git", "-C", _ROOT, "rev-parse", "--short", "HEAD"],
+    head = subprocess.run(["git", "-C", _ROOT, "describe", "--always", "--dirty"],
                           capture_output=True, text=True).stdout.strip()
-    print(f"\ncapture() by part, seconds (exclusive; max over ranks); buckets {args.buckets}, "
+    label = "after" if args.compare else "this tree"
+    all_runs: dict[str, list[dict]] = {}
+    with _tree(args.compare) as old:
+        for _ in range(args.repeat):
+            if args.compare:
+                all_runs.setdefault(f"before ({args.compare})", []).append(
+                    _run_tree(args, old, "before"))
+            all_runs.setdefault(label, []).append(_run_tree(args, _ROOT, label))
+    runs = [(name, best_of(docs)) for name, docs in all_runs.items()]
+    print(f"\ncapture() by part, seconds (exclusive; max over ranks; least of {args.repeat} "
+          f"run(s) per tree, alternating); buckets {args.buckets}, "
           f"compute_backend={args.compute_backend}, timing_iters={args.timing_iters}, "
-          f"{runs[-1][1]['device']}, HEAD {head}\n")
+          f"{runs[-1][1]['device']}, this tree {head}\n")
     print(table(runs))
-    for label, doc in runs:
-        print(f"\n{label}: backend compiles {doc['backend_compiles']}, variants {doc['variants']}, "
-              f"choice {doc['choice']}, Dynamo's own figures {doc['dynamo']}")
+    for name, doc in runs:
+        print(f"\n{name}: Dynamo/backend compiles {doc['backend_compiles']}, Inductor runs "
+              f"{doc['inductor_runs']}, variants {doc['variants']}, choice {doc['choice']}, "
+              f"load average before/after each run {doc['load']}, Dynamo's own figures "
+              f"(last run) {doc['dynamo']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({label: doc for label, doc in runs}, f, indent=1)
+            json.dump(all_runs, f, indent=1)
     return 0
 
 
