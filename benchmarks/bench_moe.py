@@ -342,14 +342,7 @@ def markdown(doc: dict) -> str:
 def main(argv=None) -> int:
     args = parse(argv)
     cuda = torch.cuda.is_available()
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = H.init_distributed()
     dbo_backend.register()
     preset = args.preset or ("deepseek-v2-lite" if cuda else "tiny")
     buckets = args.buckets or ("decode:64,decode:128,decode:256,decode:512,decode:1024,"

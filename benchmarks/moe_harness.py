@@ -106,6 +106,25 @@ def no_comm():
         _comm._BACKENDS["torch"] = old
 
 
+# ----------------------------------------------------------------------------- process group
+def init_distributed() -> torch.device:
+    """Join the ``torchrun`` job: NCCL on this rank's GPU (``LOCAL_RANK``) where CUDA is
+    available, else Gloo on CPU. Returns the rank's device."""
+    import os
+
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
 # ----------------------------------------------------------------------------- model, steps
 def build_model(preset: str, layers: int, group: Any, device: str, dtype=torch.bfloat16,
                 seed: int = 0, **overrides: Any) -> DeepseekMoEModel:

@@ -135,14 +135,19 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         num_graph_inputs=len(specs),
     )
     _dump_graph("split", split_gm)
-    compile_unit = _unit_compiler(config)  # shared: variants reuse each other's stages
-    program = SplitProgram(primary_gm, schedule, compile_unit, carveout_sms=config.comm_sms)
+    compile_unit = _unit_compiler(config)
+    # shared by the variants of one split graph: a unit of several variants is built (and
+    # compiled) once; the joined graph has units of the same nodes that read other inputs
+    built: dict[int, dict] = {}
+    program = SplitProgram(primary_gm, schedule, compile_unit, carveout_sms=config.comm_sms,
+                           built=built.setdefault(id(primary_gm), {}))
     variants: dict[str, Any] = {primary_name: program}
     orders = {_unit_order(schedule)}
     for name, gm, sched in alternatives:  # one program per distinct host order
         if _unit_order(sched) not in orders:
             orders.add(_unit_order(sched))
-            variants[name] = SplitProgram(gm, sched, compile_unit, carveout_sms=config.comm_sms)
+            variants[name] = SplitProgram(gm, sched, compile_unit, carveout_sms=config.comm_sms,
+                                          built=built.setdefault(id(gm), {}))
     schedules = dict(variants)
     for sms in config.sm_carveout_candidates:  # same code and units, another carve-out
         for name, base in schedules.items():

@@ -125,6 +125,65 @@ def test_split_never_keeps_every_bucket_unsplit_and_matches_eager():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_inductor_compiles_only_what_the_bucket_graphs_run(monkeypatch):
+    """The prefill-shaped probe step of each bucket (it only checks that Dynamo reaches the
+    same graph) compiles nothing: every program is compiled for one signature per bucket, the
+    bucket's static buffers, and served steps match eager."""
+    import torch._inductor
+
+    from dbo_compile.backend import compiled_artifacts
+    from dbo_compile.codegen.inductor import InductorStage
+
+    compiles = []
+    monkeypatch.setattr(torch._inductor, "compile",
+                        lambda gm, inputs: compiles.append(gm) or gm.forward)
+    cfg, model = _model(layers=1)
+    compiled = torch.compile(model, backend="dbo",
+                             options={"split": "always", "compute_backend": "inductor"})
+    runner = CudaGraphRunner(compiled, BUCKETS, max_blocks_per_req=8, block_size=16,
+                             timing_iters=1)
+    runner.capture()
+    art = compiled_artifacts()[-1]
+    stages = {id(fn): fn for p in art.variants.values() for fn in p.units
+              if isinstance(fn, InductorStage)}.values()
+    assert len(art.unsplit.compiled) == len(BUCKETS)
+    assert stages and all(len(s.compiled) <= len(BUCKETS) for s in stages)
+    assert len(compiles) == len(BUCKETS) + next(iter(stages)).cache.compiles
+    step = make_step(cfg, decode_context_lens=[5, 40, 17], prefills=[(16, 9)], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    ref, _ = eager_then_restore(model, step)
+    with torch.no_grad():
+        out = runner(step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+    assert runner.last_choice == (16, "split")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options,timed", [
+    ({}, "none"),  # bucket below the thresholds: the unsplit graph alone, nothing to choose
+    ({"split": "never"}, "none"),
+    ({"split": "always", "schedule_candidates": False}, "none"),  # one split graph
+    ({"split": "always"}, "variants"),  # the unsplit time cannot change the choice
+    ({"decode_token_threshold": 16}, "all"),
+])
+def test_only_graphs_whose_time_can_change_the_choice_are_timed(options, timed):
+    cfg, model = _model(layers=1)
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo", options=options), [16],
+                             max_blocks_per_req=8, timing_iters=1, keep_variants=True)
+    runner.capture()
+    b = runner.graphs[16]
+    variants = set(b.artifact.variants) if b.split_args is not None else set()
+    assert set(b.times_us) == {"none": set(), "variants": variants,
+                               "all": variants | {"unsplit"}}[timed]
+    assert set(b.graphs) == variants | {"unsplit"}
+    if options.get("split") == "always":
+        assert b.choice in variants
+        assert b.choice == "list" or len(variants) > 1
+    elif timed == "none":
+        assert b.choice == "unsplit" and b.t_unsplit_us is None
+    assert "16: unsplit" in runner.describe()
+
+
 def test_wide_block_table_runs_eagerly_with_a_warning(caplog):
     cfg, model = _model()
     compiled = torch.compile(model, backend="dbo")

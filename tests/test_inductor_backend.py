@@ -38,6 +38,7 @@ def compiled_split():
             art = last_artifact()
             runs.append(dict(out=out, kv=[c.clone() for c in model.kv_caches()], art=art,
                              compiled=[len(s.compiled) for s in _stages(art)],
+                             compiles=_stages(art)[0].cache.compiles,
                              split_steps=art.stats.split_steps))
             for c, s in zip(model.kv_caches(), saved):
                 c.copy_(s)
@@ -74,6 +75,26 @@ def test_compute_units_are_inductor_stages_comm_units_are_not(compiled_split):
         isinstance(fn, InductorStage) for fn in joined[0].units)
     compiled = compiled_split[2][0]["compiled"]  # the run used the primary ("list") only
     assert compiled.count(1) == per_variant[0] and set(compiled) <= {0, 1}
+
+
+def test_stages_computing_the_same_program_share_one_compilation(compiled_split):
+    """The ubatches' copies of a stage (and the same stage in other layers, whose weights are
+    graph inputs) are one program: Inductor compiles it once per input signature for all of
+    them, and calling the shared code again compiles nothing."""
+    runs = compiled_split[2]
+    stages = _stages(runs[0]["art"])
+    cache = stages[0].cache
+    assert all(s.cache is cache for s in stages)
+    calls = sum(runs[0]["compiled"])  # (stage, signature) pairs met in the first step
+    distinct = {id(fn) for s in stages for fn in s.compiled.values()}
+    assert cache.compiles == len(distinct) < calls
+    assert cache.compiles + cache.reused == calls
+    # the two ubatches' MLP stages of layer 0 see 32 tokens each: same program and signature
+    mlp = [fn for p in [runs[0]["art"].split_program]
+           for u, fn in zip(p.schedule.units, p.units) if u.label == "MLP"]
+    assert len(mlp) == 2 and mlp[0] is not mlp[1]
+    assert list(mlp[0].compiled.values())[0] is list(mlp[1].compiled.values())[0]
+    assert runs[1]["compiles"] == runs[0]["compiles"]
 
 
 def test_stage_graphs_carry_no_stream_annotation_split_graph_keeps_it(compiled_split):
@@ -178,6 +199,70 @@ def test_stage_stops_compiling_after_max_signatures_and_stays_correct(monkeypatc
     assert len(stage.compiled) == 2 and stage.uncompiled_calls == 2
     warned = [r for r in caplog.records if "compiled by Inductor for 2 input signatures" in r.message]
     assert len(warned) == 1 and "compute_backend='aten'" in warned[0].message
+
+
+def _counting_inductor(monkeypatch) -> list:
+    """Replace Inductor by the traced graph (fast); the returned list gets one entry per
+    compilation."""
+    import torch._inductor
+
+    calls = []
+
+    def fake_compile(gm, inputs):
+        calls.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor, "compile", fake_compile)
+    return calls
+
+
+def _renamed_trace(m: nn.Module, suffix: str) -> fx.GraphModule:
+    gm = fx.symbolic_trace(m)
+    for n in gm.graph.nodes:
+        if n.op != "output":
+            n._rename(n.name + suffix)
+    gm.recompile()
+    return gm
+
+
+def test_stages_share_a_compilation_only_for_the_same_program_weights_and_signature(monkeypatch):
+    calls = _counting_inductor(monkeypatch)
+    m, other = NoComm(), NoComm()
+    cache = ind.StageCache()
+    a = InductorStage(_renamed_trace(m, "_u0"), "unit 1 (L0.A0)", cache)
+    b = InductorStage(_renamed_trace(m, "_u1"), "unit 2 (L0.A1)", cache)  # names differ only
+    c = InductorStage(_renamed_trace(other, "_u1"), "unit 3 (L1.A1)", cache)  # other weights
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    torch.testing.assert_close(a(x), m(x))
+    torch.testing.assert_close(b(y), m(y))
+    assert len(calls) == 1 and (cache.compiles, cache.reused) == (1, 1)
+    assert list(b.compiled.values()) == list(a.compiled.values())
+    torch.testing.assert_close(c(y), other(y))  # its own weights, its own compilation
+    assert len(calls) == 2
+    b(torch.randn(6, 8))  # another signature: compiled again
+    assert (cache.compiles, cache.reused) == (3, 1)
+    # inputs that alias each other are another program for Inductor (it may assume not)
+    twice = InductorStage(fx.symbolic_trace(lambda p, q: p.add_(1) + q), "unit 4 (X0)", cache)
+    twin = InductorStage(fx.symbolic_trace(lambda p, q: p.add_(1) + q), "unit 5 (X1)", cache)
+    twice(torch.zeros(4), torch.zeros(4))
+    z = torch.zeros(4)
+    torch.testing.assert_close(twin(z, z), torch.full((4,), 2.0))
+    assert cache.compiles == 5
+
+
+def test_traced_only_runs_new_signatures_without_compiling(monkeypatch):
+    calls = _counting_inductor(monkeypatch)
+    m = NoComm()
+    stage = InductorStage(fx.symbolic_trace(m), "unit 6 (test)", ind.StageCache())
+    x = torch.randn(5, 8)
+    with ind.traced_only():
+        torch.testing.assert_close(stage(x), m(x))
+    assert not calls and not stage.compiled and stage.uncompiled_calls == 0
+    stage(x)  # outside the block the signature compiles as usual
+    assert len(calls) == 1 and len(stage.compiled) == 1
+    with ind.traced_only():  # a signature compiled before keeps its compiled code
+        stage(x)
+    assert len(calls) == 1
 
 
 class TwoOut(nn.Module):

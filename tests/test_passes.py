@@ -203,10 +203,14 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
     assert art.variants["list"] is art.split_program and len(art.variants) >= 2
     orders = {tuple(tuple(u.nodes) for u in p.schedule.units) for p in art.variants.values()}
     assert len(orders) == len(art.variants)  # duplicates were dropped
+    modules: dict = {}
     for joined in (False, True):  # same units, other order (joined: another graph)
-        units = {frozenset(tuple(u.nodes) for u in p.schedule.units)
-                 for n, p in art.variants.items() if n.endswith("+join") == joined}
+        plain = [p for n, p in art.variants.items() if n.endswith("+join") == joined]
+        units = {frozenset(tuple(u.nodes) for u in p.schedule.units) for p in plain}
         assert len(units) == 1
+        for p in plain:  # each unit's module is built once for every variant of its graph
+            for u, fn in zip(p.schedule.units, p.units):
+                assert modules.setdefault((joined, tuple(u.nodes)), fn) is fn, u.name
     from dbo_compile.runtime.cudagraph import SplitStep
     from dbo_compile.runtime.program import join_ubatch_outputs
 

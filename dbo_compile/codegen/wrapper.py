@@ -46,14 +46,25 @@ def _resolve(node: fx.Node) -> fx.Node:
     return node
 
 
+#: units already built for a split graph: ``tuple(unit.nodes)`` -> (callable, UnitIO)
+BuiltUnits = dict[tuple[str, ...], tuple[Callable, UnitIO]]
+
+
 def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
-                       compile_unit: Callable[[fx.GraphModule, Any], Callable] | None = None
-                       ) -> tuple[list[Callable], list[UnitIO]]:
+                       compile_unit: Callable[[fx.GraphModule, Any], Callable] | None = None,
+                       built: BuiltUnits | None = None) -> tuple[list[Callable], list[UnitIO]]:
     """Extract one GraphModule per unit; its inputs are values made outside the unit.
 
     ``compile_unit(gm, unit)``, if given, turns each *compute* unit's GraphModule into the
     callable the wrapper calls (e.g. :func:`~dbo_compile.codegen.inductor.inductor_unit_compiler`);
-    comm units always stay the GraphModule of their one comm op."""
+    comm units always stay the GraphModule of their one comm op. ``built``, shared by the
+    schedule variants of one split graph, hands a unit with the same nodes as one built before
+    the same callable (a unit's inputs, outputs and ops do not depend on the order), and
+    records the units built here.
+
+    Raises:
+        ScheduleError: a node of the split graph belongs to no unit of ``schedule``.
+    """
     graph = split_gm.graph
     by_name = {n.name: n for n in graph.nodes}
     unit_of = schedule.unit_of_node()
@@ -65,7 +76,13 @@ def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
             raise ScheduleError(f"node {n.name} belongs to no schedule unit")
     modules: list[Callable] = []
     ios: list[UnitIO] = []
+    built = {} if built is None else built
     for unit in schedule.units:
+        if tuple(unit.nodes) in built:
+            module, io = built[tuple(unit.nodes)]
+            modules.append(module)
+            ios.append(io)
+            continue
         members = [by_name[n] for n in unit.nodes]
         member_set = set(members)
         inputs: list[fx.Node] = []
@@ -96,8 +113,10 @@ def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
         sub.output(tuple(env[o] for o in outputs))
         gm = fx.GraphModule(split_gm, sub, class_name=f"DboUnit{unit.id}")
         compiled = compile_unit is not None and unit.stream != COMM
-        modules.append(compile_unit(gm, unit) if compiled else gm)
-        ios.append(UnitIO([a.name for a in inputs], [o.name for o in outputs]))
+        built[tuple(unit.nodes)] = (compile_unit(gm, unit) if compiled else gm,
+                                    UnitIO([a.name for a in inputs], [o.name for o in outputs]))
+        modules.append(built[tuple(unit.nodes)][0])
+        ios.append(built[tuple(unit.nodes)][1])
     return modules, ios
 
 
@@ -175,14 +194,17 @@ class SplitProgram:
         carveout_sms: on CUDA, SMs kept free of compute GEMMs while the program runs
             (``torch._C._set_sm_carveout_experimental``, where torch has it; a CUDA graph
             captured from the call keeps it), so that comm kernels find SMs; ``None``: none.
+
+    The schedule variants of one split graph pass the same ``built`` dict, so that they share
+    their units' callables (:func:`build_unit_modules`).
     """
 
     def __init__(self, split_gm: fx.GraphModule, schedule: Schedule,
                  compile_unit: Callable[[fx.GraphModule, Any], Callable] | None = None,
-                 carveout_sms: int | None = None):
+                 carveout_sms: int | None = None, built: BuiltUnits | None = None):
         self.schedule = schedule
         self.carveout_sms = carveout_sms
-        self.units, self.unit_io = build_unit_modules(split_gm, schedule, compile_unit)
+        self.units, self.unit_io = build_unit_modules(split_gm, schedule, compile_unit, built)
         self.code, num_events = generate(split_gm, schedule, self.unit_io)
         self.streams = _streams.StreamSet(num_events)
         namespace: dict[str, Any] = {

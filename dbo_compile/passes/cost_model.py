@@ -53,13 +53,17 @@ class CostModel:
         self.config = config
         tokens = max(1, config.cost_model_tokens // num_ubatches)
         self.subs = {s: tokens for s in token_symbols}
+        self._values: dict[Any, int] = {}  # expr -> its value at the reference counts
 
     def _int(self, s: Any) -> int:
         if isinstance(s, torch.SymInt):
             expr = s.node.expr
+            if expr in self._values:  # sympy's subs dominates a schedule's time: once per expr
+                return self._values[expr]
             val = expr.subs(self.subs) if isinstance(expr, sympy.Basic) else expr
             try:
-                return int(val)
+                self._values[expr] = int(val)
+                return self._values[expr]
             except TypeError:  # an unknown symbol: fall back to the trace hint
                 hint = s.node.hint
                 return int(hint) if hint is not None else 1

@@ -12,7 +12,8 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
 
 1. runs one synthetic step of exactly ``bucket`` tokens through the compiled model (Dynamo
    compiles it; the runner records the artifact and its graph inputs, which become the bucket's
-   static input buffers);
+   static input buffers), and a prefill-shaped one that must reach the same compiled graph
+   (Inductor compiles nothing for it: :func:`~dbo_compile.codegen.inductor.traced_only`);
 2. captures the **unsplit** program and, when the graph was split, every **split** (DBO)
    program variant the backend compiled (``schedule_candidates``, ``sm_carveout_candidates``)
    as one CUDA graph each, after warm-up calls on a side stream, all into one memory pool;
@@ -20,7 +21,9 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
    median, CUDA events), takes the max over every rank of the job and keeps the fastest split
    variant; with ``split="auto"`` the bucket splits only where that variant is faster than the
    unsplit graph by ``min_gain`` (fraction) or more. The table is therefore identical on every
-   rank. ``split="always"``/``"never"`` force it (``"never"`` captures no split graph).
+   rank. ``split="always"``/``"never"`` force it (``"never"`` captures no split graph). Only
+   graphs whose time can change the choice are timed: none in a bucket with one candidate,
+   not the unsplit graph with ``"always"``.
 
 Capture refuses what a replay could not serve correctly (``GraphRunnerError``): a step that runs
 several compiled graphs (graph breaks); a graph specialised to the warm-up layout (a
@@ -69,6 +72,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dbo_compile.codegen.inductor import traced_only
 from dbo_compile.errors import DboError
 from dbo_compile.runtime.context import step_context
 from dbo_compile.runtime.metadata import FIELD_LAYOUT, AttentionMetadata
@@ -95,7 +99,10 @@ class BucketGraphs:
         split_args: the split program's static per-ubatch inputs (``None``: not split).
         graphs / outs: ``"unsplit"`` and each split schedule variant's graph and static outputs
             (after the choice only ``"unsplit"`` and the chosen variant are kept).
-        times_us: replay time of each graph (µs, median, max over the DP group).
+        times_us: replay time (µs, median, max over the DP group) of each graph whose time
+            can change the choice: the split variants, and with ``split="auto"`` the unsplit
+            graph; nothing where there is one candidate (no split graph, or ``"always"`` with
+            one variant).
         choice: ``"unsplit"`` or the name of the split variant this bucket runs when the vote
             splits.
         best_variant: the fastest split variant (``None``: not split), chosen or not.
@@ -119,12 +126,13 @@ class BucketGraphs:
         return self.choice != "unsplit"
 
     @property
-    def t_unsplit_us(self) -> float:
-        return self.times_us["unsplit"]
+    def t_unsplit_us(self) -> float | None:
+        """The unsplit graph's time (µs), ``None`` when it was not timed (see ``times_us``)."""
+        return self.times_us.get("unsplit")
 
     @property
     def t_split_us(self) -> float | None:
-        """The fastest split variant's time (µs), ``None`` when the graph was not split."""
+        """The fastest split variant's time (µs), ``None`` when none was timed."""
         split = [t for k, t in self.times_us.items() if k != "unsplit"]
         return min(split) if split else None
 
@@ -268,7 +276,10 @@ class CudaGraphRunner:
         for tokens in sorted(self.buckets, reverse=True):
             art, args, input_pos = self._record(tokens, prefill=False)
             if tokens >= 4:
-                other, _, _ = self._record(tokens, prefill=True)
+                # only which graph Dynamo picks matters: Inductor stages run their traced
+                # ATen ops for the probe's signatures, which no captured graph replays
+                with traced_only():
+                    other, _, _ = self._record(tokens, prefill=True)
                 if other is not art:
                     raise GraphRunnerError(
                         f"bucket {tokens}: a prefill-shaped step ran another compiled graph than "
@@ -324,7 +335,7 @@ class CudaGraphRunner:
             b.split_args = art.split_args(b.args, [1] * b.tokens)
             for name, program in art.variants.items():
                 self._graph(b, name, _split_fn(program, b.split_args, art.signature.outputs), cuda)
-        b.times_us = self._time(b)
+        b.times_us = self._time(b, _candidates(b, cfg.split if cfg is not None else "auto"))
 
     def _graph(self, b: BucketGraphs, name: str, fn: Callable[[], Any], cuda: bool) -> None:
         if not cuda:
@@ -335,12 +346,16 @@ class CudaGraphRunner:
 
         b.graphs[name], b.outs[name] = capture(fn, warmup=2, pool=self.pool)
 
-    def _time(self, b: BucketGraphs) -> dict[str, float]:
-        """Replay time of each graph of ``b`` (µs): interleaved rounds, median, max over DP."""
+    def _time(self, b: BucketGraphs, names: Sequence[str]) -> dict[str, float]:
+        """Replay time of the graphs ``names`` of ``b`` (µs): interleaved rounds, median, max
+        over every rank (``names`` must be the same on every rank)."""
+        if not names:
+            return {}
         cuda = self.device.type == "cuda"
-        samples: dict[str, list[float]] = {n: [] for n in b.graphs}
+        samples: dict[str, list[float]] = {n: [] for n in names}
         for _round in range(3):
-            for name, g in b.graphs.items():
+            for name in names:
+                g = b.graphs[name]
                 g.replay()
                 if cuda:
                     torch.cuda.synchronize()
@@ -357,7 +372,6 @@ class CudaGraphRunner:
                         t0 = time.perf_counter()
                         g.replay()
                         samples[name].append((time.perf_counter() - t0) * 1e6)
-        names = list(b.graphs)
         med = _max_over_ranks([statistics.median(samples[n]) for n in names])
         return dict(zip(names, med))
 
@@ -365,15 +379,17 @@ class CudaGraphRunner:
         """The fastest split variant, and whether it runs at all (``split`` mode); the other
         variants' graphs are dropped at once, so that later captures reuse their memory."""
         mode = b.artifact.config.split
-        split = {k: t for k, t in b.times_us.items() if k != "unsplit"}
-        best = min(split, key=lambda k: (split[k], k)) if split else None
+        split = [k for k in b.graphs if k != "unsplit"]
+        best = min(split, key=lambda k: (b.times_us[k], k)) if len(split) > 1 else (
+            split[0] if split else None)
         b.best_variant = best
         if best is None or mode == "never":
             b.choice = "unsplit"
         elif mode == "always":
             b.choice = best
         else:
-            b.choice = best if split[best] <= (1.0 - self.min_gain) * b.t_unsplit_us else "unsplit"
+            faster = b.times_us[best] <= (1.0 - self.min_gain) * b.times_us["unsplit"]
+            b.choice = best if faster else "unsplit"
         if not self.keep_variants:
             for name in [k for k in b.graphs if k not in ("unsplit", best)]:
                 del b.graphs[name], b.outs[name]
@@ -383,8 +399,8 @@ class CudaGraphRunner:
         rows = []
         for t in sorted(self.graphs):
             b = self.graphs[t]
-            split = "-" if b.t_split_us is None else f"{b.t_split_us:.0f}"
-            rows.append(f"{t}: unsplit {b.t_unsplit_us:.0f} us, split {split} us -> {b.choice}")
+            unsplit, split = ("-" if v is None else f"{v:.0f}" for v in (b.t_unsplit_us, b.t_split_us))
+            rows.append(f"{t}: unsplit {unsplit} us, split {split} us -> {b.choice}")
         return "; ".join(rows)
 
     # -- serving path ---------------------------------------------------------------------
@@ -513,6 +529,13 @@ def _is_int(value: Any) -> bool:
         return True
     except TypeError:
         return False
+
+
+def _candidates(b: BucketGraphs, mode: str) -> list[str]:
+    """The graphs of ``b`` whose times can change its choice (``split`` mode ``mode``): the
+    split variants, and with ``"auto"`` the unsplit graph; none where fewer than two remain."""
+    names = [k for k in b.graphs if k != "unsplit" or mode == "auto"]
+    return names if len(names) > 1 else []
 
 
 def _split_fn(program: Any, split_args: list[Any], outputs: Sequence[Sequence[int]]):
