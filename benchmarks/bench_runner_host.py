@@ -57,10 +57,12 @@ from typing import Any
 
 import torch
 
-#: (label, "module:Class" or "module", attribute) of each timed function; absent ones are skipped.
+#: (label, "module:Class" or "module", attribute) of each timed function; absent ones are
+#: skipped; "a|b": the first that exists (the serving path's copy phase is ``_load`` since the
+#: public ``load_step`` checks the metadata again).
 PHASES = [
     ("vote", "dbo_compile.runtime.graphs:CudaGraphRunner", "_vote"),
-    ("load_step", "dbo_compile.runtime.graphs:CudaGraphRunner", "load_step"),
+    ("load_step", "dbo_compile.runtime.graphs:CudaGraphRunner", "_load|load_step"),
 ]
 INSIDE = [
     ("host_counts", "dbo_compile.runtime.metadata:AttentionMetadata", "host_counts"),
@@ -111,7 +113,8 @@ class _Clock:
             owner = importlib.import_module(mod)
             if cls:
                 owner = getattr(owner, cls, None)
-            if owner is None or not hasattr(owner, attr):
+            attr = next((a for a in attr.split("|") if hasattr(owner, a)), None)
+            if owner is None or attr is None:
                 continue
             raw = inspect.getattr_static(owner, attr)
             fn = raw.__func__ if isinstance(raw, staticmethod) else raw
