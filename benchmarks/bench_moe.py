@@ -28,7 +28,11 @@ graphs, times them at warm-up and decides. Then, on the benchmark's own step:
 - ``dbo_graph``: the fastest split schedule variant (by the runner's warm-up timing) in a CUDA
   graph; every variant's time is in ``t_variants_us``.
 - ``chosen``: the graph the runner runs by default for this bucket; ``runner_step``: one whole
-  runner call (vote, copies into the static buffers, replay).
+  runner call (vote, copies into the static buffers, replay), as a server calls it: the step's
+  attention metadata carries its host mirrors (``query_start_loc_cpu``, ...: the CPU tensors it
+  was built from), so that the runner reads nothing back from the GPU;
+  ``runner_step_no_mirrors``: the same call with device tensors only (the runner then reads
+  the counts and, for the prefix-read veto, the slots and block table back: host syncs).
 
 speedup = baseline / dbo_graph; η = (split_serial − dbo_graph) / (split_serial − max(split_nocomm,
 comm)) (../shared/DESIGN.md); pick / baseline = baseline / chosen.
@@ -44,6 +48,7 @@ representative of nothing on GPU).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -181,7 +186,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     cfg = model.config
     torch._dynamo.reset()
     dbo_backend.reset_artifacts()
-    step = H.make_bucket_step(cfg, phase, tokens, device, seed=tokens)
+    step = H.make_bucket_step(cfg, phase, tokens, device, seed=tokens, host_mirrors=True)
     model.allocate_kv_cache(step.num_blocks, step.block_size)
     ids, pos, md = step.input_ids, step.positions, step.attn_metadata
     qlens = step.num_scheduled_tokens
@@ -249,6 +254,8 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
         t["dbo_eager"] = timer(lambda: run_step(cmodel, ids, pos, md, qlens,
                                                 block_size=step.block_size))
         t["runner_step"] = timer(lambda: runner(ids, pos, md, qlens))
+        md_dev = dataclasses.replace(md, **{f"{k}_cpu": None for k in md.tensors()})
+        t["runner_step_no_mirrors"] = timer(lambda: runner(ids, pos, md_dev, qlens))
         if cuda:
             for name, g in b.graphs.items():
                 t[f"graph:{name}"] = timer(g.replay)
@@ -291,6 +298,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
         "t_dbo_eager_us": t["dbo_eager"], "t_dbo_graph_us": dbo_t,
         "t_variants_us": {k[6:]: v for k, v in t.items() if k.startswith("graph:") and k != "graph:unsplit"},
         "t_runner_step_us": t["runner_step"],
+        "t_runner_step_no_mirrors_us": t["runner_step_no_mirrors"],
         "t_chosen_us": chosen_t,
         "speedup": base_t / dbo_t,
         "chosen_vs_baseline": base_t / chosen_t if chosen_t else None,
