@@ -33,6 +33,10 @@ graphs, times them at warm-up and decides. Then, on the benchmark's own step:
   was built from), so that the runner reads nothing back from the GPU;
   ``runner_step_no_mirrors``: the same call with device tensors only (the runner then reads
   the counts and, for the prefix-read veto, the slots and block table back: host syncs).
+  The DP vote of every step runs over a Gloo (CPU) group (``--vote-group gloo``), as a
+  server's does: over the default NCCL group its table goes through the GPU, and reading the
+  result back waits for the previous step's graph, so that the host's per-step work could not
+  overlap the GPU's.
 
 speedup = baseline / dbo_graph; η = (split_serial − dbo_graph) / (split_serial − max(split_nocomm,
 comm)) (../shared/DESIGN.md); pick / baseline = baseline / chosen.
@@ -103,6 +107,11 @@ def parse(argv=None):
                    help="option compute_backend (default: the package default, 'auto' = Inductor "
                         "on CUDA): 'inductor' compiles every stage of the split program and the "
                         "unsplit program with Inductor, so the baseline moves too")
+    p.add_argument("--vote-group", default="gloo", choices=["gloo", "world"],
+                   help="group of the per-step DP vote: gloo (default): a CPU group, as a "
+                        "server's, so that the vote reads nothing back from the GPU; world: the "
+                        "default (NCCL) group, whose vote table goes through the GPU and syncs "
+                        "the host every step (the runs up to 2026-11-30)")
     p.add_argument("--inductor", action="store_true",
                    help="also time the unsplit model compiled by Inductor, in a CUDA graph")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
@@ -197,7 +206,8 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     cmodel = torch.compile(model, backend="dbo", options={"scheduler": args.scheduler,
                                                           "comm_sms": args.comm_sms,
                                                           "sm_carveout_candidates": cand,
-                                                          "compute_backend": args.compute_backend})
+                                                          "compute_backend": args.compute_backend,
+                                                          "dp_group_name": args.vote_group_name})
     with torch.no_grad():
         ref = model(ids, pos, md).clone()
     runner = CudaGraphRunner(cmodel, [tokens], max_blocks_per_req=int(md.block_table.shape[1]),
@@ -365,6 +375,8 @@ def main(argv=None) -> int:
     link = args.link or ("shm" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink")
     kernels = H.install_kernels(device.type, experts=args.experts, attention=args.attention)
     overrides = {"vocab_size": args.vocab, "first_k_dense_replace": args.dense_layers}
+    args.vote_group_name = (dist.new_group(backend="gloo").group_name
+                            if args.vote_group == "gloo" else None)
     group = dist.group.WORLD
     if args.comm_sms and cuda:
         from dbo_compile.runtime.streams import new_ep_group
@@ -381,7 +393,7 @@ def main(argv=None) -> int:
              f"attention={kernels['attention']}, scheduler={args.scheduler}"
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
              + f", carve-out candidates {args.carveout_candidates or 'none'}"
-             + f", compute_backend={args.compute_backend}")
+             + f", compute_backend={args.compute_backend}, DP vote over {args.vote_group}")
     log(f"[bench] {machine} torch {torch.__version__} nccl {nccl} link={link} {setup}")
     rows = []
     for b in buckets.split(","):
