@@ -29,7 +29,15 @@ graphs, times them at warm-up and decides. Then, on the benchmark's own step:
 - ``dbo_graph``: the fastest split schedule variant (by the runner's warm-up timing) in a CUDA
   graph; every variant's time is in ``t_variants_us``.
 - ``chosen``: the graph the runner runs by default for this bucket; ``runner_step``: one whole
-  runner call (vote, copies into the static buffers, replay).
+  runner call (vote, copies into the static buffers, replay), as a server calls it: the step's
+  attention metadata carries its host mirrors (``query_start_loc_cpu``, ...: the CPU tensors it
+  was built from), so that the runner reads nothing back from the GPU;
+  ``runner_step_no_mirrors``: the same call with device tensors only (the runner then reads
+  the counts and, for the prefix-read veto, the slots and block table back: host syncs).
+  The DP vote of every step runs over a Gloo (CPU) group (``--vote-group gloo``), as a
+  server's does: over the default NCCL group its table goes through the GPU, and reading the
+  result back waits for the previous step's graph, so that the host's per-step work could not
+  overlap the GPU's.
 
 speedup = baseline / dbo_graph; η = (split_serial − dbo_graph) / (split_serial − max(split_nocomm,
 comm)) (../shared/DESIGN.md); pick / baseline = baseline / chosen.
@@ -45,6 +53,7 @@ representative of nothing on GPU).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -100,6 +109,11 @@ def parse(argv=None):
                    help="option compute_backend (default: the package default, 'auto' = Inductor "
                         "on CUDA): 'inductor' compiles every stage of the split program and the "
                         "unsplit program with Inductor, so the baseline moves too")
+    p.add_argument("--vote-group", default="gloo", choices=["gloo", "world"],
+                   help="group of the per-step DP vote: gloo (default): a CPU group, as a "
+                        "server's, so that the vote reads nothing back from the GPU; world: the "
+                        "default (NCCL) group, whose vote table goes through the GPU and syncs "
+                        "the host every step (the runs up to 2026-11-30)")
     p.add_argument("--inductor", action="store_true",
                    help="also time the unsplit model compiled by Inductor, in a CUDA graph")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
@@ -182,7 +196,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     cfg = model.config
     torch._dynamo.reset()
     dbo_backend.reset_artifacts()
-    step = H.make_bucket_step(cfg, phase, tokens, device, seed=tokens)
+    step = H.make_bucket_step(cfg, phase, tokens, device, seed=tokens, host_mirrors=True)
     model.allocate_kv_cache(step.num_blocks, step.block_size)
     ids, pos, md = step.input_ids, step.positions, step.attn_metadata
     qlens = step.num_scheduled_tokens
@@ -193,7 +207,8 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     cmodel = torch.compile(model, backend="dbo", options={"scheduler": args.scheduler,
                                                           "comm_sms": args.comm_sms,
                                                           "sm_carveout_candidates": cand,
-                                                          "compute_backend": args.compute_backend})
+                                                          "compute_backend": args.compute_backend,
+                                                          "dp_group_name": args.vote_group_name})
     with torch.no_grad():
         ref = model(ids, pos, md).clone()
     runner = CudaGraphRunner(cmodel, [tokens], max_blocks_per_req=int(md.block_table.shape[1]),
@@ -250,6 +265,8 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
         t["dbo_eager"] = timer(lambda: run_step(cmodel, ids, pos, md, qlens,
                                                 block_size=step.block_size))
         t["runner_step"] = timer(lambda: runner(ids, pos, md, qlens))
+        md_dev = dataclasses.replace(md, **{f"{k}_cpu": None for k in md.tensors()})
+        t["runner_step_no_mirrors"] = timer(lambda: runner(ids, pos, md_dev, qlens))
         if cuda:
             for name, g in b.graphs.items():
                 t[f"graph:{name}"] = timer(g.replay)
@@ -292,6 +309,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
         "t_dbo_eager_us": t["dbo_eager"], "t_dbo_graph_us": dbo_t,
         "t_variants_us": {k[6:]: v for k, v in t.items() if k.startswith("graph:") and k != "graph:unsplit"},
         "t_runner_step_us": t["runner_step"],
+        "t_runner_step_no_mirrors_us": t["runner_step_no_mirrors"],
         "t_chosen_us": chosen_t,
         "speedup": base_t / dbo_t,
         "chosen_vs_baseline": base_t / chosen_t if chosen_t else None,
@@ -351,6 +369,8 @@ def main(argv=None) -> int:
     link = args.link or ("shm" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink")
     kernels = H.install_kernels(device.type, experts=args.experts, attention=args.attention)
     overrides = {"vocab_size": args.vocab, "first_k_dense_replace": args.dense_layers}
+    args.vote_group_name = (dist.new_group(backend="gloo").group_name
+                            if args.vote_group == "gloo" else None)
     group = dist.group.WORLD
     if args.comm_sms and cuda:
         from dbo_compile.runtime.streams import new_ep_group
@@ -367,7 +387,7 @@ def main(argv=None) -> int:
              f"attention={kernels['attention']}, scheduler={args.scheduler}"
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
              + f", carve-out candidates {args.carveout_candidates or 'none'}"
-             + f", compute_backend={args.compute_backend}")
+             + f", compute_backend={args.compute_backend}, DP vote over {args.vote_group}")
     log(f"[bench] {machine} torch {torch.__version__} nccl {nccl} link={link} {setup}")
     rows = []
     for b in buckets.split(","):

@@ -154,19 +154,23 @@ def build_model(preset: str, layers: int, group: Any, device: str, dtype=torch.b
 
 
 def make_bucket_step(cfg: Any, phase: str, tokens: int, device: str, seed: int = 0,
-                     decode_ctx: int = 128, prompt: int = 512, block_size: int = 16):
+                     decode_ctx: int = 128, prompt: int = 512, block_size: int = 16,
+                     host_mirrors: bool = False):
     """A decode step (``tokens`` requests of 1 token after ``decode_ctx`` cached tokens) or a
-    prefill step (fresh prompts of ``prompt`` tokens, the last one shorter), ``tokens`` rows."""
+    prefill step (fresh prompts of ``prompt`` tokens, the last one shorter), ``tokens`` rows;
+    ``host_mirrors``: its metadata carries the host copies it was built from (``*_cpu``), as a
+    scheduler's does."""
     if phase == "decode":
         return make_step(cfg, decode_context_lens=[decode_ctx + (i % 7) for i in range(tokens)],
-                         prefills=[], block_size=block_size, seed=seed, device=device)
+                         prefills=[], block_size=block_size, seed=seed, device=device,
+                         host_mirrors=host_mirrors)
     prompts, left = [], tokens
     while left > 0:
         q = min(prompt, left)
         prompts.append((0, q))
         left -= q
     return make_step(cfg, decode_context_lens=[], prefills=prompts, block_size=block_size,
-                     seed=seed, device=device)
+                     seed=seed, device=device, host_mirrors=host_mirrors)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> dict:

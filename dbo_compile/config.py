@@ -20,6 +20,8 @@ _SPLIT_MODES = ("auto", "always", "never")
 _COMPUTE_BACKENDS = ("auto", "aten", "inductor")
 _SCHEDULERS = ("list", "naive")
 _ON_UNSPLITTABLE = ("fallback", "raise")
+#: fields that cannot change the compiled schedule (may differ between ranks)
+_NOT_FINGERPRINTED = ("dump_dir", "check_host_mirrors")
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,10 @@ class DboConfig:
             wrapper as ``.py``.
         dp_group_name: name of the CPU (Gloo) process group that carries the DP vote; ``None``
             means the default group when torch.distributed is initialised, else no vote.
+        check_host_mirrors: compare the host mirrors of the attention metadata
+            (``query_start_loc_cpu``, ...; see :mod:`dbo_compile.runtime.metadata`) with their
+            device tensors every step: a device read per mirrored field, for debugging an
+            engine's mirrors. Default ``False``: mirrors are trusted (checked on the host only).
     """
 
     num_ubatches: int = 2
@@ -112,6 +118,7 @@ class DboConfig:
     launch_us: float = 4.0
     dump_dir: str | None = None
     dp_group_name: str | None = None
+    check_host_mirrors: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> DboConfigError:
@@ -142,10 +149,9 @@ class DboConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
-        if not isinstance(self.schedule_candidates, bool):
-            raise bad("schedule_candidates", "must be a bool")
-        if not isinstance(self.join_experts, bool):
-            raise bad("join_experts", "must be a bool")
+        for name in ("schedule_candidates", "join_experts", "check_host_mirrors"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
         if isinstance(self.sm_carveout_candidates, (list, tuple)):  # duplicates dropped
             object.__setattr__(self, "sm_carveout_candidates",
                                tuple(dict.fromkeys(self.sm_carveout_candidates)))
@@ -198,6 +204,11 @@ class DboConfig:
         return dataclasses.replace(self, **changes)
 
     def fingerprint(self) -> str:
-        """A short hash of every field that can change the compiled schedule."""
-        data = {n: getattr(self, n) for n in self.field_names() if n != "dump_dir"}
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        """A short hash of every field that can change the compiled schedule (computed once:
+        the DP vote sends it every step)."""
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            data = {n: getattr(self, n) for n in self.field_names() if n not in _NOT_FINGERPRINTED}
+            cached = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+            object.__setattr__(self, "_fingerprint", cached)
+        return cached

@@ -8,6 +8,7 @@ output equals eager, nothing is captured after warm-up, and every DP rank holds 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -293,3 +294,106 @@ def test_runner_errors():
     step = make_step(cfg, decode_context_lens=[3], prefills=[], block_size=16)
     with pytest.raises(GraphRunnerError, match="capture"):
         runner(step.input_ids, step.positions, step.attn_metadata, [1])
+
+
+# --------------------------------------------------------------------------- host mirrors
+class _PausedReplay:
+    """A graph whose replay is not counted: on the GPU a replay reads nothing to the host (on
+    CPU it re-runs the model, whose reference attention reads its static inputs)."""
+
+    def __init__(self, graph, reads):
+        self.graph, self.reads = graph, reads
+
+    def replay(self):
+        with self.reads.paused():
+            self.graph.replay()
+
+
+def _runner_call_reads(runner, step, md):
+    """One runner call; the host reads of the step's own tensors it made (replays excluded)."""
+    from dbo_compile.testing import count_host_reads
+
+    saved = {t: dict(b.graphs) for t, b in runner.graphs.items()}
+    with torch.no_grad(), count_host_reads(step.input_ids, step.positions,
+                                           *md.tensors().values()) as reads:
+        for b in runner.graphs.values():
+            for name, g in b.graphs.items():
+                b.graphs[name] = _PausedReplay(g, reads)
+        try:
+            out = runner(step.input_ids, step.positions, md, step.num_scheduled_tokens)
+        finally:
+            for t, graphs in saved.items():
+                runner.graphs[t].graphs = graphs
+    return reads, out.clone()
+
+
+@pytest.mark.parametrize("split,graph,reads_without", [
+    # the prefix-read veto (block_size given) reads slot_mapping and block_table in one copy
+    ("always", "split", 2),
+    ("never", "unsplit", 1),  # split="never" checks no veto: the counts only
+])
+def test_a_step_with_host_mirrors_reads_no_device_tensor(split, graph, reads_without):
+    """Every host read of a device tensor is a sync on CUDA. With the host mirrors of its
+    metadata, a runner step reads none of the step's tensors (vote, veto, split, copies);
+    without, it reads the three counts in one copy (plus the veto's one). The answer is the
+    same bit for bit, and the eager model's."""
+    cfg, model = _model()
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo", options={"split": split}),
+                             [16, 48], max_blocks_per_req=8, block_size=16, timing_iters=1)
+    runner.capture()
+    step = make_step(cfg, decode_context_lens=[5, 40, 17, 33], prefills=[(16, 9), (0, 20)],
+                     block_size=16, num_blocks=NUM_BLOCKS, host_mirrors=True)
+    md = step.attn_metadata
+    assert md.query_start_loc_cpu is not None and md.block_table_cpu is not None
+    device_only = dataclasses.replace(md, **{f"{k}_cpu": None for k in md.tensors()})
+    with torch.no_grad():
+        ref = model(step.input_ids, step.positions, md)
+    mirrored, out = _runner_call_reads(runner, step, md)
+    assert runner.last_choice == (48, graph)
+    assert mirrored.calls == []
+    without, out_without = _runner_call_reads(runner, step, device_only)
+    assert without.count == reads_without, without.calls
+    assert torch.equal(out, out_without)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_host_mirrors_that_disagree_with_the_device_fail_the_vote():
+    """A mirror is trusted for its values, but checked on the host every step against what is
+    known there without a device read (shapes, dtypes, the relations between the counts, the
+    engine's num_scheduled_tokens); with check_host_mirrors=True also against the device.
+    Whatever is wrong fails the vote (DpVoteError on every rank), never a wrong answer."""
+    from dbo_compile.errors import DpVoteError
+
+    cfg, model = _model()
+    step = make_step(cfg, decode_context_lens=[5, 40, 17], prefills=[(16, 9)], block_size=16,
+                     num_blocks=NUM_BLOCKS, host_mirrors=True)
+    other = make_step(cfg, decode_context_lens=[5, 40], prefills=[(16, 9)], block_size=16,
+                      num_blocks=NUM_BLOCKS, host_mirrors=True)
+    md = step.attn_metadata
+    seq, ctx = md.seq_lens_cpu.clone(), md.num_computed_tokens_cpu.clone()
+    seq[1] += 16  # consistent on the host (ctx moves too), but not what the device holds
+    ctx[1] += 16
+    cases = [
+        (dataclasses.replace(md, query_start_loc_cpu=other.attn_metadata.query_start_loc_cpu),
+         "query_start_loc_cpu .*shape"),
+        (dataclasses.replace(md, block_table_cpu=md.block_table_cpu.long()),
+         "block_table_cpu .*int32"),
+        (dataclasses.replace(md, seq_lens_cpu=md.seq_lens_cpu - 40),  # checked: compared first
+         "shorter than the query lens|seq_lens_cpu disagrees with seq_lens at \\[0\\]"),
+    ]
+    for options in ({"split": "always"}, {"split": "always", "check_host_mirrors": True}):
+        torch._dynamo.reset()
+        runner = CudaGraphRunner(torch.compile(model, backend="dbo", options=options), [32],
+                                 max_blocks_per_req=8, block_size=16, timing_iters=1)
+        runner.capture()
+        checked = options.get("check_host_mirrors", False)
+        wrong = dataclasses.replace(md, seq_lens_cpu=seq, num_computed_tokens_cpu=ctx)
+        for bad, match in cases + ([(wrong, "seq_lens_cpu .*disagrees with seq_lens")]
+                                   if checked else []):
+            with torch.no_grad(), pytest.raises(DpVoteError, match=match):
+                runner(step.input_ids, step.positions, bad, step.num_scheduled_tokens)
+        with torch.no_grad(), pytest.raises(DpVoteError, match="disagree with the metadata"):
+            runner(step.input_ids, step.positions, md, [9, 1, 1, 1])
+        with torch.no_grad():  # the runner still serves the next, correct step
+            runner(step.input_ids, step.positions, md, step.num_scheduled_tokens)
+        assert runner.last_choice == (32, "split")

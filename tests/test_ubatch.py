@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -309,21 +311,19 @@ def test_explicit_split_points_match_padded_rule_and_are_checked():
         make_ubatch_slices_at([8, 8], [20])
 
 
-def test_split_reads_the_device_once(monkeypatch):
+def test_split_reads_the_device_once():
     """Every device read is a host sync on CUDA: the split reads the step's counts once and
     validates the ubatch parts from the host lists it built them from (which must agree with
     the parts' device tensors)."""
+    from dbo_compile.testing import count_host_reads
+
     md = make_metadata([8, 1, 1, 20], [32, 9, 17, 20])
     slices, padded = make_ubatch_slices([8, 1, 1, 20], 32)
-    reads = []
-    real = AttentionMetadata.host_fields
-    monkeypatch.setattr(AttentionMetadata, "host_fields",
-                        lambda self: reads.append(self) or real(self))
-    parts = split_attn_metadata(padded, md)
-    assert reads == [md]
-    monkeypatch.undo()
+    with count_host_reads(*md.tensors().values()) as reads:
+        parts = split_attn_metadata(padded, md)
+    assert reads.count == 1, reads.calls
     for p in parts:
-        p.validate()  # the parts' own tensors pass too
+        p.check_host_mirrors()  # the host counts the parts were validated from are theirs
 
 
 def test_validate_reads_three_fields_in_one_copy():
@@ -331,3 +331,44 @@ def test_validate_reads_three_fields_in_one_copy():
     assert md.host_fields() == ([0, 3, 4], [3, 9], [0, 8])
     with pytest.raises(MetadataError, match="num_computed_tokens must equal"):
         md.validate(host=([0, 3, 4], [3, 9], [0, 7]))  # checks the host copy it is given
+
+
+def test_split_with_host_mirrors_reads_nothing_and_matches():
+    """With host mirrors (vLLM's ``*_cpu`` fields) the split reads no device tensor; its parts
+    are those of the device-only metadata, and the host counts may be given as CPU tensors."""
+    from dbo_compile.testing import count_host_reads
+
+    md = make_metadata([8, 1, 1, 20], [32, 9, 17, 20])
+    slices, padded = make_ubatch_slices([8, 1, 1, 20], 32)
+    expected = split_attn_metadata(padded, md)
+    mirrored = md.with_host_mirrors()
+    assert mirrored.seq_lens_cpu is not md.seq_lens and torch.equal(mirrored.seq_lens_cpu, md.seq_lens)
+    with count_host_reads(*md.tensors().values()) as reads:
+        host = mirrored.host_fields()
+        parts = split_attn_metadata(padded, mirrored)
+    assert reads.calls == []
+    assert host == md.host_fields()
+    for given in (None, md.host_counts(), md.host_fields()):
+        again = split_attn_metadata(padded, md, host=given)
+        for p, q, e in zip(parts, again, expected):
+            for k in e.tensors():
+                assert torch.equal(getattr(p, k), getattr(e, k)), k
+                assert torch.equal(getattr(q, k), getattr(e, k)), k
+            assert (p.max_query_len, p.max_seq_len) == (e.max_query_len, e.max_seq_len)
+
+
+def test_host_mirrors_are_checked_on_the_host():
+    md = make_metadata([3, 1], [3, 9]).with_host_mirrors()
+    with pytest.raises(MetadataError, match="seq_lens_cpu .*shape"):
+        dataclasses.replace(md, seq_lens_cpu=md.seq_lens_cpu[:1]).validate()
+    with pytest.raises(MetadataError, match="slot_mapping_cpu .*int64"):
+        dataclasses.replace(md, slot_mapping_cpu=md.slot_mapping_cpu.int()).validate()
+    with pytest.raises(MetadataError, match="num_computed_tokens must equal"):
+        dataclasses.replace(md, num_computed_tokens_cpu=md.num_computed_tokens_cpu + 1).validate()
+    one = torch.tensor([1, 0], dtype=torch.int32)
+    stale = dataclasses.replace(md, seq_lens_cpu=md.seq_lens_cpu + one,
+                                num_computed_tokens_cpu=md.num_computed_tokens_cpu + one)
+    stale.validate()  # consistent on the host: trusted (the device is not read)
+    with pytest.raises(MetadataError, match=r"seq_lens_cpu disagrees with seq_lens at \[0\]"):
+        stale.check_host_mirrors()
+    md.check_host_mirrors()

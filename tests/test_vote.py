@@ -292,3 +292,50 @@ def test_check_vetoes_order_registry_and_vote():
     # the reason feeds allow_split: a veto stops an otherwise splittable step
     allow = check_vetoes(clash, [4, 2], block_size=BS) is None
     assert vote(600, allow=True).should_split and not vote(600, allow=allow).should_split
+
+
+def test_prefix_read_veto_reads_the_host_mirrors_only():
+    """With the host mirrors of slot_mapping and block_table (and the counts), the veto reads
+    no device tensor, and finds the same reason (or none) as from the device."""
+    from dbo_compile.testing import count_host_reads
+
+    clash = _md([4, 2], [0, 8], [[7, 0, 0], [7, 8, 9]], _slots(7, 0, 4) + _slots(9, 0, 2))
+    fine = _md([3, 2], [8, 4], [[1, 2, 3], [5, 6, 0]], _slots(3, 0, 3) + _slots(6, 0, 2))
+    for md, counts in ((clash, [4, 2]), (fine, [3, 2])):
+        expected = prefix_read_veto(md, counts, BS)
+        mirrored = md.with_host_mirrors()
+        with count_host_reads(*md.tensors().values()) as reads:
+            got = prefix_read_veto(mirrored, counts, BS)
+        assert reads.calls == [] and got == expected
+    assert prefix_read_veto(clash, [4, 2], BS) is not None
+
+
+def test_prefix_read_veto_matches_a_brute_force_search():
+    """The veto's vector search (a marker over block ids; torch.isin for negative or huge ids)
+    against the rule spelled out per request and block, on random steps with shared blocks."""
+    rng = random.Random(0)
+    for case in range(300):
+        num_reqs = rng.randint(2, 6)
+        qlens = [rng.randint(1, 6) for _ in range(num_reqs)]
+        computed = [rng.randint(0, 12) for _ in range(num_reqs)]
+        width = max(-(-(c + q) // BS) for c, q in zip(computed, qlens))
+        pool = [rng.randint(0, 9) for _ in range(6)] + ([2**30] if case % 5 == 0 else [])
+        pad = -1 if case % 7 == 0 else 0
+        table = [[rng.choice(pool) for _ in range(-(-(c + q) // BS))] for c, q in zip(computed, qlens)]
+        table = [row + [pad] * (width - len(row)) for row in table]
+        slots = [table[i][p // BS] * BS + p % BS
+                 for i, (c, q) in enumerate(zip(computed, qlens)) for p in range(c, c + q)]
+        slots = [s if rng.random() > 0.1 else -1 for s in slots]
+        md = _md(qlens, computed, table, slots)
+        writers = {}
+        t = 0
+        for i, q in enumerate(qlens):
+            for s in slots[t:t + q]:
+                if s >= 0:
+                    writers.setdefault(s // BS, set()).add(i)
+            t += q
+        clash = any(writers.get(table[i][k], set()) - {i}
+                    for i in range(num_reqs) for k in range(computed[i] // BS))
+        got = prefix_read_veto(md, qlens, BS)
+        assert (got is not None) == clash, (case, got)
+        assert prefix_read_veto(md.with_host_mirrors(), qlens, BS) == got

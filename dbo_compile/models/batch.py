@@ -72,7 +72,8 @@ class Step:
 def make_step(config: Any, *, decode_context_lens: list[int],
               prefills: list[tuple[int, int]], block_size: int = 16,
               num_blocks: int | None = None, seed: int = 0,
-              device: torch.device | str = "cpu", pad_to: int | None = None) -> Step:
+              device: torch.device | str = "cpu", pad_to: int | None = None,
+              host_mirrors: bool = False) -> Step:
     """Build one step: decodes (1 token after ``context_len`` cached tokens), then prefills.
 
     Args:
@@ -85,6 +86,9 @@ def make_step(config: Any, *, decode_context_lens: list[int],
         seed: seeds the input ids and the block shuffle.
         device: where the tensors go.
         pad_to: pad the token dim to this many rows (slot -1, id 0, position 0).
+        host_mirrors: the metadata carries host mirrors of its tensor fields (``*_cpu``, see
+            :mod:`dbo_compile.runtime.metadata`): copies of the CPU tensors it is built from,
+            as a scheduler would pass them.
 
     Returns:
         A :class:`Step` whose metadata has been validated.
@@ -142,6 +146,8 @@ def make_step(config: Any, *, decode_context_lens: list[int],
         max_query_len=max((q for _, q in reqs), default=0),
         max_seq_len=max(seq_lens, default=0),
     ).validate()
+    if host_mirrors:
+        md = md.with_host_mirrors()
     step = Step(input_ids, positions, md, [q for _, q in reqs], [c for c, _ in reqs],
                 block_size, num_blocks)
     return step.to(device)

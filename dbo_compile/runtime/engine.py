@@ -77,7 +77,11 @@ def _pad_rows(input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMet
     import dataclasses
 
     n = rows - input_ids.shape[0]
+
+    def pad_slots(slots: torch.Tensor | None) -> torch.Tensor | None:
+        return None if slots is None else torch.cat([slots, slots.new_full((n,), -1)])
+
     return (torch.cat([input_ids, input_ids.new_zeros(n)]),
             torch.cat([positions, positions.new_zeros(n)]),
-            dataclasses.replace(md, slot_mapping=torch.cat(
-                [md.slot_mapping, md.slot_mapping.new_full((n,), -1)])))
+            dataclasses.replace(md, slot_mapping=pad_slots(md.slot_mapping),
+                                slot_mapping_cpu=pad_slots(md.slot_mapping_cpu)))

@@ -75,7 +75,7 @@ import torch
 from dbo_compile.codegen.inductor import traced_only
 from dbo_compile.errors import DboError
 from dbo_compile.runtime.context import step_context
-from dbo_compile.runtime.metadata import FIELD_LAYOUT, AttentionMetadata
+from dbo_compile.runtime.metadata import FIELD_LAYOUT, AttentionMetadata, HostCounts
 from dbo_compile.runtime.program import _pad_args
 
 log = logging.getLogger(__name__)
@@ -437,8 +437,8 @@ class CudaGraphRunner:
         # a step that fits no graph on *this* rank asks for one token past the largest bucket,
         # so that the vote sends every rank down the eager path together (never a hang)
         with step_context(**ctx):
-            vote, qlens = self._vote(largest.artifact, real_args, n,
-                                     0 if fits else self.buckets[-1] + 1)
+            vote, qlens, host = self._vote(largest.artifact, real_args, attn_metadata, n,
+                                           0 if fits else self.buckets[-1] + 1)
         padded = n if vote is None else vote.num_tokens_padded
         tokens = next((t for t in self.buckets if t >= padded), None)
         if tokens is None:
@@ -456,7 +456,7 @@ class CudaGraphRunner:
         self.last_choice = (tokens, "split" if split else "unsplit")
         name = b.choice if split else "unsplit"
         self.last_graph = name
-        self.load_step(tokens, input_ids, positions, attn_metadata, qlens, split=split)
+        self._load(tokens, input_ids, positions, attn_metadata, qlens, split, host, validated=True)
         b.graphs[name].replay()
         outs = tuple(_real_rows(o, n, tokens, token_out)
                      for o, token_out in zip(b.outs[name], _token_outputs(b)))
@@ -464,15 +464,26 @@ class CudaGraphRunner:
 
     def load_step(self, tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
                   attn_metadata: AttentionMetadata, num_scheduled_tokens: Sequence[int], *,
-                  split: bool) -> None:
+                  split: bool, host: HostCounts | None = None) -> None:
         """Copy a step into bucket ``tokens``'s static buffers of the unsplit (``split=False``)
         or split graphs, without voting (the serving path calls it after the vote; benchmarks
         and tests call it to replay a graph on a chosen step).
+
+        ``host``: the metadata's :meth:`~AttentionMetadata.host_counts` when the caller has
+        them (the serving path passes the vote's); else the split takes them from the
+        metadata's host mirrors, or reads them from the device in one copy.
 
         Raises:
             GraphRunnerError: no such bucket, the step does not fit it, or ``split`` for a
                 bucket whose graph was not split.
         """
+        self._load(tokens, input_ids, positions, attn_metadata, num_scheduled_tokens, split, host,
+                   validated=False)
+
+    def _load(self, tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
+              attn_metadata: AttentionMetadata, num_scheduled_tokens: Sequence[int], split: bool,
+              host: HostCounts | None, validated: bool) -> None:
+        """:meth:`load_step`; ``validated``: the vote validated the metadata with ``host``."""
         b = self.graphs.get(tokens)
         n = int(input_ids.shape[0])
         if b is None or n > tokens:
@@ -483,7 +494,10 @@ class CudaGraphRunner:
         if split:
             if b.split_args is None:
                 raise GraphRunnerError(f"bucket {tokens} has no split graph (graph not split)")
-            per_ubatch = b.artifact.split_args(padded_args, list(num_scheduled_tokens))
+            if host is None and "query_start_loc" in b.input_pos:
+                host = attn_metadata.host_counts()
+            per_ubatch = b.artifact.split_args(padded_args, list(num_scheduled_tokens), host=host,
+                                               validated=validated)
             _copy_into(b.split_args, per_ubatch, b.artifact.signature.inputs, b.artifact.specs)
         else:
             _copy_into(b.args, padded_args, [(i, None) for i in range(len(b.args))],
@@ -499,17 +513,23 @@ class CudaGraphRunner:
         return args
 
     @staticmethod
-    def _vote(art: Any, args: list[Any], n: int, min_padded: int) -> tuple[Any, list[int]]:
+    def _vote(art: Any, args: list[Any], md: AttentionMetadata, n: int, min_padded: int
+              ) -> tuple[Any, list[int], HostCounts | None]:
+        """The DP vote: ``(VoteResult, query lens, the metadata's host counts)``; the counts
+        come from the host mirrors, else from one device read, shared with the split."""
         from dbo_compile.runtime import program
 
         program._LAST_CALLED[0] = art
+        host = None
         if getattr(art, "split_program", None) is not None:
-            vote, reason, qlens = art.decide(args, min_padded=min_padded)
+            if "query_start_loc" in art._fields:
+                host = md.host_counts()
+            vote, reason, qlens = art.decide(args, min_padded=min_padded, metadata=md, host=host)
             art.stats.count(vote.should_split, reason)
         else:  # the runner pads into its own buffers: the artifact's fixed size does not apply
             vote, qlens = art.decide(args, min_padded=min_padded, fixed_num_tokens=False), [1] * n
         art.last_vote = vote
-        return vote, qlens
+        return vote, qlens, host
 
     def _eager(self, reason: str, ids, pos, md, ctx) -> Any:
         if reason not in self._warned:

@@ -19,7 +19,13 @@ from dbo_compile.errors import MetadataError, UBatchExecutionError
 from dbo_compile.lowering import InputSpec
 from dbo_compile.passes.split_ubatch import SplitSignature
 from dbo_compile.runtime.context import current_step_context
-from dbo_compile.runtime.metadata import AttentionMetadata, query_lens_from
+from dbo_compile.runtime.metadata import (
+    AttentionMetadata,
+    HostCounts,
+    host_tensor,
+    int_list,
+    query_lens_from,
+)
 
 log = logging.getLogger(__name__)
 
@@ -224,20 +230,9 @@ class DboCompiledModule:
         return self.split_program.schedule
 
     # -- the guards -----------------------------------------------------------------------
-    def _query_lens(self, args: Sequence[Any], num_tokens: int) -> list[int]:
-        ctx = current_step_context()
-        if ctx.num_scheduled_tokens is not None:
-            return [int(q) for q in ctx.num_scheduled_tokens]
-        qsl_index = self._fields.get("query_start_loc")
-        if qsl_index is None:
-            return [1] * num_tokens  # no metadata: every token is its own request
-        qsl = args[qsl_index].detach().to("cpu", torch.int64)  # host sync: use step_context
-        return (qsl[1:] - qsl[:-1]).tolist()
-
-
     @staticmethod
     def _veto(md: AttentionMetadata | None, qlens: list[int],
-              host: tuple[list[int], list[int], list[int]] | None) -> str | None:
+              host: HostCounts | None) -> str | None:
         from dbo_compile.runtime.vetoes import check_vetoes
 
         ctx = current_step_context()
@@ -247,30 +242,52 @@ class DboCompiledModule:
             return None
         return check_vetoes(md, qlens, block_size=ctx.block_size, vetoes=ctx.vetoes, host=host)
 
-    def decide(self, args: Sequence[Any], min_padded: int = 0) -> tuple[Any, str, list[int]]:
+    def decide(self, args: Sequence[Any], min_padded: int = 0, *,
+               metadata: AttentionMetadata | None = None,
+               host: HostCounts | None = None) -> tuple[Any, str, list[int]]:
         """The DP vote for this step: ``(VoteResult, reason, query lens)``.
 
         Every rank of the DP group calls this once per step (ranks with zero tokens too).
-        ``min_padded``: report at least this padded token count (see ``UnsplitProgram``)."""
+
+        Args:
+            args: the step's graph inputs.
+            min_padded: report at least this padded token count (see ``UnsplitProgram``).
+            metadata: the step's metadata when the caller holds it (the CUDA-graph runner):
+                checked and vetoed as it is, host mirrors included, instead of being rebuilt
+                from ``args`` (which carry no mirrors).
+            host: the metadata's :meth:`~AttentionMetadata.host_counts` when the caller has
+                them.
+
+        Device reads: none with the metadata's host mirrors (or ``host``, and for the
+        prefix-read veto ``slot_mapping_cpu`` / ``block_table_cpu``); else the counts in one
+        copy and the veto's slots and block table in another. ``config.check_host_mirrors``
+        adds a read of every mirrored field (debugging).
+        """
         from dbo_compile.runtime.vote import coordinate_across_dp
 
         num_tokens = int(args[self._token_index].shape[0])
-        qlens = self._query_lens(args, num_tokens)
-        real = sum(qlens) if "query_start_loc" in self._fields else num_tokens
-        uniform_decode = bool(qlens) and all(q == 1 for q in qlens)
+        has_md = "query_start_loc" in self._fields
+        given = current_step_context().num_scheduled_tokens
+        qlens: list[int] | None = None
         local_error = None
         veto = None
         try:
-            md = host = None
-            if "query_start_loc" in self._fields:
-                md, host = self._metadata(args, num_tokens)
+            md = None
+            if has_md:
+                md, host = self._metadata(args, num_tokens, metadata, host)
+                if self.config.check_host_mirrors:
+                    md.check_host_mirrors()
                 md.validate(host=host)
-                if real > num_tokens:
-                    raise MetadataError(f"{real} scheduled tokens but only {num_tokens} rows")
-                _check_scheduled_tokens(qlens, host[0])
-            veto = self._veto(md, qlens, host) if self.config.split != "never" else None
+                qlens = _scheduled_tokens(given, host[0])
+                if sum(qlens) > num_tokens:
+                    raise MetadataError(f"{sum(qlens)} scheduled tokens but only {num_tokens} rows")
+            veto = self._veto(md, qlens or [], host) if self.config.split != "never" else None
         except MetadataError as e:
             local_error = f"{type(e).__name__}: {e}"
+        if qlens is None:  # no metadata (every token its own request), or it failed its checks
+            qlens = [1] * num_tokens if given is None else int_list(given)
+        real = sum(qlens) if has_md else num_tokens
+        uniform_decode = bool(qlens) and qlens.count(1) == len(qlens)
         vote = coordinate_across_dp(
             real, uniform_decode=uniform_decode, allow_split=veto is None, config=self.config,
             group=_dp_group(self.config), fingerprint=self.fingerprint,
@@ -279,20 +296,42 @@ class DboCompiledModule:
         return vote, reason, qlens
 
     # -- the split ------------------------------------------------------------------------
-    def split_args(self, args: Sequence[Any], qlens: list[int]) -> list[Any]:
-        """Per-ubatch inputs in the split program's placeholder order."""
-        from dbo_compile.runtime.ubatch import make_ubatch_slices, split_attn_metadata
+    def split_args(self, args: Sequence[Any], qlens: list[int], *,
+                   host: HostCounts | None = None, validated: bool = False) -> list[Any]:
+        """Per-ubatch inputs in the split program's placeholder order.
+
+        Args:
+            args: the graph inputs, padded to the step's token count.
+            qlens: tokens per request (the vote's query lens). When the graph takes the
+                metadata, its host ``query_start_loc`` (the same counts, cumulated: the vote
+                checked them) places the ubatch slices.
+            host: the metadata's :meth:`~AttentionMetadata.host_counts` when the caller has
+                them (the vote read them): the split then reads nothing from the device.
+            validated: the metadata was validated with ``host`` already (by the vote): it is
+                not checked again, nor are the ubatch parts made from it (valid by
+                construction; :func:`~dbo_compile.runtime.ubatch.split_attn_metadata` checks
+                them).
+
+        Raises:
+            MetadataError: the metadata is inconsistent, or a request has no token.
+        """
+        from dbo_compile.runtime import ubatch
 
         n = self.config.num_ubatches
         num_tokens = int(args[self._token_index].shape[0])
-        if "query_start_loc" not in self._fields:
-            qlens = [1] * num_tokens
-        _, padded = make_ubatch_slices(qlens, num_tokens, n)
-        self.last_slices = padded
         per_ubatch_md: list[dict[str, torch.Tensor]] | None = None
         if "query_start_loc" in self._fields:
-            md, host = self._metadata(args, num_tokens)
-            per_ubatch_md = [m.tensors() for m in split_attn_metadata(padded, md, host=host)]
+            md, counts = self._metadata(args, num_tokens, host=host)
+            if not validated:
+                md.validate(host=counts)
+            cu = counts[0].tolist()
+            _, padded = ubatch._slices_at_offsets(cu, ubatch._split_points(num_tokens, n),
+                                                  num_tokens)
+            parts = ubatch._split_validated(padded, md, counts, cu, check_parts=not validated)
+            per_ubatch_md = [m.tensors() for m in parts]
+        else:  # no metadata: every token is its own request
+            _, padded = ubatch.make_ubatch_slices([1] * num_tokens, num_tokens, n)
+        self.last_slices = padded
         out: list[Any] = []
         for index, ubatch in self.signature.inputs:
             spec = self.specs[index]
@@ -312,10 +351,15 @@ class DboCompiledModule:
                 out[pos] = out[self.signature.inputs.index((src, ubatch))].shape[dim]
         return out
 
-    def _metadata(self, args: Sequence[Any], num_tokens: int
-                  ) -> tuple[AttentionMetadata, tuple[list[int], list[int], list[int]]]:
-        """The step's metadata from the graph inputs, and its counts as host ints
-        (:meth:`AttentionMetadata.host_fields`: the one device read)."""
+    def _metadata(self, args: Sequence[Any], num_tokens: int,
+                  metadata: AttentionMetadata | None = None, host: HostCounts | None = None
+                  ) -> tuple[AttentionMetadata, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The step's metadata (``metadata``, else rebuilt from the graph inputs) and its counts
+        on the host (``host``, else :meth:`AttentionMetadata.host_counts`: its mirrors, or the
+        one device read)."""
+        if metadata is not None:
+            counts = metadata.host_counts() if host is None else host
+            return metadata, tuple(host_tensor(h) for h in counts)  # type: ignore[return-value]
         f = self._fields
         qsl = args[f["query_start_loc"]]
         num_reqs = int(qsl.shape[0]) - 1
@@ -337,10 +381,11 @@ class DboCompiledModule:
             max_query_len=0,
             max_seq_len=0,
         )
-        host = md.host_fields()
-        md.max_query_len = max(query_lens_from(host[0]), default=0)
-        md.max_seq_len = max(host[1], default=0)
-        return md, host
+        qsl_h, seq_h, ctx_h = (host_tensor(h) for h in (md.host_counts() if host is None else host))
+        if num_reqs:
+            md.max_query_len = int((qsl_h[1:] - qsl_h[:-1]).max())
+            md.max_seq_len = int(seq_h.max())
+        return md, (qsl_h, seq_h, ctx_h)
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         if _RECORDED[0] is not None:
@@ -379,24 +424,29 @@ def join_ubatch_outputs(outs: Sequence[Any], outputs: Sequence[Sequence[int]]) -
                  for idx in outputs)
 
 
-def _check_scheduled_tokens(qlens: list[int], query_start_loc: list[int]) -> None:
-    """The engine's ``num_scheduled_tokens`` must be the metadata's query lens (>= 1 each).
-    Checked before the vote, so that a mismatch raises on every rank instead of breaking the
+def _scheduled_tokens(given: Sequence[int] | torch.Tensor | None,
+                      query_start_loc: torch.Tensor) -> list[int]:
+    """The step's query lens from the metadata's host offsets ``[R+1]``. The engine's
+    ``num_scheduled_tokens`` (the step context's), when given, must be them, and ``>= 1`` each:
+    checked before the vote, so that a mismatch raises on every rank instead of breaking the
     split on one rank after the others entered the step's collectives."""
-    if current_step_context().num_scheduled_tokens is None:
-        return  # read from query_start_loc: consistent by construction
-    bad = [(i, q) for i, q in enumerate(qlens) if q < 1]
-    if bad:
+    md_lens = query_lens_from(query_start_loc)
+    if given is None:
+        return md_lens  # read from query_start_loc: consistent by construction
+    # the usual case compares the lists without a loop in Python
+    qlens = md_lens if list(given) == md_lens else int_list(given)
+    if qlens and min(qlens) < 1:
+        bad = [(i, q) for i, q in enumerate(qlens) if q < 1]
         raise MetadataError(f"num_scheduled_tokens must be >= 1 per request, got {bad[:4]} "
                             "(index, count); leave requests without tokens out of the step")
-    md_lens = query_lens_from(query_start_loc)
-    if qlens != md_lens:
-        first = next((i for i, (a, b) in enumerate(zip(qlens, md_lens)) if a != b),
-                     min(len(qlens), len(md_lens)))
-        raise MetadataError(
-            f"num_scheduled_tokens ({len(qlens)} requests, {sum(qlens)} tokens) disagree with "
-            f"the metadata's query lens ({len(md_lens)} requests, {sum(md_lens)} tokens) from "
-            f"request {first}; pass the counts the metadata was built from")
+    if qlens is md_lens:
+        return md_lens
+    first = next((i for i, (a, b) in enumerate(zip(qlens, md_lens)) if a != b),
+                 min(len(qlens), len(md_lens)))
+    raise MetadataError(
+        f"num_scheduled_tokens ({len(qlens)} requests, {sum(qlens)} tokens) disagree with "
+        f"the metadata's query lens ({len(md_lens)} requests, {sum(md_lens)} tokens) from "
+        f"request {first}; pass the counts the metadata was built from")
 
 
 class _WriteBack:

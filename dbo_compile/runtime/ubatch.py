@@ -41,6 +41,7 @@ cannot place them (vLLM's scheduler never schedules them).
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -48,7 +49,13 @@ from typing import Sequence
 import torch
 
 from dbo_compile.errors import MetadataError
-from dbo_compile.runtime.metadata import AttentionMetadata, query_lens_from
+from dbo_compile.runtime.metadata import (
+    AttentionMetadata,
+    HostCounts,
+    host_tensor,
+    int_list,
+    query_lens_from,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +110,7 @@ def _as_int_list(num_scheduled_tokens: Sequence[int] | torch.Tensor) -> list[int
             raise MetadataError(
                 f"num_scheduled_tokens must be an integer tensor, got {num_scheduled_tokens.dtype}"
             )
-        return [int(x) for x in num_scheduled_tokens.tolist()]
-    return [int(x) for x in num_scheduled_tokens]
+    return int_list(num_scheduled_tokens)
 
 
 def _request_slice(cu: list[int], tok_start: int, tok_stop: int) -> slice:
@@ -148,11 +154,16 @@ def make_ubatch_slices(
         >>> s[1].token_slice, p[1].token_slice
         (slice(12, 16, None), slice(12, 24, None))
     """
+    return make_ubatch_slices_at(num_scheduled_tokens,
+                                 _split_points(num_tokens_padded, num_ubatches), num_tokens_padded)
+
+
+def _split_points(num_tokens_padded: int, num_ubatches: int) -> list[int]:
+    """``k * num_tokens_padded // num_ubatches`` for ``k`` in ``1 .. num_ubatches - 1``."""
     if not isinstance(num_ubatches, int) or num_ubatches < 1:
         raise MetadataError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
     num_tokens_padded = int(num_tokens_padded)
-    points = [k * num_tokens_padded // num_ubatches for k in range(1, num_ubatches)]
-    return make_ubatch_slices_at(num_scheduled_tokens, points, num_tokens_padded)
+    return [k * num_tokens_padded // num_ubatches for k in range(1, num_ubatches)]
 
 
 def make_ubatch_slices_at(
@@ -173,21 +184,26 @@ def make_ubatch_slices_at(
             count, or a split point is out of order or out of range.
     """
     counts = _as_int_list(num_scheduled_tokens)
-    bad = [(i, c) for i, c in enumerate(counts) if c < 1]
-    if bad:
+    if counts and min(counts) < 1:
+        bad = [(i, c) for i, c in enumerate(counts) if c < 1]
         raise MetadataError(
             f"num_scheduled_tokens must be >= 1 for every request; (request, tokens) {bad[:8]} "
             "are not (drop requests with no tokens before slicing)"
         )
-    cu = [0]
-    for c in counts:
-        cu.append(cu[-1] + c)
+    return _slices_at_offsets(list(itertools.accumulate(counts, initial=0)), split_points,
+                              num_tokens_padded)
+
+
+def _slices_at_offsets(cu: list[int], split_points: Sequence[int],
+                       num_tokens_padded: int | None) -> tuple[list[UBatchSlice], list[UBatchSlice]]:
+    """:func:`make_ubatch_slices_at` from the request offsets ``cu`` ``[R+1]`` (the host
+    ``query_start_loc``: the cumulative counts, which the vote has already checked)."""
     num_tokens = cu[-1]
     num_tokens_padded = num_tokens if num_tokens_padded is None else int(num_tokens_padded)
     if num_tokens_padded < num_tokens:
         raise MetadataError(
             f"num_tokens_padded={num_tokens_padded} is smaller than the real token count "
-            f"{num_tokens} (sum of num_scheduled_tokens over {len(counts)} requests)"
+            f"{num_tokens} (sum of num_scheduled_tokens over {len(cu) - 1} requests)"
         )
     bounds = [0, *(int(p) for p in split_points), num_tokens_padded]
     if any(b > c for b, c in zip(bounds, bounds[1:])):
@@ -203,7 +219,7 @@ def make_ubatch_slices_at(
         slices.append(UBatchSlice(req, slice(start, stop)))
         padded.append(UBatchSlice(req, slice(bounds[k], bounds[k + 1])))
     log.debug(
-        "ubatch slices: %d reqs, %d tokens padded to %d -> %s", len(counts), num_tokens,
+        "ubatch slices: %d reqs, %d tokens padded to %d -> %s", len(cu) - 1, num_tokens,
         num_tokens_padded, [(s.request_slice, s.token_slice) for s in padded],
     )
     return slices, padded
@@ -272,7 +288,7 @@ def _check_slice(s: UBatchSlice, cu: list[int], index: int) -> tuple[int, int, i
 
 def split_attn_metadata(
     slices: Sequence[UBatchSlice], metadata: AttentionMetadata,
-    host: tuple[list[int], list[int], list[int]] | None = None,
+    host: HostCounts | None = None,
 ) -> list[AttentionMetadata]:
     """One :class:`AttentionMetadata` per ubatch, following REFERENCES.md §Slicing (vLLM DBO).
 
@@ -288,19 +304,24 @@ def split_attn_metadata(
     - ``slot_mapping`` int64 ``[token_slice rows]``: the rows of its token slice; rows at or past
       the real tokens (padding of padded slices) are ``-1``, even if the input held other
       values there;
-    - ``max_query_len`` / ``max_seq_len``: recomputed (0 for an empty ubatch).
+    - ``max_query_len`` / ``max_seq_len``: recomputed (0 for an empty ubatch);
+    - host mirrors of the three counts (``query_start_loc_cpu``, ``seq_lens_cpu``,
+      ``num_computed_tokens_cpu``): the host values they were built from.
 
     An empty ubatch (no real tokens) gets ``num_reqs == 0``, ``query_start_loc == [0]`` and one
     ``-1`` slot per token row. Every tensor is freshly allocated (no storage is shared with the
-    input or another ubatch) on the device of the corresponding input field.
+    input or another ubatch) on the device of the corresponding input field. The counts are
+    computed on the host, from ``host`` or the metadata's host mirrors (trusted: see
+    :mod:`~dbo_compile.runtime.metadata`), and copied to the device.
 
     Args:
         slices: from :func:`make_ubatch_slices` (real or padded), or any slices whose request
             slice matches their token slice by the searchsorted rule.
         metadata: the step's metadata; validated first.
-        host: its ``(query_start_loc, seq_lens, num_computed_tokens)`` as host ints when the
-            caller has them (:meth:`AttentionMetadata.host_fields`); else read here, in one
-            copy from the device (the split's only device read).
+        host: its ``(query_start_loc, seq_lens, num_computed_tokens)`` on the host when the
+            caller has them (:meth:`AttentionMetadata.host_counts`: CPU tensors, or
+            ``host_fields``: lists); else :meth:`AttentionMetadata.host_counts` here: the
+            host mirrors, or one copy from the device (the split's only device read).
 
     Returns:
         A list with one validated metadata per slice, in ubatch order.
@@ -309,36 +330,51 @@ def split_attn_metadata(
         MetadataError: the metadata is inconsistent (see :meth:`AttentionMetadata.validate`), a
             request has zero query tokens, or a slice does not match the metadata.
     """
-    qsl, seq, ctx = host if host is not None else metadata.host_fields()
-    metadata.validate(host=(qsl, seq, ctx))
-    zero = [i for i in range(len(qsl) - 1) if qsl[i + 1] == qsl[i]]
-    if zero:
+    counts = tuple(host_tensor(h) for h in (host if host is not None else metadata.host_counts()))
+    metadata.validate(host=counts)
+    return _split_validated(slices, metadata, counts)  # type: ignore[arg-type]
+
+
+def _split_validated(slices: Sequence[UBatchSlice], metadata: AttentionMetadata,
+                     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     qsl: list[int] | None = None, check_parts: bool = True
+                     ) -> list[AttentionMetadata]:
+    """:func:`split_attn_metadata` of metadata already validated with the host counts ``host``
+    (CPU tensors); ``qsl``: ``host[0]`` as a list, when the caller has it; ``check_parts``:
+    validate the parts (they are valid by construction: the serving path skips it)."""
+    qsl_h, seq_h, ctx_h = host
+    qsl = qsl_h.tolist() if qsl is None else qsl
+    qlens = query_lens_from(qsl_h)
+    if 0 in qlens:
+        zero = [i for i, q in enumerate(qlens) if q == 0]
         raise MetadataError(
             f"requests {zero[:8]} have zero query tokens (query_start_loc {qsl[:16]}...); "
             "ubatch slicing needs >= 1 token per request"
         )
-    qsl_dev = metadata.query_start_loc.device
-    seq_dev = metadata.seq_lens.device
-    ctx_dev = metadata.num_computed_tokens.device
     num_real = qsl[-1]
     out: list[AttentionMetadata] = []
     for k, s in enumerate(slices):
         a, b, r0, r1 = _check_slice(s, qsl, k)
-        new_qsl = [min(max(x, a), b) - a for x in qsl[r0 : r1 + 1]] if r1 > r0 else [0]
-        qlens = query_lens_from(new_qsl)
-        new_seq = [seq[i] - max(0, qsl[i + 1] - b) for i in range(r0, r1)]
-        new_ctx = [sl - ql for sl, ql in zip(new_seq, qlens)]
+        new_qsl = qsl_h[r0:r1 + 1].clamp(a, b) - a if r1 > r0 else qsl_h.new_zeros(1)
+        # a request cut after this part loses the tokens after b
+        new_seq = seq_h[r0:r1] - (qsl_h[r0 + 1:r1 + 1] - b).clamp(min=0)
+        new_qlens = new_qsl[1:] - new_qsl[:-1]
+        new_ctx = new_seq - new_qlens
         slot = slice_token_tensor(
             metadata.slot_mapping, s.token_slice, num_real_tokens=num_real, pad_value=PAD_SLOT_ID
         )
+        counts = [t.to(torch.int32) for t in (new_qsl, new_seq, new_ctx)]  # fresh tensors
         part = AttentionMetadata(
-            query_start_loc=torch.tensor(new_qsl, dtype=torch.int32, device=qsl_dev),
-            seq_lens=torch.tensor(new_seq, dtype=torch.int32, device=seq_dev),
-            num_computed_tokens=torch.tensor(new_ctx, dtype=torch.int32, device=ctx_dev),
+            query_start_loc=counts[0].to(metadata.query_start_loc.device),
+            seq_lens=counts[1].to(metadata.seq_lens.device),
+            num_computed_tokens=counts[2].to(metadata.num_computed_tokens.device),
             block_table=metadata.block_table[r0:r1].clone(),
             slot_mapping=slot,
-            max_query_len=max(qlens, default=0),
-            max_seq_len=max(new_seq, default=0),
+            max_query_len=int(new_qlens.max()) if r1 > r0 else 0,
+            max_seq_len=int(new_seq.max()) if r1 > r0 else 0,
+            query_start_loc_cpu=counts[0],
+            seq_lens_cpu=counts[1],
+            num_computed_tokens_cpu=counts[2],
         )
-        out.append(part.validate(host=(new_qsl, new_seq, new_ctx)))
+        out.append(part.validate() if check_parts else part)
     return out

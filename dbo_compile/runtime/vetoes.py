@@ -22,7 +22,13 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from dbo_compile.errors import MetadataError
-from dbo_compile.runtime.metadata import AttentionMetadata, query_lens_from
+from dbo_compile.runtime.metadata import (
+    AttentionMetadata,
+    HostCounts,
+    host_tensor,
+    int_list,
+    query_lens_from,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +38,11 @@ __all__ = ["Veto", "VetoRegistry", "check_vetoes", "prefix_read_veto"]
 Veto = Callable[[AttentionMetadata, Sequence[int]], "str | None"]
 
 
-def _counts(num_scheduled_tokens: Sequence[int] | torch.Tensor) -> list[int]:
-    if isinstance(num_scheduled_tokens, torch.Tensor):
-        return [int(x) for x in num_scheduled_tokens.tolist()]
-    return [int(x) for x in num_scheduled_tokens]
-
-
 def prefix_read_veto(
     metadata: AttentionMetadata,
     num_scheduled_tokens: Sequence[int] | torch.Tensor,
     block_size: int,
-    host: tuple[list[int], list[int], list[int]] | None = None,
+    host: HostCounts | None = None,
 ) -> str | None:
     """Veto a step in which a request reads, as cached prefix, KV blocks another request writes.
 
@@ -55,14 +55,19 @@ def prefix_read_veto(
     earlier tokens is not vetoed: the split program orders ubatch 0's KV writes before ubatch
     1's attention (DESIGN.md invariant 3).
 
+    Reads no device tensor when ``metadata`` has its host mirrors (``slot_mapping_cpu``,
+    ``block_table_cpu`` and the counts, or ``host``); else the counts in one copy (unless
+    ``host`` is given) and the slots and table in another.
+
     Args:
         metadata: the step's metadata (block ids in ``block_table`` int32 ``[num_reqs,
             max_blocks]``, slots ``block_id * block_size + offset`` in ``slot_mapping`` int64
             ``[num_tokens]``).
         num_scheduled_tokens: tokens per request ``[num_reqs]``; must match the metadata.
         block_size: tokens per KV block (> 0).
-        host: the metadata's :meth:`~AttentionMetadata.host_fields` when the caller has them
-            (one device read fewer: each is a host sync on CUDA).
+        host: the metadata's :meth:`~AttentionMetadata.host_counts` (CPU tensors) or
+            :meth:`~AttentionMetadata.host_fields` (lists) when the caller has them (one device
+            read fewer without mirrors: each is a host sync on CUDA).
 
     Returns:
         A reason naming the requests and the block, or ``None``.
@@ -71,53 +76,85 @@ def prefix_read_veto(
         MetadataError: ``block_size <= 0``, or ``num_scheduled_tokens`` disagrees with
             ``query_start_loc``.
     """
+    return _prefix_read_veto(metadata, int_list(num_scheduled_tokens), block_size, host)
+
+
+def _prefix_read_veto(metadata: AttentionMetadata, counts: list[int], block_size: int,
+                      host: HostCounts | None) -> str | None:
+    """:func:`prefix_read_veto` on counts already converted to ints."""
     if not isinstance(block_size, int) or block_size <= 0:
         raise MetadataError(
             f"block_size must be a positive int (tokens per KV block), got {block_size!r}"
         )
-    counts = _counts(num_scheduled_tokens)
-    # device reads are host syncs on CUDA: the counts in one copy, slots and table in another
-    qsl, _, host_computed = host if host is not None else metadata.host_fields()
+    qsl, _, computed = (host_tensor(h) for h in (host if host is not None
+                                                   else metadata.host_counts()))
     qlens = query_lens_from(qsl)
     if counts != qlens:
         raise MetadataError(
             f"num_scheduled_tokens {counts[:16]} disagree with the query lens of "
             f"query_start_loc {qlens[:16]}"
         )
+    if len(counts) < 2:
+        return None
+    slots, table = _slots_and_table(metadata, int(qsl[-1]))
+    # whole blocks before each request's query: [R, max_blocks]
+    prefix = torch.arange(table.shape[1]) < (computed // block_size)[:, None]
+    if not _reads_a_written_block(slots // block_size, table, prefix):
+        return None  # the usual case
+    return _first_prefix_read(slots, table, prefix, counts, computed, block_size)
+
+
+def _slots_and_table(metadata: AttentionMetadata, num_real: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real tokens' slots int64 ``[num_real]`` and the block table ``[R, max_blocks]`` on
+    the host: their host mirrors, else read from the device in one copy."""
+    slots, table = metadata.slot_mapping_cpu, metadata.block_table_cpu
+    if slots is None or table is None:
+        dev = metadata.block_table
+        both = torch.cat([metadata.slot_mapping[:num_real],
+                          dev.reshape(-1).to(metadata.slot_mapping.dtype)]).cpu()
+        return both[:num_real], both[num_real:].view(dev.shape)
+    return slots[:num_real], table
+
+
+def _reads_a_written_block(written: torch.Tensor, table: torch.Tensor,
+                           prefix: torch.Tensor) -> bool:
+    """Whether a block of ``table`` inside ``prefix`` is among ``written`` (negative: padding,
+    writes nothing), with a marker array over the block ids (a fixed number of vector ops, no
+    sort), unless the ids are negative or too large for one (then ``torch.isin``)."""
+    if written.numel() == 0 or table.numel() == 0:
+        return False
+    lowest, highest = (int(v) for v in table.aminmax())
+    top = max(highest, int(written.max()))
+    if lowest < 0 or top >= 1 << 24:
+        return bool(torch.isin(table[prefix].to(torch.int64), written[written >= 0]).any())
+    marker = torch.zeros(top + 2, dtype=torch.bool)  # marker[b + 1]: block b is written
+    marker.index_fill_(0, written.clamp(min=-1) + 1, True)  # padding lands on 0
+    hit = marker[1:].index_select(0, table.reshape(-1)).view(table.shape)
+    return bool((hit & prefix).any())
+
+
+def _first_prefix_read(slots: torch.Tensor, table: torch.Tensor, prefix: torch.Tensor,
+                       counts: list[int], computed: torch.Tensor, block_size: int) -> str | None:
+    """The veto's reason: the first request that reads, as prefix, a block another request
+    writes (``None``: only its own)."""
     num_reqs = len(counts)
-    if num_reqs < 2:
-        return None
-    num_real = qsl[-1]
-    table_dev = metadata.block_table
-    both = torch.cat([metadata.slot_mapping[:num_real],
-                      table_dev.reshape(-1).to(metadata.slot_mapping.dtype)]).cpu()
-    slots = both[:num_real]
-    table = both[num_real:].view(table_dev.shape).to(torch.int64)
-    writer = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(counts))
-    valid = slots >= 0
-    written = slots[valid] // block_size
-    writer = writer[valid]
-    if written.numel() == 0:
-        return None
-    computed = torch.tensor(host_computed, dtype=torch.int64)
-    full = (computed // block_size).clamp(max=table.shape[1])  # whole blocks before the query
-    mask = torch.arange(table.shape[1])[None, :] < full[:, None]
-    read = table[mask]
-    reader = torch.arange(num_reqs)[:, None].expand_as(table)[mask]
-    hit = torch.isin(read, written)
-    if not bool(hit.any()):
-        return None
+    writer = [i for i, q in enumerate(counts) for _ in range(q)]
     writers_of: dict[int, set[int]] = {}
-    for b, w in zip(written.tolist(), writer.tolist()):
-        writers_of.setdefault(b, set()).add(w)
+    for s, w in zip(slots.tolist(), writer):
+        if s >= 0:
+            writers_of.setdefault(s // block_size, set()).add(w)
+    read = table[prefix].to(torch.int64)
+    reader = torch.arange(num_reqs)[:, None].expand_as(table)[prefix]
+    hit = torch.isin(read, torch.tensor(sorted(writers_of), dtype=torch.int64))
     for b, r in zip(read[hit].tolist(), reader[hit].tolist()):
         others = sorted(w for w in writers_of.get(b, ()) if w != r)
         if others:
             return (
                 f"prefix-read veto: request {r} reads KV block {b} as cached prefix "
-                f"(num_computed_tokens={int(metadata.num_computed_tokens[r])}, block_size="
-                f"{block_size}) while request {others[0]} writes it in this step; split, the "
-                "read could run in ubatch 0 before ubatch 1 writes the block"
+                f"(num_computed_tokens={int(computed[r])}, block_size={block_size}) while "
+                f"request {others[0]} writes it in this step; split, the read could run in "
+                "ubatch 0 before ubatch 1 writes the block"
             )
     return None
 
@@ -169,18 +206,20 @@ def check_vetoes(
     *,
     block_size: int | None = None,
     vetoes: VetoRegistry | Iterable[Veto] = (),
-    host: tuple[list[int], list[int], list[int]] | None = None,
+    host: HostCounts | None = None,
 ) -> str | None:
     """The first reason not to split this step on this rank, or ``None``.
 
     Runs :func:`prefix_read_veto` first when ``block_size`` is given (with ``host``, the
-    metadata's host counts when the caller has them), then each engine veto in order. A veto that raises counts as a veto (its exception is logged and named in the
-    reason): raising here, before the DP vote, would leave the other ranks waiting in it.
+    metadata's host counts when the caller has them), then each engine veto in order, each
+    with ``(metadata, num_scheduled_tokens as a list of ints)``. A veto that raises counts as a
+    veto (its exception is logged and named in the reason): raising here, before the DP vote,
+    would leave the other ranks waiting in it.
 
     Returns:
         ``"<name>: <reason>"`` of the first veto that objects, or ``None``.
     """
-    counts = _counts(num_scheduled_tokens)
+    counts = int_list(num_scheduled_tokens)
     named: list[tuple[str, Veto]]
     if isinstance(vetoes, VetoRegistry):
         named = vetoes.items()
@@ -188,7 +227,7 @@ def check_vetoes(
         named = [(getattr(v, "__name__", repr(v)), v) for v in vetoes]
     if block_size is not None:
         named = [("prefix_read",
-                  lambda md, n: prefix_read_veto(md, n, block_size, host=host))] + named
+                  lambda md, n: _prefix_read_veto(md, n, block_size, host))] + named
     for name, veto in named:
         try:
             reason = veto(metadata, counts)
