@@ -70,9 +70,6 @@ def test_compute_units_are_inductor_stages_comm_units_are_not(compiled_split):
     assert len(plain) > 1 and len(shared) == per_variant[0] < sum(per_variant)
     joined = [p for n, p in art.variants.items() if n.endswith("+join")]
     assert joined and all(len(p.units) < len(plain[0].units) for p in joined)
-    # what the joined graph shares with the plain one is still compiled once
-    assert len(_stages(art)) < per_variant[0] + sum(
-        isinstance(fn, InductorStage) for fn in joined[0].units)
     compiled = compiled_split[2][0]["compiled"]  # the run used the primary ("list") only
     assert compiled.count(1) == per_variant[0] and set(compiled) <= {0, 1}
 
