@@ -72,7 +72,7 @@ PARTS = [
     ("capture() other", "dbo_compile.runtime.graphs:CudaGraphRunner.capture"),
 ]
 #: parts whose call count is worth printing
-COUNTED = ("schedules", "codegen", "Inductor compile", "graph capture")
+COUNTED = ("schedules", "codegen", "graph capture")  # Inductor: compiled callables, below
 
 
 class ExclusiveTimer:
