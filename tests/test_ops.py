@@ -102,6 +102,9 @@ def test_dispatch_errors():
         torch.ops.dbo.dispatch(x, ids.int(), w, 4, "")
     with pytest.raises(CommOpError, match="num_tokens, hidden"):
         torch.ops.dbo.dispatch(x[0], ids, w, 4, "")
+    for bad_ids, bad_w in ((ids[:1], w[:1]), (ids, w[:, :1]), (ids, w[:1])):  # no broadcasting
+        with pytest.raises(CommOpError, match="must both be"):
+            torch.ops.dbo.dispatch(x, bad_ids, bad_w, 4, "")
 
 
 @pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 16), (torch.bfloat16, 7),

@@ -201,6 +201,10 @@ def _check_dispatch_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
             f"dbo.dispatch: topk_ids/topk_weights must be [num_tokens, top_k], got "
             f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}"
         )
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise CommOpError(
+            f"dbo.dispatch: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+            f"{tuple(topk_weights.shape)} must both be [num_tokens={x.shape[0]}, top_k]")
     if topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32:
         raise CommOpError(
             f"dbo.dispatch: topk_ids must be int64 and topk_weights float32, got "
