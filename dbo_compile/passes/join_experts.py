@@ -99,8 +99,9 @@ def join_experts(gm: fx.GraphModule, num_ubatches: int) -> int:
         The number of joined calls (one per MoE layer of the model).
 
     Raises:
-        ScheduleError: a call does not have one copy per ubatch, or its copies differ in an
-            argument that is not a tensor with the token dim first.
+        ScheduleError: a call does not have one copy per ubatch, its copies differ in an
+            argument that is not a tensor or in their keyword arguments, or the joined values
+            come from more than one fake mode.
     """
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -114,7 +115,8 @@ def join_experts(gm: fx.GraphModule, num_ubatches: int) -> int:
         copies.sort(key=lambda n: dbo_meta(n)["ubatch"])
         if [dbo_meta(n)["ubatch"] for n in copies] != list(range(num_ubatches)):
             raise ScheduleError(f"join_experts: {origin} has copies for ubatches "
-                                f"{[dbo_meta(n)['ubatch'] for n in copies]}, expected one per ubatch")
+                                f"{[dbo_meta(n)['ubatch'] for n in copies]}, expected one per "
+                                "ubatch")
         first = copies[0]
         per = [i for i, a in enumerate(first.args) if any(c.args[i] is not a for c in copies[1:])]
         for i in per:
@@ -127,14 +129,12 @@ def join_experts(gm: fx.GraphModule, num_ubatches: int) -> int:
         vals = [[_val(c.args[i]) for i in per] for c in copies]
         fake = _fake_mode(v for vs in vals for v in vs)
         last = max(copies, key=lambda n: order[n])
-        new_nodes = []
 
-        def node(target, args, val):
-            n = graph.call_function(target, args)
+        def node(target, args, val, kwargs=None):
+            n = graph.call_function(target, args, kwargs)
             n.meta["val"] = val
             dbo_meta(n).update(ubatch=None, join=origin, token_dim=0 if isinstance(
                 val, torch.Tensor) else None)
-            new_nodes.append(n)
             return n
 
         with graph.inserting_before(last):
@@ -149,7 +149,7 @@ def join_experts(gm: fx.GraphModule, num_ubatches: int) -> int:
             with _fake_mode(parts_val):
                 joined_val = torch.cat(parts_val)
             sizes_val = [vs[0].shape[0] for vs in vals]
-            joined = node(first.target, tuple(args), joined_val)
+            joined = node(first.target, tuple(args), joined_val, dict(first.kwargs))
             joined.meta["dbo"].update({k: v for k, v in first.meta.get("dbo", {}).items()
                                        if k not in ("ubatch", "origin", "token_dim")})
             sizes = [node(aten.sym_size.int, (c.args[per[0]], 0), s)

@@ -177,10 +177,12 @@ def _stage_keys(graph: fx.Graph) -> dict[fx.Node, tuple]:
         u = meta.get("ubatch")
         if meta.get("join") is not None:  # a joined call: its own stage, shared by all ubatches
             keys[n] = ("J", meta["join"])
+        elif u is None:
+            keys[n] = ("P",)
         else:
             # the last entry, the waits of the node's own ubatch, names the stage (labels)
             own = sum(1 for w in waits[n] if dbo_meta(nodes[w]).get("ubatch") == u)
-            keys[n] = ("P",) if u is None else (u, len(waits[n]), first_comm[n], own)
+            keys[n] = (u, len(waits[n]), first_comm[n], own)
     return keys
 
 
@@ -277,9 +279,10 @@ def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
     (``MLP``) of layer ``k``; dispatch ``k`` and ``w == 2k``: attention part (``A``, with the
     previous layer's tail) of layer ``k``; dispatch ``k`` and ``w == 2k - 2``: shared experts
     (``S``) of layer ``k - 1``, computed beside the routed ones; no dependent comm op and all
-    waits: the final tail (``T``). Anything else (e.g. RoPE tables computed ahead) is ``X``. A joined
-    call (:mod:`dbo_compile.passes.join_experts`, no ubatch) is the routed experts (``MLP``) of
-    the layer of the first combine depending on it.
+    waits: the final tail (``T``). Anything else (e.g. RoPE tables computed ahead) is ``X``. A
+    joined call (:mod:`dbo_compile.passes.join_experts`, no ubatch) is the routed experts
+    (``MLP``) of the layer of the first combine depending on it. ``w`` counts the waits of the
+    stage's own ubatch (after a joined call, a stage also depends on the other's dispatch).
     """
     comm_units = {u.nodes[0]: u for u in units if u.kind == COMM}
     num_layers = 1 + max((u.layer for u in comm_units.values()), default=0)
@@ -305,9 +308,7 @@ def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
             k, kind = num_layers, "D"  # the end of the step acts as dispatch of layer L
         else:
             k, kind = first.layer, first.label
-        if key and key[0] == "J":
-            u.label, u.layer = "MLP", k
-        elif kind == "C" and w == 2 * k + 1:
+        if (key and key[0] == "J") or (kind == "C" and w == 2 * k + 1):
             u.label, u.layer = "MLP", k
         elif kind == "D" and w == 2 * k:
             u.label, u.layer = ("A", k) if first is not None else ("T", k - 1)
