@@ -228,7 +228,7 @@ def payload_layout(hidden: int, dtype: torch.dtype, top_k: int) -> tuple[int, in
         ``meta_col >= hidden`` (byte offset a multiple of 4) and a row has ``row_cols`` columns,
         its bytes a multiple of 4, so that the metadata can be viewed as float32 in place.
     """
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     meta_bytes = 8 * top_k
     meta_col = -(-hidden * size // 4) * 4 // size
     return meta_col, meta_col + -(-meta_bytes // size)
