@@ -45,6 +45,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dbo_compile.errors import DboError
 
@@ -201,7 +202,11 @@ def _check_dispatch_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
             f"dbo.dispatch: topk_ids/topk_weights must be [num_tokens, top_k], got "
             f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}"
         )
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+    # compare sizes without guarding: under fake tensors a symbolic token dim compared with a
+    # fixed one would specialise it; only sizes known to differ are an error here (the token-dim
+    # pass reports the symbolic mismatch with its reason)
+    pairs = list(zip(topk_ids.shape, topk_weights.shape)) + [(topk_ids.shape[0], x.shape[0])]
+    if any(statically_known_true(a != b) for a, b in pairs):
         raise CommOpError(
             f"dbo.dispatch: topk_ids {tuple(topk_ids.shape)} and topk_weights "
             f"{tuple(topk_weights.shape)} must both be [num_tokens={x.shape[0]}, top_k]")
