@@ -204,6 +204,7 @@ class CudaGraphRunner:
         self.pool: Any = None
         self.eager_steps = 0
         self._warned: set[str] = set()
+        self._copy_plans: dict[tuple[int, bool], tuple[Any, Any, list[int]]] = {}
 
     # -- warm-up --------------------------------------------------------------------------
     def _dummy_step(self, tokens: int, prefill: bool = False
@@ -265,6 +266,7 @@ class CudaGraphRunner:
         cuda = self.device.type == "cuda"
         if cuda and self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        self._copy_plans.clear()
         for tokens in sorted(self.buckets, reverse=True):
             art, args, input_pos = self._record(tokens, prefill=False)
             if tokens >= 4:
@@ -482,10 +484,30 @@ class CudaGraphRunner:
                 host = attn_metadata.host_counts()
             per_ubatch = b.artifact.split_args(padded_args, list(num_scheduled_tokens), host=host,
                                                validated=validated)
-            _copy_into(b.split_args, per_ubatch, b.artifact.signature.inputs, b.artifact.specs)
+            _copy_into(b.split_args, per_ubatch, *self._copy_plan(b, split=True))
         else:
-            _copy_into(b.args, padded_args, [(i, None) for i in range(len(b.args))],
-                       b.artifact.specs)
+            _copy_into(b.args, padded_args, *self._copy_plan(b, split=False))
+
+    def _copy_plan(self, b: BucketGraphs, split: bool
+                   ) -> tuple[Sequence[tuple[int, int | None]], Sequence[Any], list[int]]:
+        """``_copy_into``'s ``inputs``, ``specs`` and ``positions`` for the unsplit graph of
+        ``b`` or its split program: only the positions a step can change (the step's own
+        inputs, token-indexed inputs, which are padded per step, and whatever is cut per
+        ubatch); the others (weights, KV caches) are the captured objects themselves. Worked
+        out once per bucket: a large model has hundreds of inputs."""
+        key = (b.tokens, split)
+        if key not in self._copy_plans:
+            art = b.artifact
+            step = set(b.input_pos.values()) | {s.index for s in art.specs if s.kind == "token"}
+            if split:
+                inputs = art.signature.inputs
+                positions = [pos for pos, (index, ubatch) in enumerate(inputs)
+                             if ubatch is not None or index in step]
+            else:
+                inputs = tuple((i, None) for i in range(len(b.args)))
+                positions = sorted(step)
+            self._copy_plans[key] = (inputs, art.specs, positions)
+        return self._copy_plans[key]
 
     @staticmethod
     def _graph_args(b: BucketGraphs, ids: torch.Tensor, pos: torch.Tensor,
@@ -575,16 +597,18 @@ def _real_rows(out: Any, n: int, rows: int, token_out: bool | None) -> Any:
 
 
 def _copy_into(static: list[Any], new: Sequence[Any], inputs: Sequence[tuple[int, int | None]],
-               specs: Sequence[Any]) -> None:
+               specs: Sequence[Any], positions: Sequence[int] | None = None) -> None:
     """Copy a step's (per-ubatch) inputs into the captured static ones.
 
     Shared inputs are the same objects (skipped). Token-indexed tensors have the captured
     shape (else ``GraphRunnerError``). Request-indexed metadata is padded to the captured
     request count with zero-length requests (see the module docstring). Ints (sizes) are not
     copied: the graph keeps its captured token sizes, which the bucket's padding reproduces,
-    and its captured request capacity, which the request padding fills.
+    and its captured request capacity, which the request padding fills. ``positions``: the
+    only positions that can differ (default: all).
     """
-    for pos, (index, _ubatch) in enumerate(inputs):
+    for pos in range(len(inputs)) if positions is None else positions:
+        index = inputs[pos][0]
         dst, src = static[pos], new[pos]
         if dst is src:
             continue
