@@ -32,7 +32,8 @@ of ``num_ubatches`` (a split step is padded past it).
 Per step (serving path; never captures):
 
 1. the DP vote (:meth:`DboCompiledModule.decide`: thresholds, vetoes, padding to the group's
-   max) on the step's real inputs;
+   max) on the step's real inputs, its metadata checked on the host (from the metadata's host
+   mirrors when given: then no step reads the device, see :meth:`CudaGraphRunner.__call__`);
 2. the bucket: the smallest one ``>=`` the group's padded token count (so the same on every
    rank); the split graph if the vote splits and the bucket's measured table says so;
 3. the step's tokens and attention metadata are copied into the bucket's static buffers: token
@@ -399,7 +400,7 @@ class CudaGraphRunner:
             input_ids: ``[num_tokens]`` int64 (token dim; padding rows allowed at the end).
             positions: ``[num_tokens]`` int64.
             attn_metadata: the step's metadata; its block table at most ``max_blocks_per_req``
-                wide (else the step runs eagerly).
+                wide (else the step runs eagerly); with host mirrors where the caller has them.
             num_scheduled_tokens: tokens per request (host ints).
             vetoes / allow_split: as :func:`dbo_compile.runtime.engine.run_step`.
 
@@ -407,9 +408,19 @@ class CudaGraphRunner:
             The model's output for the real tokens (rows ``[:num_tokens]``): a view of the
             graph's static output, valid until the next step.
 
+        Host syncs (each device read waits for the GPU to drain): none when ``attn_metadata``
+        carries its host mirrors (``*_cpu``, see :mod:`~dbo_compile.runtime.metadata`) and the
+        DP vote runs over a CPU (Gloo) group: the vote and the split take the counts from
+        ``query_start_loc_cpu``, ``seq_lens_cpu`` and ``num_computed_tokens_cpu``, the
+        prefix-read veto (``block_size`` given) takes ``slot_mapping_cpu`` and
+        ``block_table_cpu``, and the split's per-ubatch counts go to the GPU from pinned memory
+        without blocking. Without mirrors: one read of the counts, and one of the slots and
+        block table for the veto. Not avoidable here: a vote over an NCCL group reads its
+        table back; a step that fits no bucket runs eagerly (as ``run_step``).
+
         Raises:
             GraphRunnerError: called before :meth:`capture`.
-            DpVoteError: as the compiled model's vote.
+            DpVoteError: as the compiled model's vote (also for bad metadata or host mirrors).
         """
         if not self.graphs:
             raise GraphRunnerError("CudaGraphRunner: call capture() (warm-up) before serving steps")
