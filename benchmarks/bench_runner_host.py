@@ -58,8 +58,8 @@ from typing import Any
 import torch
 
 #: (label, "module:Class" or "module", attribute) of each timed function; absent ones are
-#: skipped; "a|b": the first that exists (the serving path's copy phase is ``_load`` since the
-#: public ``load_step`` checks the metadata again).
+#: skipped; "a|b": the first that exists (the serving path calls internal forms that skip the
+#: checks the vote made: ``_load``, ``_check_vetoes``, ...).
 PHASES = [
     ("vote", "dbo_compile.runtime.graphs:CudaGraphRunner", "_vote"),
     ("load_step", "dbo_compile.runtime.graphs:CudaGraphRunner", "_load|load_step"),
@@ -68,12 +68,12 @@ INSIDE = [
     ("host_counts", "dbo_compile.runtime.metadata:AttentionMetadata", "host_counts"),
     ("host_fields", "dbo_compile.runtime.metadata:AttentionMetadata", "host_fields"),
     ("validate", "dbo_compile.runtime.metadata:AttentionMetadata", "validate"),
-    ("check_vetoes", "dbo_compile.runtime.vetoes", "check_vetoes"),
+    ("check_vetoes", "dbo_compile.runtime.vetoes", "_check_vetoes|check_vetoes"),
     ("coordinate_across_dp", "dbo_compile.runtime.vote", "coordinate_across_dp"),
     ("_pad_args", "dbo_compile.runtime.graphs", "_pad_args"),
     ("split_args", "dbo_compile.runtime.program:DboCompiledModule", "split_args"),
-    ("make_ubatch_slices", "dbo_compile.runtime.ubatch", "make_ubatch_slices"),
-    ("split_attn_metadata", "dbo_compile.runtime.ubatch", "split_attn_metadata"),
+    ("make_ubatch_slices", "dbo_compile.runtime.ubatch", "_slices_at_offsets|make_ubatch_slices"),
+    ("split_attn_metadata", "dbo_compile.runtime.ubatch", "_split_validated|split_attn_metadata"),
     ("_copy_into", "dbo_compile.runtime.graphs", "_copy_into"),
     ("_token_outputs", "dbo_compile.runtime.graphs", "_token_outputs"),
     ("_real_rows", "dbo_compile.runtime.graphs", "_real_rows"),

@@ -310,20 +310,22 @@ def test_prefix_read_veto_reads_the_host_mirrors_only():
     assert prefix_read_veto(clash, [4, 2], BS) is not None
 
 
-def test_prefix_read_veto_matches_a_brute_force_search():
+@pytest.mark.parametrize("bs", [BS, 3])  # a power of two (shifts) and not
+def test_prefix_read_veto_matches_a_brute_force_search(bs):
     """The veto's vector search (a marker over block ids; torch.isin for negative or huge ids)
     against the rule spelled out per request and block, on random steps with shared blocks."""
-    rng = random.Random(0)
+    rng = random.Random(bs)
+    outcomes = set()
     for case in range(300):
         num_reqs = rng.randint(2, 6)
         qlens = [rng.randint(1, 6) for _ in range(num_reqs)]
         computed = [rng.randint(0, 12) for _ in range(num_reqs)]
-        width = max(-(-(c + q) // BS) for c, q in zip(computed, qlens))
+        width = max(-(-(c + q) // bs) for c, q in zip(computed, qlens))
         pool = [rng.randint(0, 9) for _ in range(6)] + ([2**30] if case % 5 == 0 else [])
         pad = -1 if case % 7 == 0 else 0
-        table = [[rng.choice(pool) for _ in range(-(-(c + q) // BS))] for c, q in zip(computed, qlens)]
+        table = [[rng.choice(pool) for _ in range(-(-(c + q) // bs))] for c, q in zip(computed, qlens)]
         table = [row + [pad] * (width - len(row)) for row in table]
-        slots = [table[i][p // BS] * BS + p % BS
+        slots = [table[i][p // bs] * bs + p % bs
                  for i, (c, q) in enumerate(zip(computed, qlens)) for p in range(c, c + q)]
         slots = [s if rng.random() > 0.1 else -1 for s in slots]
         md = _md(qlens, computed, table, slots)
@@ -332,10 +334,12 @@ def test_prefix_read_veto_matches_a_brute_force_search():
         for i, q in enumerate(qlens):
             for s in slots[t:t + q]:
                 if s >= 0:
-                    writers.setdefault(s // BS, set()).add(i)
+                    writers.setdefault(s // bs, set()).add(i)
             t += q
         clash = any(writers.get(table[i][k], set()) - {i}
-                    for i in range(num_reqs) for k in range(computed[i] // BS))
-        got = prefix_read_veto(md, qlens, BS)
+                    for i in range(num_reqs) for k in range(computed[i] // bs))
+        got = prefix_read_veto(md, qlens, bs)
         assert (got is not None) == clash, (case, got)
-        assert prefix_read_veto(md.with_host_mirrors(), qlens, BS) == got
+        assert prefix_read_veto(md.with_host_mirrors(), qlens, bs) == got
+        outcomes.add(clash)
+    assert outcomes == {True, False}

@@ -35,7 +35,8 @@ of ``num_ubatches`` (a split step is padded past it).
 Per step (serving path; never captures):
 
 1. the DP vote (:meth:`DboCompiledModule.decide`: thresholds, vetoes, padding to the group's
-   max) on the step's real inputs;
+   max) on the step's real inputs, its metadata checked on the host (from the metadata's host
+   mirrors when given: then no step reads the device, see :meth:`CudaGraphRunner.__call__`);
 2. the bucket: the smallest one ``>=`` the group's padded token count (so the same on every
    rank); the split graph if the vote splits and the bucket's measured table says so;
 3. the step's tokens and attention metadata are copied into the bucket's static buffers: token
@@ -212,6 +213,7 @@ class CudaGraphRunner:
         self.pool: Any = None
         self.eager_steps = 0
         self._warned: set[str] = set()
+        self._copy_plans: dict[tuple[int, bool], tuple[Any, Any, list[int]]] = {}
 
     # -- warm-up --------------------------------------------------------------------------
     def _dummy_step(self, tokens: int, prefill: bool = False
@@ -273,6 +275,7 @@ class CudaGraphRunner:
         cuda = self.device.type == "cuda"
         if cuda and self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        self._copy_plans.clear()
         for tokens in sorted(self.buckets, reverse=True):
             art, args, input_pos = self._record(tokens, prefill=False)
             if tokens >= 4:
@@ -413,7 +416,7 @@ class CudaGraphRunner:
             input_ids: ``[num_tokens]`` int64 (token dim; padding rows allowed at the end).
             positions: ``[num_tokens]`` int64.
             attn_metadata: the step's metadata; its block table at most ``max_blocks_per_req``
-                wide (else the step runs eagerly).
+                wide (else the step runs eagerly); with host mirrors where the caller has them.
             num_scheduled_tokens: tokens per request (host ints).
             vetoes / allow_split: as :func:`dbo_compile.runtime.engine.run_step`.
 
@@ -421,9 +424,19 @@ class CudaGraphRunner:
             The model's output for the real tokens (rows ``[:num_tokens]``): a view of the
             graph's static output, valid until the next step.
 
+        Host syncs (each device read waits for the GPU to drain): none when ``attn_metadata``
+        carries its host mirrors (``*_cpu``, see :mod:`~dbo_compile.runtime.metadata`) and the
+        DP vote runs over a CPU (Gloo) group: the vote and the split take the counts from
+        ``query_start_loc_cpu``, ``seq_lens_cpu`` and ``num_computed_tokens_cpu``, the
+        prefix-read veto (``block_size`` given) takes ``slot_mapping_cpu`` and
+        ``block_table_cpu``, and the split's per-ubatch counts go to the GPU from pinned memory
+        without blocking. Without mirrors: one read of the counts, and one of the slots and
+        block table for the veto. Not avoidable here: a vote over an NCCL group reads its
+        table back; a step that fits no bucket runs eagerly (as ``run_step``).
+
         Raises:
             GraphRunnerError: called before :meth:`capture`.
-            DpVoteError: as the compiled model's vote.
+            DpVoteError: as the compiled model's vote (also for bad metadata or host mirrors).
         """
         if not self.graphs:
             raise GraphRunnerError("CudaGraphRunner: call capture() (warm-up) before serving steps")
@@ -498,10 +511,30 @@ class CudaGraphRunner:
                 host = attn_metadata.host_counts()
             per_ubatch = b.artifact.split_args(padded_args, list(num_scheduled_tokens), host=host,
                                                validated=validated)
-            _copy_into(b.split_args, per_ubatch, b.artifact.signature.inputs, b.artifact.specs)
+            _copy_into(b.split_args, per_ubatch, *self._copy_plan(b, split=True))
         else:
-            _copy_into(b.args, padded_args, [(i, None) for i in range(len(b.args))],
-                       b.artifact.specs)
+            _copy_into(b.args, padded_args, *self._copy_plan(b, split=False))
+
+    def _copy_plan(self, b: BucketGraphs, split: bool
+                   ) -> tuple[Sequence[tuple[int, int | None]], Sequence[Any], list[int]]:
+        """``_copy_into``'s ``inputs``, ``specs`` and ``positions`` for the unsplit graph of
+        ``b`` or its split program: only the positions a step can change (the step's own
+        inputs, token-indexed inputs, which are padded per step, and whatever is cut per
+        ubatch); the others (weights, KV caches) are the captured objects themselves. Worked
+        out once per bucket: a large model has hundreds of inputs."""
+        key = (b.tokens, split)
+        if key not in self._copy_plans:
+            art = b.artifact
+            step = set(b.input_pos.values()) | {s.index for s in art.specs if s.kind == "token"}
+            if split:
+                inputs = art.signature.inputs
+                positions = [pos for pos, (index, ubatch) in enumerate(inputs)
+                             if ubatch is not None or index in step]
+            else:
+                inputs = tuple((i, None) for i in range(len(b.args)))
+                positions = sorted(step)
+            self._copy_plans[key] = (inputs, art.specs, positions)
+        return self._copy_plans[key]
 
     @staticmethod
     def _graph_args(b: BucketGraphs, ids: torch.Tensor, pos: torch.Tensor,
@@ -598,16 +631,18 @@ def _real_rows(out: Any, n: int, rows: int, token_out: bool | None) -> Any:
 
 
 def _copy_into(static: list[Any], new: Sequence[Any], inputs: Sequence[tuple[int, int | None]],
-               specs: Sequence[Any]) -> None:
+               specs: Sequence[Any], positions: Sequence[int] | None = None) -> None:
     """Copy a step's (per-ubatch) inputs into the captured static ones.
 
     Shared inputs are the same objects (skipped). Token-indexed tensors have the captured
     shape (else ``GraphRunnerError``). Request-indexed metadata is padded to the captured
     request count with zero-length requests (see the module docstring). Ints (sizes) are not
     copied: the graph keeps its captured token sizes, which the bucket's padding reproduces,
-    and its captured request capacity, which the request padding fills.
+    and its captured request capacity, which the request padding fills. ``positions``: the
+    only positions that can differ (default: all).
     """
-    for pos, (index, _ubatch) in enumerate(inputs):
+    for pos in range(len(inputs)) if positions is None else positions:
+        index = inputs[pos][0]
         dst, src = static[pos], new[pos]
         if dst is src:
             continue

@@ -8,6 +8,7 @@ attention metadata are cut. Outputs are concatenated along the token dim in ubat
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -233,14 +234,15 @@ class DboCompiledModule:
     @staticmethod
     def _veto(md: AttentionMetadata | None, qlens: list[int],
               host: HostCounts | None) -> str | None:
-        from dbo_compile.runtime.vetoes import check_vetoes
+        """The step's veto (``qlens``: the metadata's query lens, Python ints)."""
+        from dbo_compile.runtime.vetoes import _check_vetoes
 
         ctx = current_step_context()
         if not ctx.allow_split:
             return "engine: allow_split=False"
         if md is None or (ctx.block_size is None and not ctx.vetoes):
             return None
-        return check_vetoes(md, qlens, block_size=ctx.block_size, vetoes=ctx.vetoes, host=host)
+        return _check_vetoes(md, list(qlens), ctx.block_size, ctx.vetoes, host)  # vetoes' own
 
     def decide(self, args: Sequence[Any], min_padded: int = 0, *,
                metadata: AttentionMetadata | None = None,
@@ -333,23 +335,34 @@ class DboCompiledModule:
             _, padded = ubatch.make_ubatch_slices([1] * num_tokens, num_tokens, n)
         self.last_slices = padded
         out: list[Any] = []
-        for index, ubatch in self.signature.inputs:
-            spec = self.specs[index]
+        for index, ubatch, field_name, kind in self._split_plan:
             if ubatch is None:
                 out.append(args[index])
-            elif spec.field is not None and per_ubatch_md is not None:
-                out.append(per_ubatch_md[ubatch][spec.field])
-            elif spec.kind == "token":
+            elif field_name is not None and per_ubatch_md is not None:
+                out.append(per_ubatch_md[ubatch][field_name])
+            elif kind == "token":
                 sl = padded[ubatch].token_slice
                 out.append(args[index][sl.start:sl.stop])
             else:
-                out.append(None if spec.kind == "size" else args[index])
-        for pos, (index, ubatch) in enumerate(self.signature.inputs):
-            spec = self.specs[index]
-            if spec.kind == "size" and ubatch is not None:
-                src, dim = spec.size_of
-                out[pos] = out[self.signature.inputs.index((src, ubatch))].shape[dim]
+                out.append(None if kind == "size" else args[index])
+        for pos, src_pos, dim in self._split_sizes:
+            out[pos] = out[src_pos].shape[dim]
         return out
+
+    @functools.cached_property
+    def _split_plan(self) -> list[tuple[int, int | None, str | None, str]]:
+        """Per split-program input: ``(graph input index, ubatch, metadata field, kind)``
+        (looked up once: :meth:`split_args` runs every step)."""
+        return [(index, ubatch, self.specs[index].field, self.specs[index].kind)
+                for index, ubatch in self.signature.inputs]
+
+    @functools.cached_property
+    def _split_sizes(self) -> list[tuple[int, int, int]]:
+        """Per-ubatch size inputs: ``(position, position of the tensor it measures, dim)``."""
+        return [(pos, self.signature.inputs.index((self.specs[index].size_of[0], ubatch)),
+                 self.specs[index].size_of[1])
+                for pos, (index, ubatch) in enumerate(self.signature.inputs)
+                if ubatch is not None and self.specs[index].kind == "size"]
 
     def _metadata(self, args: Sequence[Any], num_tokens: int,
                   metadata: AttentionMetadata | None = None, host: HostCounts | None = None

@@ -312,7 +312,8 @@ def split_attn_metadata(
     ``-1`` slot per token row. Every tensor is freshly allocated (no storage is shared with the
     input or another ubatch) on the device of the corresponding input field. The counts are
     computed on the host, from ``host`` or the metadata's host mirrors (trusted: see
-    :mod:`~dbo_compile.runtime.metadata`), and copied to the device.
+    :mod:`~dbo_compile.runtime.metadata`), and copied to the device in one copy per ubatch
+    (on CUDA from pinned memory, without blocking).
 
     Args:
         slices: from :func:`make_ubatch_slices` (real or padded), or any slices whose request
@@ -352,6 +353,8 @@ def _split_validated(slices: Sequence[UBatchSlice], metadata: AttentionMetadata,
             "ubatch slicing needs >= 1 token per request"
         )
     num_real = qsl[-1]
+    devices = [metadata.query_start_loc.device, metadata.seq_lens.device,
+               metadata.num_computed_tokens.device]
     out: list[AttentionMetadata] = []
     for k, s in enumerate(slices):
         a, b, r0, r1 = _check_slice(s, qsl, k)
@@ -364,10 +367,11 @@ def _split_validated(slices: Sequence[UBatchSlice], metadata: AttentionMetadata,
             metadata.slot_mapping, s.token_slice, num_real_tokens=num_real, pad_value=PAD_SLOT_ID
         )
         counts = [t.to(torch.int32) for t in (new_qsl, new_seq, new_ctx)]  # fresh tensors
+        on_device = _to_devices(counts, devices)
         part = AttentionMetadata(
-            query_start_loc=counts[0].to(metadata.query_start_loc.device),
-            seq_lens=counts[1].to(metadata.seq_lens.device),
-            num_computed_tokens=counts[2].to(metadata.num_computed_tokens.device),
+            query_start_loc=on_device[0],
+            seq_lens=on_device[1],
+            num_computed_tokens=on_device[2],
             block_table=metadata.block_table[r0:r1].clone(),
             slot_mapping=slot,
             max_query_len=int(new_qlens.max()) if r1 > r0 else 0,
@@ -378,3 +382,21 @@ def _split_validated(slices: Sequence[UBatchSlice], metadata: AttentionMetadata,
         )
         out.append(part.validate() if check_parts else part)
     return out
+
+
+def _to_devices(host: list[torch.Tensor], devices: list[torch.device]) -> list[torch.Tensor]:
+    """1-D host tensors of one dtype, each on its device: in one copy (views of one fresh
+    tensor) where they share one. On CUDA the copy goes from pinned memory without blocking: a
+    blocking copy from pageable memory synchronises with the stream, a host sync like a device
+    read."""
+    device = devices[0]
+    if any(d != device for d in devices):
+        return [t.to(d) for t, d in zip(host, devices)]
+    if device.type == "cpu":
+        return host
+    flat = torch.cat(host)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return list(flat.split([t.numel() for t in host]))

@@ -94,14 +94,22 @@ def _prefix_read_veto(metadata: AttentionMetadata, counts: list[int], block_size
             f"num_scheduled_tokens {counts[:16]} disagree with the query lens of "
             f"query_start_loc {qlens[:16]}"
         )
-    if len(counts) < 2:
-        return None
+    if len(counts) < 2 or int(computed.max()) < block_size:
+        return None  # no request reads a whole cached block (e.g. fresh prompts)
     slots, table = _slots_and_table(metadata, int(qsl[-1]))
     # whole blocks before each request's query: [R, max_blocks]
-    prefix = torch.arange(table.shape[1]) < (computed // block_size)[:, None]
-    if not _reads_a_written_block(slots // block_size, table, prefix):
+    prefix = torch.arange(table.shape[1]) < _blocks(computed, block_size)[:, None]
+    if not _reads_a_written_block(_blocks(slots, block_size), table, prefix):
         return None  # the usual case
     return _first_prefix_read(slots, table, prefix, counts, computed, block_size)
+
+
+def _blocks(positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``positions // block_size`` (a shift for a power of two: integer division is slow on
+    the host); -1 stays -1."""
+    if block_size & (block_size - 1) == 0:
+        return positions >> (block_size.bit_length() - 1)
+    return positions // block_size
 
 
 def _slots_and_table(metadata: AttentionMetadata, num_real: int
@@ -219,7 +227,13 @@ def check_vetoes(
     Returns:
         ``"<name>: <reason>"`` of the first veto that objects, or ``None``.
     """
-    counts = int_list(num_scheduled_tokens)
+    return _check_vetoes(metadata, int_list(num_scheduled_tokens), block_size, vetoes, host)
+
+
+def _check_vetoes(metadata: AttentionMetadata, counts: list[int], block_size: int | None,
+                  vetoes: VetoRegistry | Iterable[Veto], host: HostCounts | None) -> str | None:
+    """:func:`check_vetoes` on counts already converted to ints (the compiled model's vote has
+    them)."""
     named: list[tuple[str, Veto]]
     if isinstance(vetoes, VetoRegistry):
         named = vetoes.items()
