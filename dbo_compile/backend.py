@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import time
 from typing import Any, Sequence
 
@@ -153,7 +154,8 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         for name, base in schedules.items():
             variants[f"{name}+sms{sms}"] = copy.copy(base)
             variants[f"{name}+sms{sms}"].carveout_sms = sms
-    _dump_schedule(schedule, program.code, config)
+    for name, prog in schedules.items():  # the primary first
+        _dump_schedule(prog.schedule, prog.code, config, None if prog is program else name)
     log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
              "(%.2f s)", config.num_ubatches, len(comms), len(schedule.units),
              len(schedule.event_edges), time.perf_counter() - t0)
@@ -244,19 +246,25 @@ def _dump_graph(name: str, gm: fx.GraphModule) -> None:
     log.debug("dbo %s graph:\n%s", name, gm.code)
 
 
-def _dump_schedule(schedule: Any, code: str, config: DboConfig) -> None:
+def _dump_schedule(schedule: Any, code: str, config: DboConfig, variant: str | None) -> None:
+    """The schedule (JSON) to TORCH_TRACE, and with ``dump_dir`` the schedule and its wrapper
+    to ``schedule_rank{R}_{fingerprint}[_{variant}].json/.py`` (``variant``: None for the
+    primary, else the candidate's name, ``@``, ``/`` and ``+`` written as ``-``)."""
     payload = schedule.to_json()
     try:
         from torch._logging import trace_structured
 
-        trace_structured("artifact", metadata_fn=lambda: {"name": "dbo_schedule", "encoding": "json"},
+        name = "dbo_schedule" if variant is None else f"dbo_schedule_{variant}"
+        trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "json"},
                          payload_fn=lambda: payload)
     except Exception:  # noqa: BLE001
         pass
     if config.dump_dir:
         os.makedirs(config.dump_dir, exist_ok=True)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        base = os.path.join(config.dump_dir, f"schedule_rank{rank}_{config.fingerprint()}")
+        suffix = "" if variant is None else "_" + re.sub(r"[^A-Za-z0-9_.]", "-", variant)
+        base = os.path.join(config.dump_dir,
+                            f"schedule_rank{rank}_{config.fingerprint()}{suffix}")
         with open(base + ".json", "w") as f:
             f.write(payload)
         with open(base + ".py", "w") as f:

@@ -353,3 +353,29 @@ def test_cli_help():
     assert r.returncode == 0
     for word in ("--example", "--format", "--profile", "perfetto", "dbo.u<ID>.<name>"):
         assert word.lower() in r.stdout.lower()
+
+
+def test_dump_dir_writes_every_compiled_schedule(tmp_path):
+    """``dump_dir``: the primary schedule and each candidate the runner may pick, as JSON the
+    viz loads (same units as the program's schedule) and the wrapper each one runs."""
+    import torch
+
+    from conftest import last_artifact
+    from moe_cases import MIXED_CUT, build, eager_and_compiled
+
+    model, step = build(MIXED_CUT, layers=2)
+    eager, out, _, _ = eager_and_compiled(model, step, {"split": "always",
+                                                        "dump_dir": str(tmp_path)})
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+    art = last_artifact()
+    programs = {id(p): (name, p) for name, p in art.variants.items()}  # +smsN share a program
+    assert len(programs) >= 3  # list, naive, joined at least
+    files = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert len(files) == len(programs), files
+    for name, prog in programs.values():
+        stem = f"schedule_rank0_{art.config.fingerprint()}"
+        if prog is not art.split_program:
+            stem += "_" + re.sub(r"[^A-Za-z0-9_.]", "-", name)
+        loaded = load_schedule(tmp_path / f"{stem}.json")
+        assert [u.nodes for u in loaded.units] == [u.nodes for u in prog.schedule.units]
+        assert (tmp_path / f"{stem}.py").read_text() == prog.code
