@@ -105,6 +105,15 @@ def test_dispatch_errors():
     for bad_ids, bad_w in ((ids[:1], w[:1]), (ids, w[:, :1]), (ids, w[:1])):  # no broadcasting
         with pytest.raises(CommOpError, match="must both be"):
             torch.ops.dbo.dispatch(x, bad_ids, bad_w, 4, "")
+    with pytest.raises(CommOpError, match="floating-point"):
+        torch.ops.dbo.dispatch(x.to(torch.int32), ids, w, 4, "")
+    high = ids.clone()
+    high[2, 1] = 4  # one past the last expert: would be routed nowhere
+    with pytest.raises(CommOpError, match="expert id 4 but num_experts=4"):
+        torch.ops.dbo.dispatch(x, high, w, 4, "")
+    masked = ids.clone()
+    masked[2, 1] = -1  # a masked slot is fine
+    torch.ops.dbo.dispatch(x, masked, w, 4, "")
 
 
 @pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 16), (torch.bfloat16, 7),

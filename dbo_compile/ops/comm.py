@@ -210,6 +210,8 @@ def _check_dispatch_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
         raise CommOpError(
             f"dbo.dispatch: topk_ids {tuple(topk_ids.shape)} and topk_weights "
             f"{tuple(topk_weights.shape)} must both be [num_tokens={x.shape[0]}, top_k]")
+    if not x.dtype.is_floating_point:
+        raise CommOpError(f"dbo.dispatch: x must be a floating-point tensor, got {x.dtype}")
     if topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32:
         raise CommOpError(
             f"dbo.dispatch: topk_ids must be int64 and topk_weights float32, got "
@@ -348,8 +350,20 @@ def _split_payload(recv: torch.Tensor, hidden: int, top_k: int
             meta[:, top_k:].clone(memory_format=torch.contiguous_format))
 
 
+def _check_ids_on_host(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Ids ``>= num_experts`` would be routed nowhere (a token silently dropped): refused
+    where reading them costs no device sync (CPU tensors). On CUDA they are not checked."""
+    if topk_ids.device.type == "cpu" and topk_ids.numel():
+        top = int(topk_ids.max())
+        if top >= num_experts:
+            raise CommOpError(f"dbo.dispatch: topk_ids holds expert id {top} but "
+                              f"num_experts={num_experts}; ids must be < num_experts "
+                              "(negative = masked slot)")
+
+
 def _local_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
     e_local = _check_dispatch_args(x, topk_ids, topk_weights, num_experts, 1)
+    _check_ids_on_host(topk_ids, num_experts)
     payload = _send_buffers(x, topk_ids, topk_weights, e_local, 1)
     return _split_payload(payload.view(-1, payload.shape[-1]), x.shape[1], topk_ids.shape[1])
 
@@ -363,6 +377,7 @@ def _torch_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
     group = _resolve_group(group_name)
     w = group.size()
     e_local = _check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
+    _check_ids_on_host(topk_ids, num_experts)
     send = _send_buffers(x, topk_ids, topk_weights, e_local, w)
     send = send.view(-1, send.shape[-1])
     recv = torch.empty_like(send)
@@ -408,7 +423,8 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 
     Args:
         x: ``[T, H]`` activations (any float dtype); ``T`` is the token dim, equal on all ranks.
-        topk_ids: ``[T, K]`` int64 global expert ids (negative = masked slot, routed nowhere).
+        topk_ids: ``[T, K]`` int64 global expert ids ``< num_experts`` (negative = masked
+            slot, routed nowhere; larger ids are refused on CPU, unchecked on CUDA).
         topk_weights: ``[T, K]`` float32 routing weights.
         num_experts: global expert count ``E``; must be divisible by the EP world size ``W``.
         group_name: EP process group name (:func:`ep_group_name`); ``""`` = local, ``W = 1``.
@@ -420,7 +436,8 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         (weight 0); rows not routed here are zeros with all ids ``-1``.
 
     Raises:
-        CommOpError: bad shapes/dtypes or ``num_experts % W != 0``.
+        CommOpError: bad shapes/dtypes (``x`` not floating point), an id ``>= num_experts``
+            (CPU) or ``num_experts % W != 0``.
     """
     backend = get_comm_backend(backend_for_group(group_name))
     return backend.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
