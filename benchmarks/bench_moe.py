@@ -105,6 +105,9 @@ def parse(argv=None):
     p.add_argument("--carveout-candidates", default="default",
                    help="option sm_carveout_candidates: comma-separated SM counts (e.g. 16), '' "
                         "for none, 'default' for the package default ((16,) on CUDA)")
+    p.add_argument("--candidates", default="all",
+                   help="option schedule_candidates: 'all' (default), 'none', or comma-separated "
+                        "names (e.g. list+join,list@link/16): fewer graphs to capture per bucket")
     p.add_argument("--compute-backend", default="auto", choices=["auto", "aten", "inductor"],
                    help="option compute_backend (default: the package default, 'auto' = Inductor "
                         "on CUDA): 'inductor' compiles every stage of the split program and the "
@@ -119,7 +122,15 @@ def parse(argv=None):
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
     p.add_argument("--md", default=None, help="markdown table path (default: json with .md)")
     p.add_argument("--append", action="store_true", help="add rows to an existing --json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.candidates not in ("all", "none"):
+        from dbo_compile import DboConfig, DboConfigError
+
+        try:
+            DboConfig(schedule_candidates=tuple(v for v in args.candidates.split(",") if v))
+        except DboConfigError as e:
+            p.error(f"--candidates: {e}")
+    return args
 
 
 def log(msg: str) -> None:
@@ -204,9 +215,12 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     # default options: split="auto", schedule candidates on; the runner measures and decides
     cand = (None if args.carveout_candidates == "default"
             else tuple(int(v) for v in args.carveout_candidates.split(",") if v))
+    sched_cand = {"all": True, "none": False}.get(
+        args.candidates, tuple(v for v in args.candidates.split(",") if v))
     cmodel = torch.compile(model, backend="dbo", options={"scheduler": args.scheduler,
                                                           "comm_sms": args.comm_sms,
                                                           "sm_carveout_candidates": cand,
+                                                          "schedule_candidates": sched_cand,
                                                           "compute_backend": args.compute_backend,
                                                           "dp_group_name": args.vote_group_name})
     with torch.no_grad():

@@ -181,8 +181,9 @@ def schedule_variants(config: DboConfig) -> list[tuple[str, DboConfig]]:
     NCCL through host memory moves ~6x less than the default figure), the other scheduler, and
     the list scheduler with the routed experts joined (``"list+join"``,
     ``"list@link/16+join"``; :mod:`dbo_compile.passes.join_experts`: in decode, where the
-    expert GEMM is bound by its weight reads). Deterministic in ``config`` (every rank compiles
-    the same candidates)."""
+    expert GEMM is bound by its weight reads); with a tuple ``schedule_candidates`` only those
+    (names in :data:`dbo_compile.config.SCHEDULE_CANDIDATES`). Deterministic in ``config``
+    (every rank compiles the same candidates)."""
     def name(cfg: DboConfig, suffix: str = "") -> str:
         return cfg.scheduler + suffix + ("+join" if cfg.join_experts else "")
 
@@ -197,7 +198,8 @@ def schedule_variants(config: DboConfig) -> list[tuple[str, DboConfig]]:
         for suffix, base in (("", cands[0][1]), ("@link/16", cands[2][1])):
             joined = base.replace(join_experts=True)
             cands.append((name(joined, suffix), joined))
-        out += [c for c in cands if c[0] != out[0][0]]
+        keep = config.schedule_candidates
+        out += [c for c in cands if c[0] != out[0][0] and (keep is True or c[0] in keep)]
     return out
 
 

@@ -20,6 +20,9 @@ _SPLIT_MODES = ("auto", "always", "never")
 _COMPUTE_BACKENDS = ("auto", "aten", "inductor")
 _SCHEDULERS = ("list", "naive")
 _ON_UNSPLITTABLE = ("fallback", "raise")
+#: names of the schedule candidates (:func:`dbo_compile.backend.schedule_variants`)
+SCHEDULE_CANDIDATES = ("list", "list@link/4", "list@link/16", "naive", "list+join",
+                       "list@link/16+join")
 #: fields that cannot change the compiled schedule (may differ between ranks)
 _NOT_FINGERPRINTED = ("dump_dir", "check_host_mirrors")
 
@@ -48,8 +51,12 @@ class DboConfig:
             :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` times per bucket at warm-up,
             keeping the fastest (identical on every rank: timings are maxed over the DP group):
             the list scheduler assuming a 4x and a 16x slower link (``link_gbps / 4``, ``/ 16``:
-            comm-heavy networks) and the other scheduler. The cost model's figures are rough; measuring
-            the candidates makes the order right on the link at hand. ``False``: one schedule.
+            comm-heavy networks), the other scheduler and the joined schedules (see
+            ``join_experts``). The cost model's figures are rough; measuring the candidates
+            makes the order right on the link at hand. ``False``: one schedule. A tuple of
+            names from :data:`SCHEDULE_CANDIDATES`: the primary schedule and those (fewer
+            graphs to compile, capture and time per bucket, e.g. the winners of a benchmark on
+            the link at hand).
         sm_carveout_candidates: SM carve-outs (ints) to try as well: each schedule candidate is
             also compiled with each carve-out (``comm_sms`` semantics) and measured by the
             runner, which keeps a carve-out only in buckets where it was faster. ``None``
@@ -104,7 +111,7 @@ class DboConfig:
     prefill_token_threshold: int = 512
     split: str = "auto"
     scheduler: str = "list"
-    schedule_candidates: bool = True
+    schedule_candidates: bool | tuple[str, ...] = True
     sm_carveout_candidates: tuple | None = None
     join_experts: bool = False
     compute_backend: str = "auto"
@@ -149,9 +156,19 @@ class DboConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
-        for name in ("schedule_candidates", "join_experts", "check_host_mirrors"):
+        for name in ("join_experts", "check_host_mirrors"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
+        if isinstance(self.schedule_candidates, (list, tuple)):  # duplicates dropped
+            object.__setattr__(self, "schedule_candidates",
+                               tuple(dict.fromkeys(self.schedule_candidates)))
+            unknown = [c for c in self.schedule_candidates if c not in SCHEDULE_CANDIDATES]
+            if unknown:
+                raise bad("schedule_candidates",
+                          f"unknown candidate(s) {unknown}; valid: {list(SCHEDULE_CANDIDATES)}")
+        elif not isinstance(self.schedule_candidates, bool):
+            raise bad("schedule_candidates",
+                      f"must be a bool or a tuple of names from {list(SCHEDULE_CANDIDATES)}")
         if isinstance(self.sm_carveout_candidates, (list, tuple)):  # duplicates dropped
             object.__setattr__(self, "sm_carveout_candidates",
                                tuple(dict.fromkeys(self.sm_carveout_candidates)))

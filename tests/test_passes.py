@@ -189,7 +189,8 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
     """``schedule_candidates`` compiles alternative orders (list under slower links, naive);
     each is a different host order of the same units, and each computes what eager does."""
     from dbo_compile.backend import schedule_variants
-    from dbo_compile.config import DboConfig
+    from dbo_compile.config import SCHEDULE_CANDIDATES, DboConfig
+    from dbo_compile.errors import DboConfigError
 
     names = [n for n, _ in schedule_variants(DboConfig())]
     assert names == ["list", "list@link/4", "list@link/16", "naive", "list+join",
@@ -197,6 +198,15 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
     assert [n for n, _ in schedule_variants(DboConfig(schedule_candidates=False))] == ["list"]
     assert [n for n, _ in schedule_variants(DboConfig(schedule_candidates=False,
                                                       join_experts=True))] == ["list+join"]
+    assert [n for n, _ in schedule_variants(DboConfig())] == list(SCHEDULE_CANDIDATES)
+    picked = DboConfig(schedule_candidates=["list@link/16+join", "naive", "naive"])
+    assert picked.schedule_candidates == ("list@link/16+join", "naive")
+    assert [n for n, _ in schedule_variants(picked)] == ["list", "naive", "list@link/16+join"]
+    assert picked.fingerprint() != DboConfig().fingerprint()
+    assert [n for n, _ in schedule_variants(DboConfig(schedule_candidates=("list",)))] == ["list"]
+    for bad in (("list+joined",), "list+join", 1):
+        with pytest.raises(DboConfigError, match="schedule_candidates"):
+            DboConfig(schedule_candidates=bad)
     model, step = build(MIXED_CUT, layers=3)
     eager, _, _, _ = eager_and_compiled(model, step, {"split": "always", "link_gbps": 2.0})
     art = last_artifact()
