@@ -223,3 +223,33 @@ def test_int_argument_sizing_a_token_view_compiles_unsplit_and_says_why(scale, w
             torch.testing.assert_close(compiled(x, t), m(x, t))
     art = last_artifact()
     assert isinstance(art, UnsplitProgram) and why in art.reason, art.reason
+
+
+def test_record_calls_and_last_called_are_per_thread():
+    """A server may step models from several threads: one thread's recording (the CUDA-graph
+    runner's warm-up) must not collect another thread's calls."""
+    import threading
+
+    from dbo_compile.runtime.program import last_called, record_calls
+
+    m = torch.compile(nn.Linear(4, 4), backend="dbo")
+    xa, xb = torch.randn(3, 4), torch.randn(5, 4)
+    m(xa), m(xb)  # compile both shapes first
+    recording, other_done = threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        recording.wait(timeout=30)
+        m(xb)
+        seen["other"] = last_called()
+        other_done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with record_calls() as calls:
+        recording.set()
+        assert other_done.wait(timeout=30)
+        m(xa)
+    t.join(timeout=30)
+    assert len(calls) == 1 and any(a is xa for a in calls[0][1])  # this thread's call only
+    assert seen["other"] is not None and last_called() is not None

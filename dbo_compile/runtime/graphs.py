@@ -552,7 +552,7 @@ class CudaGraphRunner:
         come from the host mirrors, else from one device read, shared with the split."""
         from dbo_compile.runtime import program
 
-        program._LAST_CALLED[0] = art
+        program._THREAD.last_called = art
         host = None
         if getattr(art, "split_program", None) is not None:
             if "query_start_loc" in art._fields:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -49,27 +50,34 @@ class StepStats:
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
 
-_LAST_CALLED: list[Any] = [None]
-#: while not None (inside :func:`record_calls`), every artifact call appends ``(artifact, args)``
-_RECORDED: list[Any] = [None]
+class _PerThread(threading.local):
+    """Per thread (a server may step several models from several threads): the artifact
+    called last, and while not None (inside :func:`record_calls`) the list every artifact call
+    appends ``(artifact, args)`` to."""
+    last_called: Any = None
+    recorded: list | None = None
+
+
+_THREAD = _PerThread()
 
 
 @contextlib.contextmanager
 def record_calls() -> Iterator[list[tuple[Any, tuple[Any, ...]]]]:
-    """Within the block, every call of a compiled artifact appends ``(artifact, graph args)``
-    to the yielded list (the CUDA-graph runner records a step's graph inputs with it)."""
+    """Within the block, every call of a compiled artifact in this thread appends
+    ``(artifact, graph args)`` to the yielded list (the CUDA-graph runner records a step's
+    graph inputs with it)."""
     calls: list[tuple[Any, tuple[Any, ...]]] = []
-    old, _RECORDED[0] = _RECORDED[0], calls
+    old, _THREAD.recorded = _THREAD.recorded, calls
     try:
         yield calls
     finally:
-        _RECORDED[0] = old
+        _THREAD.recorded = old
 
 
 def last_called() -> Any:
-    """The compiled artifact that ran the most recent step in this process (Dynamo may hold
+    """The compiled artifact that ran the most recent step in this thread (Dynamo may hold
     several for one model: a static and a dynamic graph); its ``last_vote`` is that step's."""
-    return _LAST_CALLED[0]
+    return _THREAD.last_called
 
 
 class UnsplitProgram:
@@ -101,9 +109,9 @@ class UnsplitProgram:
         self._token_index = next((s.index for s in specs or [] if s.kind == "token"), None)
 
     def __call__(self, *args: Any) -> Any:
-        _LAST_CALLED[0] = self
-        if _RECORDED[0] is not None:
-            _RECORDED[0].append((self, args))
+        _THREAD.last_called = self
+        if _THREAD.recorded is not None:
+            _THREAD.recorded.append((self, args))
         vote = self.decide(args)
         self.last_vote = vote
         self.stats.count(False, "unsplittable")
@@ -401,11 +409,11 @@ class DboCompiledModule:
         return md, (qsl_h, seq_h, ctx_h)
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
-        if _RECORDED[0] is not None:
-            _RECORDED[0].append((self, args))
+        if _THREAD.recorded is not None:
+            _THREAD.recorded.append((self, args))
         vote, reason, qlens = self.decide(args)
         self.last_vote = vote
-        _LAST_CALLED[0] = self
+        _THREAD.last_called = self
         self.stats.count(vote.should_split, reason)
         num_tokens = int(args[self._token_index].shape[0])
         padded_args = _pad_args(self.specs, args, num_tokens, vote.num_tokens_padded)
