@@ -116,6 +116,8 @@ def test_split_never_keeps_every_bucket_unsplit_and_matches_eager():
     runner = CudaGraphRunner(compiled, [8, 32], max_blocks_per_req=8, timing_iters=1)
     runner.capture()
     assert not any(b.use_split for b in runner.graphs.values())
+    art = runner.graphs[32].artifact
+    assert (art.stats.split_steps, art.stats.unsplit_steps) == (0, 0)  # warm-up not counted
     step = make_step(cfg, decode_context_lens=[5, 40, 17], prefills=[(16, 9)], block_size=16,
                      num_blocks=NUM_BLOCKS)
     with torch.no_grad():
@@ -124,6 +126,7 @@ def test_split_never_keeps_every_bucket_unsplit_and_matches_eager():
                      step.num_scheduled_tokens)
     assert runner.last_choice == (32, "unsplit")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert (art.stats.split_steps, art.stats.unsplit_steps) == (0, 1)
 
 
 def test_inductor_compiles_only_what_the_bucket_graphs_run(monkeypatch):

@@ -242,10 +242,10 @@ class CudaGraphRunner:
         """Run one synthetic step through the compiled model; its artifact, graph args and
         the positions of the step's inputs among them."""
         from dbo_compile.runtime.engine import run_step
-        from dbo_compile.runtime.program import record_calls
+        from dbo_compile.runtime.program import record_calls, uncounted
 
         ids, pos, md, qlens = self._dummy_step(tokens, prefill)
-        with torch.no_grad(), record_calls() as calls:
+        with torch.no_grad(), record_calls() as calls, uncounted():
             run_step(self.compiled, ids, pos, md, qlens, block_size=self.block_size,
                      **self.model_kwargs)
         if len(calls) != 1:

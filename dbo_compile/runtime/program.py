@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepStats:
-    """Counters tests and benchmarks read (``compiled.stats``)."""
+    """Counters tests and benchmarks read (``compiled.stats``): the steps served, not the
+    CUDA-graph runner's warm-up steps."""
 
     split_steps: int = 0
     unsplit_steps: int = 0
@@ -42,6 +43,8 @@ class StepStats:
     reasons: dict[str, int] = field(default_factory=dict)
 
     def count(self, split: bool, reason: str) -> None:
+        if not _THREAD.counting:  # the CUDA-graph runner's warm-up steps
+            return
         if split:
             self.split_steps += 1
         else:
@@ -56,6 +59,7 @@ class _PerThread(threading.local):
     appends ``(artifact, args)`` to."""
     last_called: Any = None
     recorded: list | None = None
+    counting: bool = True
 
 
 _THREAD = _PerThread()
@@ -72,6 +76,17 @@ def record_calls() -> Iterator[list[tuple[Any, tuple[Any, ...]]]]:
         yield calls
     finally:
         _THREAD.recorded = old
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Within the block, calls in this thread do not count in the artifacts' ``stats``
+    (the CUDA-graph runner's synthetic warm-up steps are not served steps)."""
+    old, _THREAD.counting = _THREAD.counting, False
+    try:
+        yield
+    finally:
+        _THREAD.counting = old
 
 
 def last_called() -> Any:
