@@ -270,6 +270,36 @@ def test_dispatch_combine_two_ranks():
     assert outs == [[(t, h) for t, _, _, h in cases]] * 2
 
 
+def _bad_id_on_one_rank(rank, world_size):
+    import logging
+
+    import torch.distributed as dist
+
+    from dbo_compile.ops.comm import ep_group_name
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dbo_compile.ops.comm").addHandler(handler)
+    name = ep_group_name(dist.group.WORLD)
+    x, ids, w = _routing(4, 8, 2, 4, seed=rank)
+    if rank == 0:
+        ids[1, 0] = 4  # == num_experts: dropped, and logged on this rank only
+    for _ in range(2):  # a second step: the group is still usable
+        rx, _, rw = torch.ops.dbo.dispatch(x, ids, w, 4, name)
+        torch.ops.dbo.combine(rx * rw.sum(-1, keepdim=True), name)
+    return [r.getMessage().split(";")[0] for r in records]
+
+
+@pytest.mark.multirank
+def test_an_expert_id_past_the_last_on_one_rank_never_hangs_the_group():
+    """Raising on one EP rank before the all-to-all would leave the other waiting in it: with
+    several ranks the id is dropped and logged as an error instead."""
+    logs = run_multirank(_bad_id_on_one_rank, 2, timeout_s=120)
+    assert logs[1] == [] and len(logs[0]) == 2
+    assert "expert id 4 but num_experts=4" in logs[0][0]
+
+
 # ------------------------------------------------------------------------------------------
 # attention
 # ------------------------------------------------------------------------------------------

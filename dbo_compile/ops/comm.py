@@ -350,20 +350,25 @@ def _split_payload(recv: torch.Tensor, hidden: int, top_k: int
             meta[:, top_k:].clone(memory_format=torch.contiguous_format))
 
 
-def _check_ids_on_host(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Ids ``>= num_experts`` would be routed nowhere (a token silently dropped): refused
-    where reading them costs no device sync (CPU tensors). On CUDA they are not checked."""
+def _check_ids_on_host(topk_ids: torch.Tensor, num_experts: int, world_size: int) -> None:
+    """Ids ``>= num_experts`` are routed nowhere (the slot is dropped, like a masked one).
+    Where reading them costs no device sync (CPU tensors) they are refused with world size 1
+    and logged as an error otherwise: raising on one EP rank before the collective would
+    leave the other ranks waiting in it. On CUDA they are not checked."""
     if topk_ids.device.type == "cpu" and topk_ids.numel():
         top = int(topk_ids.max())
         if top >= num_experts:
-            raise CommOpError(f"dbo.dispatch: topk_ids holds expert id {top} but "
-                              f"num_experts={num_experts}; ids must be < num_experts "
-                              "(negative = masked slot)")
+            msg = (f"dbo.dispatch: topk_ids holds expert id {top} but num_experts="
+                   f"{num_experts}; ids must be < num_experts (negative = masked slot)")
+            if world_size == 1:
+                raise CommOpError(msg)
+            log.error("%s; with %d EP ranks the slot is dropped (raising on this rank alone "
+                      "would hang the others in the all-to-all)", msg, world_size)
 
 
 def _local_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
     e_local = _check_dispatch_args(x, topk_ids, topk_weights, num_experts, 1)
-    _check_ids_on_host(topk_ids, num_experts)
+    _check_ids_on_host(topk_ids, num_experts, 1)
     payload = _send_buffers(x, topk_ids, topk_weights, e_local, 1)
     return _split_payload(payload.view(-1, payload.shape[-1]), x.shape[1], topk_ids.shape[1])
 
@@ -377,7 +382,7 @@ def _torch_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
     group = _resolve_group(group_name)
     w = group.size()
     e_local = _check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
-    _check_ids_on_host(topk_ids, num_experts)
+    _check_ids_on_host(topk_ids, num_experts, w)
     send = _send_buffers(x, topk_ids, topk_weights, e_local, w)
     send = send.view(-1, send.shape[-1])
     recv = torch.empty_like(send)
@@ -424,7 +429,8 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     Args:
         x: ``[T, H]`` activations (any float dtype); ``T`` is the token dim, equal on all ranks.
         topk_ids: ``[T, K]`` int64 global expert ids ``< num_experts`` (negative = masked
-            slot, routed nowhere; larger ids are refused on CPU, unchecked on CUDA).
+            slot, routed nowhere; larger ids are dropped too: refused on CPU with one EP
+            rank, logged as an error on CPU with several, unchecked on CUDA).
         topk_weights: ``[T, K]`` float32 routing weights.
         num_experts: global expert count ``E``; must be divisible by the EP world size ``W``.
         group_name: EP process group name (:func:`ep_group_name`); ``""`` = local, ``W = 1``.
@@ -437,7 +443,7 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 
     Raises:
         CommOpError: bad shapes/dtypes (``x`` not floating point), an id ``>= num_experts``
-            (CPU) or ``num_experts % W != 0``.
+            (CPU, ``W = 1``) or ``num_experts % W != 0``.
     """
     backend = get_comm_backend(backend_for_group(group_name))
     return backend.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
