@@ -159,13 +159,16 @@ class DboConfig:
         for name in ("join_experts", "check_host_mirrors"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
-        if isinstance(self.schedule_candidates, (list, tuple)):  # duplicates dropped
-            object.__setattr__(self, "schedule_candidates",
-                               tuple(dict.fromkeys(self.schedule_candidates)))
-            unknown = [c for c in self.schedule_candidates if c not in SCHEDULE_CANDIDATES]
+        if isinstance(self.schedule_candidates, (list, tuple)):
+            unknown = [c for c in self.schedule_candidates
+                       if not isinstance(c, str) or c not in SCHEDULE_CANDIDATES]
             if unknown:
                 raise bad("schedule_candidates",
                           f"unknown candidate(s) {unknown}; valid: {list(SCHEDULE_CANDIDATES)}")
+            # canonical (order and duplicates do not matter, () is False): the fingerprint the
+            # DP vote compares must not depend on how a rank built the tuple
+            picked = tuple(c for c in SCHEDULE_CANDIDATES if c in self.schedule_candidates)
+            object.__setattr__(self, "schedule_candidates", picked or False)
         elif not isinstance(self.schedule_candidates, bool):
             raise bad("schedule_candidates",
                       f"must be a bool or a tuple of names from {list(SCHEDULE_CANDIDATES)}")

@@ -200,11 +200,15 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
                                                       join_experts=True))] == ["list+join"]
     assert [n for n, _ in schedule_variants(DboConfig())] == list(SCHEDULE_CANDIDATES)
     picked = DboConfig(schedule_candidates=["list@link/16+join", "naive", "naive"])
-    assert picked.schedule_candidates == ("list@link/16+join", "naive")
+    assert picked.schedule_candidates == ("naive", "list@link/16+join")  # canonical order
+    assert picked.fingerprint() == DboConfig(
+        schedule_candidates=("naive", "list@link/16+join")).fingerprint()
+    assert DboConfig(schedule_candidates=()).fingerprint() == DboConfig(
+        schedule_candidates=False).fingerprint()
     assert [n for n, _ in schedule_variants(picked)] == ["list", "naive", "list@link/16+join"]
     assert picked.fingerprint() != DboConfig().fingerprint()
     assert [n for n, _ in schedule_variants(DboConfig(schedule_candidates=("list",)))] == ["list"]
-    for bad in (("list+joined",), "list+join", 1):
+    for bad in (("list+joined",), "list+join", 1, [["naive"]]):
         with pytest.raises(DboConfigError, match="schedule_candidates"):
             DboConfig(schedule_candidates=bad)
     model, step = build(MIXED_CUT, layers=3)
