@@ -19,6 +19,7 @@ reason is logged at WARNING, naming the node (``DboConfig.on_unsplittable="raise
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 import re
@@ -154,8 +155,10 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         for name, base in schedules.items():
             variants[f"{name}+sms{sms}"] = copy.copy(base)
             variants[f"{name}+sms{sms}"].carveout_sms = sms
+    graph_no = next(_SPLIT_GRAPHS)
     for name, prog in schedules.items():  # the primary first
-        _dump_schedule(prog.schedule, prog.code, config, None if prog is program else name)
+        _dump_schedule(prog.schedule, prog.code, config, graph_no,
+                       None if prog is program else name)
     log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
              "(%.2f s)", config.num_ubatches, len(comms), len(schedule.units),
              len(schedule.event_edges), time.perf_counter() - t0)
@@ -248,10 +251,16 @@ def _dump_graph(name: str, gm: fx.GraphModule) -> None:
     log.debug("dbo %s graph:\n%s", name, gm.code)
 
 
-def _dump_schedule(schedule: Any, code: str, config: DboConfig, variant: str | None) -> None:
+#: split graphs compiled in this process (numbers the dumps: a model with graph breaks has
+#: several, compiled in the same order on every rank)
+_SPLIT_GRAPHS = itertools.count()
+
+
+def _dump_schedule(schedule: Any, code: str, config: DboConfig, graph_no: int,
+                   variant: str | None) -> None:
     """The schedule (JSON) to TORCH_TRACE, and with ``dump_dir`` the schedule and its wrapper
-    to ``schedule_rank{R}_{fingerprint}[_{variant}].json/.py`` (``variant``: None for the
-    primary, else the candidate's name, ``@``, ``/`` and ``+`` written as ``-``)."""
+    to ``schedule_rank{R}_g{graph_no}_{fingerprint}[_{variant}].json/.py`` (``variant``: None
+    for the primary, else the candidate's name, ``@``, ``/`` and ``+`` written as ``-``)."""
     payload = schedule.to_json()
     try:
         from torch._logging import trace_structured
@@ -266,7 +275,7 @@ def _dump_schedule(schedule: Any, code: str, config: DboConfig, variant: str | N
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         suffix = "" if variant is None else "_" + re.sub(r"[^A-Za-z0-9_.]", "-", variant)
         base = os.path.join(config.dump_dir,
-                            f"schedule_rank{rank}_{config.fingerprint()}{suffix}")
+                            f"schedule_rank{rank}_g{graph_no}_{config.fingerprint()}{suffix}")
         with open(base + ".json", "w") as f:
             f.write(payload)
         with open(base + ".py", "w") as f:

@@ -372,8 +372,9 @@ def test_dump_dir_writes_every_compiled_schedule(tmp_path):
     assert len(programs) >= 3  # list, naive, joined at least
     files = sorted(p.name for p in tmp_path.glob("*.json"))
     assert len(files) == len(programs), files
+    graph = re.match(r"schedule_rank0_(g\d+)_", files[0]).group(1)
     for name, prog in programs.values():
-        stem = f"schedule_rank0_{art.config.fingerprint()}"
+        stem = f"schedule_rank0_{graph}_{art.config.fingerprint()}"
         if prog is not art.split_program:
             stem += "_" + re.sub(r"[^A-Za-z0-9_.]", "-", name)
         loaded = load_schedule(tmp_path / f"{stem}.json")
