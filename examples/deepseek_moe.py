@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tol", type=float, default=None,
                         help="max abs error allowed vs eager (default 1e-5 fp32, 5e-2 bf16)")
     args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
     if args.decodes < 0 or args.prefill_tokens < 0 or args.decodes + args.prefill_tokens < 1:
         parser.error("--decodes and --prefill-tokens must be >= 0 and give a step of >= 1 token")
     tol = args.tol if args.tol is not None else (1e-5 if args.dtype == "fp32" else 5e-2)
