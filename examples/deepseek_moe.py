@@ -42,7 +42,8 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         eager = model(step.input_ids, step.positions, step.attn_metadata)
         for c, saved in zip(model.kv_caches(), caches):
             c.copy_(saved)
-        options = {"split": "always", "scheduler": args.scheduler, "link_gbps": args.link_gbps}
+        options = {"split": "always", "scheduler": args.scheduler, "link_gbps": args.link_gbps,
+                   "dump_dir": args.dump_dir}
         compiled = torch.compile(model, backend="dbo", options=options)
         out = compiled(step.input_ids, step.positions, step.attn_metadata)
     artifact = compiled_artifacts()[-1]
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                              "models a comm-heavy link, where DBO pays (schedule only: CPU "
                              "collectives run over Gloo whatever this says)")
     parser.add_argument("--scheduler", choices=("list", "naive"), default="list")
+    parser.add_argument("--dump-dir", default=None, metavar="DIR",
+                        help="write each compiled schedule (JSON) and generated wrapper (.py) "
+                             "there, for python -m dbo_compile.viz DIR/schedule_rank0_....json")
     parser.add_argument("--tol", type=float, default=None,
                         help="max abs error allowed vs eager (default 1e-5 fp32, 5e-2 bf16)")
     args = parser.parse_args(argv)
