@@ -38,7 +38,7 @@ sys.path.insert(0, _ROOT)
 
 from dbo_compile.models.batch import make_step  # noqa: E402
 from dbo_compile.ops import attention as A  # noqa: E402
-from dbo_compile.runtime.cudagraph import capture  # noqa: E402
+from dbo_compile.runtime.capture import capture  # noqa: E402
 
 #: (rows per program, context positions per iteration, warps, stages) timed by --sweep
 SWEEP = [(16, 16, 4, 2), (16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2),

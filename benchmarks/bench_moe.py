@@ -10,7 +10,7 @@ On a machine without CUDA it runs on CPU over Gloo (a smoke test: tiny preset, n
 Per bucket (phase, tokens/rank), every figure the median of ``--iters`` timed calls (CUDA events),
 the max over ranks. The model is compiled with the default options (``split="auto"``, schedule
 candidates on) and run by ``dbo_compile.runtime.graphs.CudaGraphRunner`` with the bucket as its
-only bucket: the runner captures the unsplit program and every split schedule variant as CUDA
+only bucket: the runner captures the unsplit program and every split schedule candidate as CUDA
 graphs, times them at warm-up and decides. Then, on the benchmark's own step:
 
 - ``unsplit_eager``: the model run eagerly, unsplit.
@@ -18,7 +18,7 @@ graphs, times them at warm-up and decides. Then, on the benchmark's own step:
   default on CUDA, the unsplit program compiled by Inductor, like the split program's stages).
 - ``inductor`` (``--inductor``): the unsplit model compiled by Inductor, in a CUDA graph.
 - ``split_serial``: the DBO schedule with its comm stream replaced by the compute stream
-  (``dbo_compile.runtime.cudagraph.serial_comm``): same kernels, same order, no overlap.
+  (``dbo_compile.testing.measure.serial_comm``): same kernels, same order, no overlap.
 - ``split_nocomm``: as split_serial, with the collectives replaced by local copies of the same
   shapes (``moe_harness.no_comm``): the compute of the split program alone.
 - ``comm``: the collectives of the split program alone (per MoE layer and ubatch: dispatch = 1
@@ -26,8 +26,9 @@ graphs, times them at warm-up and decides. Then, on the benchmark's own step:
   graph.
 - ``dbo_eager``: the compiled model called eagerly through ``run_step`` (vote, metadata split,
   generated wrapper on two streams).
-- ``dbo_graph``: the fastest split schedule variant (by the runner's warm-up timing) in a CUDA
-  graph; every variant's time is in ``t_variants_us``.
+- ``dbo_graph``: the fastest split schedule candidate (by the runner's warm-up timing) in a
+  CUDA graph; every candidate's time is in ``t_variants_us`` (the key, and ``dbo_variant``,
+  keep the names of the earlier results files, so that runs compare row by row).
 - ``chosen``: the graph the runner runs by default for this bucket; ``runner_step``: one whole
   runner call (vote, copies into the static buffers, replay), as a server calls it: the step's
   attention metadata carries its host mirrors (``query_start_loc_cpu``, ...: the CPU tensors it
@@ -40,12 +41,12 @@ graphs, times them at warm-up and decides. Then, on the benchmark's own step:
   overlap the GPU's.
 
 speedup = baseline / dbo_graph; η = (split_serial − dbo_graph) / (split_serial − max(split_nocomm,
-comm)) (../shared/DESIGN.md); pick / baseline = baseline / chosen.
+comm)) (docs/design.md); pick / baseline = baseline / chosen.
 
 GPU stand-ins (see moe_harness): routed experts as one grouped-GEMM op (``--experts grouped``),
 attention as the package's ``dbo.attention`` (``--attention fused``, the default: on CUDA the
 fused Triton paged-attention kernel); ``--attention proj`` writes the KV cache and skips the
-attention itself (as the hand-written schedule of REFERENCES.md, and the runs before
+attention itself (as the hand-written schedule of docs/references.md, and the runs before
 2026-11-30 afternoon); ``--attention ref`` the reference attention op (a Python chunk loop:
 representative of nothing on GPU).
 """
@@ -72,7 +73,8 @@ import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import comm as _comm  # noqa: E402
-from dbo_compile.runtime import cudagraph as cg  # noqa: E402
+from dbo_compile.runtime import capture as cg_capture  # noqa: E402
+from dbo_compile.testing import measure as cg  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
 from dbo_compile.runtime.graphs import CudaGraphRunner, _split_fn  # noqa: E402
 
@@ -88,7 +90,7 @@ def parse(argv=None):
                         "weighs as much as ~4 of these layers, which a 27-layer model amortises)")
     p.add_argument("--dense-layers", type=int, default=0,
                    help="first_k_dense_replace: leading dense-MLP layers (default 0: every layer "
-                        "MoE, as the hand-written reference of ../shared/REFERENCES.md)")
+                        "MoE, as the hand-written reference of docs/references.md)")
     p.add_argument("--buckets", default=None,
                    help="phase:tokens,... default: decode 64..1024 and prefill 2048..8192 (GPU)")
     p.add_argument("--iters", type=int, default=20)
@@ -227,7 +229,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
         ref = model(ids, pos, md).clone()
     runner = CudaGraphRunner(cmodel, [tokens], max_blocks_per_req=int(md.block_table.shape[1]),
                              block_size=step.block_size, vocab_size=cfg.vocab_size,
-                             timing_iters=args.iters, keep_variants=True, device=device)
+                             timing_iters=args.iters, keep_candidates=True, device=device)
     t0 = time.perf_counter()
     with torch.no_grad():
         runner.capture()
@@ -242,11 +244,11 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
         return row
     row["schedules"] = {name: {"units": len(p.schedule.units), "event_edges": len(p.schedule.event_edges),
                                "predicted_us": round(p.schedule.predicted_step_us, 1)}
-                        for name, p in art.variants.items()}
+                        for name, p in art.candidates.items()}
     row["warmup_us"] = {k: round(v, 1) for k, v in b.times_us.items()}
     row["chosen"] = "split" if b.use_split else "unsplit"
     row["chosen_graph"] = b.choice
-    row["dbo_variant"] = b.best_variant
+    row["dbo_variant"] = b.best_candidate
     t: dict = {}
     with torch.no_grad():
         out = runner(ids, pos, md, qlens)  # the serving path on the real step
@@ -259,7 +261,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
             if cuda:
                 torch.cuda.synchronize()
             row[f"num_{name}_vs_unsplit"] = H.rel_err(b.outs[name][0][:tokens], ref)
-        program = art.variants[b.best_variant]
+        program = art.candidates[b.best_candidate]
         split_fn = _split_fn(program, b.split_args, art.signature.outputs)
 
         def serial():
@@ -292,7 +294,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
                 makers.append(("inductor", lambda: ind(ids, pos, md)))
             for name, fn in makers:
                 try:
-                    extra[name] = cg.capture(fn, warmup=2)
+                    extra[name] = cg_capture.capture(fn, warmup=2)
                 except Exception as e:  # noqa: BLE001
                     row["errors"].append(f"capture {name}: {type(e).__name__}: {e}"[:400])
                     log(f"  capture {name} FAILED: {traceback.format_exc()[-1500:]}")
@@ -302,7 +304,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
             del extra
         else:  # CPU smoke run: eager figures
             t["graph:unsplit"] = t["unsplit_eager"]
-            t[f"graph:{b.best_variant}"] = timer(split_fn)
+            t[f"graph:{b.best_candidate}"] = timer(split_fn)
             t["split_serial"] = timer(serial)
             t["split_nocomm"] = timer(nocomm)
             t["comm"] = timer(comm)
@@ -364,7 +366,7 @@ def markdown(doc: dict) -> str:
     lines.append("")
     lines.append("µs per step, median of CUDA-event-timed graph replays on the benchmark's step, max "
                  "over ranks. baseline = unsplit program in one CUDA graph; DBO graph = the split "
-                 "program's fastest schedule variant (measured at warm-up by the runtime's "
+                 "program's fastest schedule candidate (measured at warm-up by the runtime's "
                  "CudaGraphRunner) in one CUDA graph; runtime picks = what CudaGraphRunner runs by "
                  "default (split=\"auto\": split only where measured faster); speedup = baseline / DBO "
                  "graph; η = (serial − DBO) / (serial − max(no comm, M)).")

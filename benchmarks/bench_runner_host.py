@@ -190,7 +190,7 @@ def run_case(case: str, graphs: list[str], layers: int, iters: int, warmup: int)
     count_host_reads = _count_host_reads()
     out: dict = {}
     for graph in graphs:
-        b.choice = b.best_variant if graph == "split" else "unsplit"
+        b.choice = b.best_candidate if graph == "split" else "unsplit"
         for column, metadata in columns.items():
             if metadata is None:
                 continue

@@ -21,7 +21,7 @@ is the max over the ranks. Parts (functions timed):
 - lowering / token dims / split + yields / schedules / codegen: the backend's passes
   (``lower_to_aten``, ``annotate_token_dims``, ``split_ubatch`` + ``insert_yields``,
   ``stream_assign``, ``SplitProgram`` construction); backend other: the rest of
-  ``compile_split`` / ``dbo_backend``;
+  ``compile_split`` (``dbo_compile.passes.pipeline``) / ``dbo_backend``;
 - Inductor: ``InductorStage._compile`` (``compute_backend="inductor"``; the first includes
   Inductor's own start-up); "Inductor runs" below the table counts the compiled callables;
 - warm-up step runs: the compiled module's calls inside ``_record`` (vote, split or not);
@@ -62,7 +62,8 @@ PARTS = [
     ("split + yields", "dbo_compile.passes.insert_yields:insert_yields"),
     ("schedules", "dbo_compile.passes.stream_assign:stream_assign"),
     ("codegen", "dbo_compile.codegen.wrapper:SplitProgram.__init__"),
-    ("backend other", "dbo_compile.backend:compile_split"),
+    ("backend other", "dbo_compile.backend:compile_split"),  # before the pass pipeline
+    ("backend other", "dbo_compile.passes.pipeline:compile_split"),
     ("backend other", "dbo_compile.backend:_unsplit_program"),
     ("Inductor compile", "dbo_compile.codegen.inductor:InductorStage._compile"),
     ("warm-up step runs", "dbo_compile.runtime.program:DboCompiledModule.__call__"),
@@ -150,9 +151,11 @@ def measure(args) -> None:
         runner.capture()
     total = time.perf_counter() - t0
     arts = dbo_backend.compiled_artifacts()
-    variants = sorted(getattr(arts[-1], "variants", {}) or {}) if arts else []
+    candidates = sorted(getattr(arts[-1], "candidates", None) or getattr(arts[-1], "variants", {})
+                        or {}) if arts else []
     # Inductor runs = distinct compiled callables of every stage and unsplit program
-    stages = [fn for a in arts for p in getattr(a, "variants", {}).values() for fn in p.units]
+    stages = [fn for a in arts for p in (getattr(a, "candidates", None) or getattr(a, "variants", {})
+                                         ).values() for fn in p.units]
     stages += [getattr(a, "unsplit", None) for a in arts] + [getattr(a, "fn", None) for a in arts]
     compiled = {id(fn) for s in {id(s): s for s in stages}.values()
                 for fn in getattr(s, "compiled", {}).values()}
@@ -165,7 +168,7 @@ def measure(args) -> None:
         doc = {"seconds": [[p, b, v] for (p, b), v in zip(keys, values)],
                "calls": [[p, b, timer.calls[(p, b)]] for p, b in keys],
                "total": values[-1], "buckets": buckets, "backend_compiles": len(arts),
-               "variants": variants, "device": str(device),
+               "candidates": candidates, "device": str(device),
                "choice": {t: b.choice for t, b in runner.graphs.items()},
                "inductor_runs": len(compiled), "dynamo": _dynamo_times()}
         with open(args.out, "w") as f:
@@ -312,7 +315,7 @@ def main(argv=None) -> int:
     print(table(runs))
     for name, doc in runs:
         print(f"\n{name}: Dynamo/backend compiles {doc['backend_compiles']}, Inductor runs "
-              f"{doc['inductor_runs']}, variants {doc['variants']}, choice {doc['choice']}, "
+              f"{doc['inductor_runs']}, candidates {doc.get('candidates', doc.get('variants'))}, choice {doc['choice']}, "
               f"load average before/after each run {doc['load']}, Dynamo's own figures "
               f"(last run) {doc['dynamo']}")
     if args.json:

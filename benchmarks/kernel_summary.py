@@ -7,7 +7,7 @@ Run (2 GPUs)::
         --compute-backend inductor
 
 Prints, for rank 0, the kernels grouped by a short name: calls and total µs in the unsplit
-graph and in the split graph (the runner's fastest variant), sorted by the difference; and the
+graph and in the split graph (the runner's fastest candidate), sorted by the difference; and the
 total kernel count and kernel time of each. NCCL kernels are listed like the others; run with
 ``NCCL_P2P_DISABLE=1`` for the comm-heavy link.
 """
@@ -124,24 +124,24 @@ def main(argv=None) -> int:
     runner = CudaGraphRunner(cm, [args.tokens], block_size=step.block_size,
                              max_blocks_per_req=int(step.attn_metadata.block_table.shape[1]),
                              vocab_size=model.config.vocab_size, timing_iters=5,
-                             keep_variants=True, device=device)
+                             keep_candidates=True, device=device)
     with torch.no_grad():
         runner.capture()
     b = runner.graphs[args.tokens]
     tables = {"unsplit": kernel_table(b.graphs["unsplit"], args.reps),
-              "split": kernel_table(b.graphs[b.best_variant], args.reps)}
+              "split": kernel_table(b.graphs[b.best_candidate], args.reps)}
     if args.ops:
         from dbo_compile.runtime.graphs import _split_fn
 
         art = b.artifact
         with torch.no_grad():
             op_tables = {"unsplit": op_table(lambda: art.unsplit(*b.args), args.reps),
-                         "split": op_table(_split_fn(art.variants[b.best_variant], b.split_args,
+                         "split": op_table(_split_fn(art.candidates[b.best_candidate], b.split_args,
                                                      art.signature.outputs), args.reps)}
     if dist.get_rank() == 0:
         print_tables(tables, args.top,
                      f"{args.phase} {args.tokens} tok/rank, compute_backend={args.compute_backend}, "
-                     f"split = {b.best_variant}; warm-up µs "
+                     f"split = {b.best_candidate}; warm-up µs "
                      f"{dict((k, round(v)) for k, v in b.times_us.items())}")
         if args.ops:
             print_tables(op_tables, args.top, "eager calls, kernels by launching op:")

@@ -8,7 +8,7 @@ package, only what this process runs):
   per-expert dense loop (every expert on every received row).
 - ``attention="proj"``: ``dbo.attention`` on the benchmark's device type writes the KV cache and
   returns ``q`` (projection-only attention, as in the hand-written schedule of
-  ../shared/REFERENCES.md); ``"ref"`` runs the reference implementation (a Python chunk loop:
+  docs/references.md); ``"ref"`` runs the reference implementation (a Python chunk loop:
   correct, capturable, but far slower than a fused kernel); ``"fused"`` runs the package's own
   implementation: on CUDA the fused Triton kernel (``dbo_compile.ops.attention``; the reference
   where it does not apply), elsewhere the reference.

@@ -26,20 +26,20 @@ import moe_harness as H  # noqa: E402
 from dbo_compile import backend as dbo_backend  # noqa: E402
 
 
-def variant_options(name: str) -> dict:
-    """Backend options that compile only the schedule variant ``name`` (as the runner names
+def candidate_options(name: str) -> dict:
+    """Backend options that compile only the schedule candidate ``name`` (as the runner names
     them: ``list``, ``naive``, ``list@link/16``, ``...+sms16``), as the primary schedule:
     compiling every candidate with Inductor takes minutes."""
-    from dbo_compile.backend import schedule_variants
-    from dbo_compile.config import DboConfig
+    from dbo_compile.config import DboConfig, candidates_of
 
     base, _, sms = name.partition("+sms")
-    schedules = dict(schedule_variants(DboConfig()))
+    schedules = {c.name: c.apply(DboConfig()) for c in candidates_of(DboConfig())}
     if base not in schedules or (sms and not sms.isdigit()):
-        raise SystemExit(f"--variant {name!r}: expected one of {sorted(schedules)}, "
+        raise SystemExit(f"--candidate {name!r}: expected one of {sorted(schedules)}, "
                          "optionally with +sms<N>")
     cfg = schedules[base]
-    opts = {"scheduler": cfg.scheduler, "link_gbps": cfg.link_gbps, "schedule_candidates": False,
+    opts = {"scheduler": cfg.scheduler, "link_gbps": cfg.link_gbps,
+            "join_experts": cfg.join_experts, "schedule_candidates": False,
             "sm_carveout_candidates": ()}
     if sms:
         opts["comm_sms"] = int(sms)
@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--graph", action="store_true",
                    help="profile a replay of the split program captured as one CUDA graph "
                         "(no host overhead; kernels are matched to comm units by order)")
-    p.add_argument("--variant", default=None,
-                   help="schedule variant to profile (e.g. 'list@link/16+sms16'; compiled "
+    p.add_argument("--candidate", "--variant", dest="candidate", default=None,
+                   help="schedule candidate to profile (e.g. 'list@link/16+sms16'; compiled "
                         "alone; default: the default options' primary schedule)")
     p.add_argument("--attention", default="fused", choices=list(H.ATTENTION_KINDS))
     p.add_argument("--compute-backend", default="auto", choices=["auto", "aten", "inductor"])
@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     step = H.make_bucket_step(model.config, args.phase, args.tokens, str(device), seed=rank)
     model.allocate_kv_cache(step.num_blocks, step.block_size)
     options = {"split": "always", "compute_backend": args.compute_backend}
-    if args.variant is not None:
-        options.update(variant_options(args.variant))
+    if args.candidate is not None:
+        options.update(candidate_options(args.candidate))
     compiled = torch.compile(model, backend="dbo", options=options)
     with torch.no_grad():
         compiled(step.input_ids, step.positions, step.attn_metadata)  # compile
@@ -88,11 +88,12 @@ def main(argv=None) -> int:
         from torch.profiler import ProfilerActivity, profile
 
         if args.graph:
-            from dbo_compile.runtime import cudagraph as cg
+            from dbo_compile.runtime.capture import capture
+            from dbo_compile.testing.measure import SplitStep
 
-            sstep = cg.SplitStep(art, lambda: compiled(step.input_ids, step.positions,
-                                                       step.attn_metadata))
-            graph, _ = cg.capture(sstep, warmup=2)
+            sstep = SplitStep(art, lambda: compiled(step.input_ids, step.positions,
+                                                    step.attn_metadata))
+            graph, _ = capture(sstep, warmup=2)
             graph.replay()
             torch.cuda.synchronize()
             dist.barrier()

@@ -20,18 +20,79 @@ _SPLIT_MODES = ("auto", "always", "never")
 _COMPUTE_BACKENDS = ("auto", "aten", "inductor")
 _SCHEDULERS = ("list", "naive")
 _ON_UNSPLITTABLE = ("fallback", "raise")
-#: names of the schedule candidates (:func:`dbo_compile.backend.schedule_variants`)
-SCHEDULE_CANDIDATES = ("list", "list@link/4", "list@link/16", "naive", "list+join",
-                       "list@link/16+join")
 #: fields that cannot change the compiled schedule (may differ between ranks)
 _NOT_FINGERPRINTED = ("dump_dir", "check_host_mirrors")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule candidate: a scheduler run under changed cost figures, on the split graph
+    with or without joined experts. The backend compiles the primary schedule and, with
+    ``DboConfig.schedule_candidates``, those of :data:`CANDIDATES`; the CUDA-graph runner
+    times them per bucket and keeps the fastest.
+
+    Attributes:
+        name: ``scheduler[@link/N][+join]``, e.g. ``"list@link/16+join"``.
+        scheduler: ``"list"`` or ``"naive"``.
+        link_divisor: the cost model's ``link_gbps`` is divided by it (comm-heavy networks:
+            measured on 2x H200, NCCL through host memory moves ~6x less than the default
+            figure).
+        join_experts: schedule the split graph whose routed experts are joined across the
+            ubatches (:mod:`dbo_compile.passes.join_experts`).
+    """
+
+    name: str
+    scheduler: str
+    link_divisor: int = 1
+    join_experts: bool = False
+
+    def apply(self, config: DboConfig) -> DboConfig:
+        """``config`` with this candidate's scheduler, link figure and join."""
+        changes: dict[str, Any] = dict(scheduler=self.scheduler, join_experts=self.join_experts)
+        if self.link_divisor != 1:
+            changes["link_gbps"] = config.link_gbps / self.link_divisor
+        return config.replace(**changes)
+
+
+#: the schedule candidates besides the primary, in compile order (``schedule_candidates=True``
+#: compiles all of them)
+CANDIDATES: tuple[Candidate, ...] = (
+    Candidate("list", "list"),
+    Candidate("list@link/4", "list", link_divisor=4),
+    Candidate("list@link/16", "list", link_divisor=16),
+    Candidate("naive", "naive"),
+    Candidate("list+join", "list", join_experts=True),
+    Candidate("list@link/16+join", "list", link_divisor=16, join_experts=True),
+)
+#: the names of :data:`CANDIDATES`, valid in ``DboConfig.schedule_candidates``
+SCHEDULE_CANDIDATES: tuple[str, ...] = tuple(c.name for c in CANDIDATES)
+
+
+def primary_candidate(config: DboConfig) -> Candidate:
+    """The candidate ``config`` itself asks for: its scheduler at its own figures, joined with
+    ``join_experts``."""
+    join = "+join" if config.join_experts else ""
+    return Candidate(config.scheduler + join, config.scheduler, join_experts=config.join_experts)
+
+
+def candidates_of(config: DboConfig) -> list[Candidate]:
+    """The candidates compiled for a graph, the primary first: the primary, then with
+    ``schedule_candidates`` every entry of :data:`CANDIDATES` (or of the tuple's names) whose
+    name is not the primary's. Deterministic in ``config``, so that every rank compiles the
+    same candidates."""
+    primary = primary_candidate(config)
+    out = [primary]
+    keep = config.schedule_candidates
+    if keep:
+        out += [c for c in CANDIDATES if c.name != primary.name and (keep is True or c.name in keep)]
+    return out
 
 
 @dataclass(frozen=True)
 class DboConfig:
     """Options of the ``dbo`` backend.
 
-    Split decision (rules from vLLM ``--enable-dbo``, see ../shared/REFERENCES.md):
+    Split decision (rules from vLLM ``--enable-dbo``, see ``docs/references.md``):
 
     Attributes:
         num_ubatches: number of micro-batches the token dim is cut into (>= 2).
@@ -64,7 +125,7 @@ class DboConfig:
             ``torch._C._set_sm_carveout_experimental``, ``()`` elsewhere. Measured on 2x H200
             with Inductor stages (README): the carve-out made the split step 6.6 / 9.1 / 10.2 %
             faster at comm-heavy prefill 2048 / 4096 / 8192 and lost 2–5 % over NVLink, where
-            the runner then keeps the variant without it. ``()``: none (half the graphs to
+            the runner then keeps the candidate without it. ``()``: none (half the graphs to
             capture at warm-up).
         join_experts: join the ubatch copies of each MoE layer's routed experts
             (``dbo.grouped_experts``) into one call on the rows of both ubatches
@@ -101,7 +162,7 @@ class DboConfig:
         dp_group_name: name of the CPU (Gloo) process group that carries the DP vote; ``None``
             means the default group when torch.distributed is initialised, else no vote.
         check_host_mirrors: compare the host mirrors of the attention metadata
-            (``query_start_loc_cpu``, ...; see :mod:`dbo_compile.runtime.metadata`) with their
+            (``query_start_loc_cpu``, ...; see :mod:`dbo_compile.metadata`) with their
             device tensors every step: a device read per mirrored field, for debugging an
             engine's mirrors. Default ``False``: mirrors are trusted (checked on the host only).
     """

@@ -1,11 +1,16 @@
-"""Exception types of dbo_compile.
+"""Exception types of dbo_compile, all of them (ground floor: imported by every stage).
 
 Every error says what was found, where (node name, op, shape, rank) and what the user can do.
+Each class is also importable from the module that raises it (``dbo_compile.ops``,
+``dbo_compile.runtime.graphs``, ...), where users have imported it so far.
 """
 
 
 class DboError(Exception):
     """Base class of every error raised by dbo_compile."""
+
+
+# -- compile time -------------------------------------------------------------------------
 
 
 class DboConfigError(DboError, ValueError):
@@ -17,11 +22,40 @@ class UnsplittableGraphError(DboError):
 
     The backend catches it, compiles the graph unsplit and logs the message; it reaches the user
     only from the pass-level APIs or with ``DboConfig(on_unsplittable="raise")``.
+
+    Attributes:
+        row_local: the token-dim analysis showed that padding rows cannot change the real
+            rows' results (set by the raiser; the CUDA-graph runner may then pad the unsplit
+            graph to a bucket).
     """
+
+    row_local: bool = False
 
 
 class ScheduleError(DboError):
     """The scheduler or codegen found an inconsistency (a cycle, a missing event edge)."""
+
+
+# -- ops ----------------------------------------------------------------------------------
+
+
+class CommOpError(DboError, ValueError):
+    """Arguments of ``dbo.dispatch`` / ``dbo.combine`` are inconsistent (shapes, dtypes, sharding)."""
+
+
+class CommBackendError(DboError, RuntimeError):
+    """A communication backend is unknown or cannot be loaded (its package is missing)."""
+
+
+class ExpertsOpError(DboError):
+    """Bad arguments to ``dbo.grouped_experts`` (shapes or dtypes)."""
+
+
+class AttentionOpError(DboError, ValueError):
+    """Arguments of ``dbo.attention`` have inconsistent shapes or dtypes."""
+
+
+# -- run time -----------------------------------------------------------------------------
 
 
 class MetadataError(DboError, ValueError):
@@ -34,3 +68,28 @@ class DpVoteError(DboError, RuntimeError):
 
 class UBatchExecutionError(DboError, RuntimeError):
     """An op inside one ubatch's compute or communication raised; the step was aborted."""
+
+
+class GraphRunnerError(DboError):
+    """The model cannot be run as per-bucket CUDA graphs (e.g. it compiled into several graphs),
+    or the runner was used before :meth:`CudaGraphRunner.capture`."""
+
+
+# -- models, tools ------------------------------------------------------------------------
+
+
+class ModelConfigError(DboError, ValueError):
+    """A model config or preset name is invalid, or the model is used before it is ready."""
+
+
+class UnsupportedModelError(DboError, ValueError):
+    """The model's family or layout cannot be made expert-parallel; the message says what is
+    missing (family, block class, router or expert tensors) and what is supported."""
+
+
+class VizInputError(DboError, ValueError):
+    """A schedule or profile file given to the viz tools is missing or malformed."""
+
+
+class MultirankError(DboError, RuntimeError):
+    """A spawned rank raised, or the ranks did not finish within the timeout."""

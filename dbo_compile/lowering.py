@@ -11,14 +11,14 @@ Graph inputs are classified from Dynamo's sources (``node.meta["grapharg"].sourc
 - ``shared``: module parameters and buffers (weights, KV caches) and 0-dim tensors: one tensor
   for all ubatches;
 - ``token``: any other tensor input; dim 0 is the token dim and is sliced per ubatch;
-- ``request``: a field of :class:`~dbo_compile.runtime.metadata.AttentionMetadata` indexed by
+- ``request``: a field of :class:`~dbo_compile.metadata.AttentionMetadata` indexed by
   request (``query_start_loc``, ``seq_lens``, ...): rebuilt per ubatch by the runtime;
 - ``size``: a SymInt input that is the size of another input's dim (dynamic Dynamo graphs);
 - ``scalar``: any other non-tensor input (passed through unchanged); a SymInt that is not a
   size (a dynamic int argument) is traced as its own symbol, shared by the ubatches.
 
 Duck shaping is off (``ShapeEnv(duck_shape=False)``): in a pure-decode step the request count
-equals the token count, and the two must stay distinct symbols (../shared/DESIGN.md).
+equals the token count, and the two must stay distinct symbols (``docs/design.md``).
 """
 
 from __future__ import annotations
@@ -31,43 +31,20 @@ from typing import Any, Sequence
 import sympy
 import torch
 import torch.fx as fx
+from torch._dynamo.source import ConstantSource
+from torch._functorch.aot_autograd import aot_module_simplified
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from dbo_compile.errors import UnsplittableGraphError
-from dbo_compile.runtime.metadata import FIELD_LAYOUT
+from dbo_compile.metadata import FIELD_LAYOUT
+from dbo_compile.signature import InputSpec
 
 log = logging.getLogger(__name__)
 
 _SHARED_SOURCE = re.compile(r"(_parameters\[|_buffers\[|_modules\[|^G\[|^L\['self'\]|\['self'\]\.)")
 _SIZE_SOURCE = re.compile(r"^(?P<base>.*)\.size\(\)\[(?P<dim>\d+)\]$")
 _SHAPE_LIKE = re.compile(r"\.(size|stride|numel|storage_offset|dim)\(\)")
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """How one graph input is treated by the split.
-
-    Attributes:
-        index: position among the graph's placeholders.
-        name: placeholder name.
-        source: Dynamo source (``L['input_ids']``) or ``""`` when the graph did not come from
-            Dynamo.
-        kind: ``"shared"``, ``"token"``, ``"request"``, ``"size"`` or ``"scalar"``.
-        field: the ``AttentionMetadata`` field of a ``request``/``token`` metadata input.
-        size_of: ``(input index, dim)`` of the tensor dim a ``size`` input measures.
-    """
-
-    index: int
-    name: str
-    source: str
-    kind: str
-    field: str | None = None
-    size_of: tuple[int, int] | None = None
-
-    @property
-    def per_ubatch(self) -> bool:
-        return self.kind in ("token", "request", "size")
 
 
 def _source_name(node: fx.Node) -> str:
@@ -217,8 +194,6 @@ def _fakeify(specs: list[InputSpec], example_inputs: Sequence[Any],
             value = example_inputs[spec.index]
             fakes[spec.index] = _hint(value)
             if isinstance(value, torch.SymInt):
-                from torch._dynamo.source import ConstantSource
-
                 fakes[spec.index] = fake_mode.shape_env.create_unspecified_symint_and_symbol(
                     _hint(value), ConstantSource(spec.source or spec.name), DimDynamic.DYNAMIC)
     return fakes
@@ -245,8 +220,6 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
             ``dynamic=True`` or write the view with ``-1``. Also raised, with the cause, when
             the re-trace itself fails (e.g. a data-dependent ``.item()`` of a 0-dim input).
     """
-    from torch._functorch.aot_autograd import aot_module_simplified
-
     shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
     fakes = _fakeify(specs, example_inputs, fake_mode)

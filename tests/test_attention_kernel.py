@@ -355,7 +355,7 @@ def test_gpu_cuda_graph_replay_new_metadata(hkv):
     and new metadata copied into the static tensors: longer contexts, another prefill/decode
     mix, other block tables (same T, R, block-table width and pool). Every replay matches the
     eager reference on the same inputs, and the cache holds the step's K/V."""
-    from dbo_compile.runtime.cudagraph import capture
+    from dbo_compile.runtime.capture import capture
 
     t, pool, bs, d = 768, 12000, 16, 128
     steps = [

@@ -6,7 +6,7 @@ import torch
 
 import dbo_compile.ops  # noqa: F401
 from dbo_compile.ops.experts import ExpertsOpError, experts_loop, grouped_reference
-from dbo_compile.passes.token_dim import _ROW_LOCAL_OPS
+from dbo_compile.ops.registry import op_info
 
 needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
                                       reason="torch._grouped_mm missing")
@@ -54,7 +54,7 @@ def test_grouped_algorithm_ignores_garbage_of_uncomputed_rows(monkeypatch):
 
 
 def test_op_is_row_local():
-    assert torch.ops.dbo.grouped_experts.default in _ROW_LOCAL_OPS
+    assert op_info(torch.ops.dbo.grouped_experts.default).row_local
     args = _case(seed=4)
     full = torch.ops.dbo.grouped_experts(*args)
     x, ids, w, w13, w2 = args  # rows computed in two halves give the same rows

@@ -63,7 +63,8 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
         import moe_harness as H
 
         from dbo_compile import backend as B
-        from dbo_compile.runtime import cudagraph as cg
+        from dbo_compile.runtime import capture as cg_capture
+        from dbo_compile.testing import measure as cg
 
         B.register()
         for (phase, tokens, attention, backend), key in zip(CASES, KEYS):
@@ -92,7 +93,7 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
                     res[key + "/split_steps"] = art.stats.split_steps
                     res[key + "/eager"] = H.rel_err(out, ref)
                     sstep = cg.SplitStep(art, lambda: cm(ids, pos, md))
-                    graph, gout = cg.capture(sstep, warmup=2)
+                    graph, gout = cg_capture.capture(sstep, warmup=2)
                     graph.replay()
                     torch.cuda.synchronize()
                     res[key + "/graph"] = H.rel_err(gout[0], ref)
@@ -253,7 +254,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 sys.path.insert(0, sys.argv[1])
 import moe_harness as H
 from dbo_compile import backend as B
-from dbo_compile.runtime import cudagraph as cg
+from dbo_compile.runtime import capture as cg_capture  # noqa: E402
+from dbo_compile.testing import measure as cg  # noqa: E402
 
 res = {"csan_enabled": bool(csan.cuda_sanitizer.enabled)}
 B.register()
@@ -270,7 +272,7 @@ with torch.no_grad():
         art = B.compiled_artifacts()[-1]
         sstep = cg.SplitStep(art, lambda: cm(ids, pos, md))
     res["comm_units"] = sum(u.kind == "comm" for u in art.schedule.units)
-    for name, program in art.variants.items():
+    for name, program in art.candidates.items():
         try:
             program(*sstep.split_args)
             torch.cuda.synchronize()
@@ -416,7 +418,7 @@ def test_write_kv_kernel_matches_torch_ops():
 
 @needs_cuda
 def test_capture_helper_single_gpu():
-    from dbo_compile.runtime.cudagraph import capture
+    from dbo_compile.runtime.capture import capture
 
     x = torch.randn(64, 64, device="cuda")
     g, out = capture(lambda: x @ x + 1)

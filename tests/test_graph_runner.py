@@ -148,7 +148,7 @@ def test_inductor_compiles_only_what_the_bucket_graphs_run(monkeypatch):
                              timing_iters=1)
     runner.capture()
     art = compiled_artifacts()[-1]
-    stages = {id(fn): fn for p in art.variants.values() for fn in p.units
+    stages = {id(fn): fn for p in art.candidates.values() for fn in p.units
               if isinstance(fn, InductorStage)}.values()
     assert len(art.unsplit.compiled) == len(BUCKETS)
     assert stages and all(len(s.compiled) <= len(BUCKETS) for s in stages)
@@ -173,10 +173,10 @@ def test_inductor_compiles_only_what_the_bucket_graphs_run(monkeypatch):
 def test_only_graphs_whose_time_can_change_the_choice_are_timed(options, timed):
     cfg, model = _model(layers=1)
     runner = CudaGraphRunner(torch.compile(model, backend="dbo", options=options), [16],
-                             max_blocks_per_req=8, timing_iters=1, keep_variants=True)
+                             max_blocks_per_req=8, timing_iters=1, keep_candidates=True)
     runner.capture()
     b = runner.graphs[16]
-    variants = set(b.artifact.variants) if b.split_args is not None else set()
+    variants = set(b.artifact.candidates) if b.split_args is not None else set()
     assert set(b.times_us) == {"none": set(), "variants": variants,
                                "all": variants | {"unsplit"}}[timed]
     assert set(b.graphs) == variants | {"unsplit"}

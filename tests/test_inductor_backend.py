@@ -10,13 +10,14 @@ from torch import fx, nn
 import moe_cases as mc
 from conftest import last_artifact
 from dbo_compile.codegen import inductor as ind
+from dbo_compile.runtime.context import traced_only
 from dbo_compile.codegen.inductor import InductorStage
 from dbo_compile.errors import UBatchExecutionError
-from dbo_compile.passes.stream_assign import COMM
+from dbo_compile.schedule import COMM
 
 
 def _stages(art) -> list[InductorStage]:
-    return list({id(fn): fn for p in art.variants.values() for fn in p.units
+    return list({id(fn): fn for p in art.candidates.values() for fn in p.units
                  if isinstance(fn, InductorStage)}.values())
 
 
@@ -56,7 +57,7 @@ def test_split_program_matches_eager(compiled_split):
 def test_compute_units_are_inductor_stages_comm_units_are_not(compiled_split):
     art = compiled_split[2][0]["art"]
     assert isinstance(art.unsplit, InductorStage)
-    for program in art.variants.values():
+    for program in art.candidates.values():
         for unit, fn in zip(program.schedule.units, program.units):
             if unit.stream == COMM:
                 assert isinstance(fn, fx.GraphModule), unit.name
@@ -64,11 +65,11 @@ def test_compute_units_are_inductor_stages_comm_units_are_not(compiled_split):
                 assert isinstance(fn, InductorStage), unit.name
     # a unit with the same nodes in several schedule variants of one graph is one stage,
     # compiled once; the joined-experts variants schedule another graph
-    plain = [p for n, p in art.variants.items() if not n.endswith("+join")]
+    plain = [p for n, p in art.candidates.items() if not n.endswith("+join")]
     per_variant = [sum(isinstance(fn, InductorStage) for fn in p.units) for p in plain]
     shared = {id(fn) for p in plain for fn in p.units if isinstance(fn, InductorStage)}
     assert len(plain) > 1 and len(shared) == per_variant[0] < sum(per_variant)
-    joined = [p for n, p in art.variants.items() if n.endswith("+join")]
+    joined = [p for n, p in art.candidates.items() if n.endswith("+join")]
     assert joined and all(len(p.units) < len(plain[0].units) for p in joined)
     compiled = compiled_split[2][0]["compiled"]  # the run used the primary ("list") only
     assert compiled.count(1) == per_variant[0] and set(compiled) <= {0, 1}
@@ -139,7 +140,7 @@ def test_unsplittable_graph_still_compiles_with_inductor(caplog):
     x = torch.randn(5, 8)
     out = torch.compile(m, backend="dbo", options={"compute_backend": "inductor"})(x)
     art = last_artifact()
-    assert isinstance(art.fn, InductorStage) and len(art.fn.compiled) == 1
+    assert isinstance(art.unsplit, InductorStage) and len(art.unsplit.compiled) == 1
     assert "no comm op" in art.reason
     torch.testing.assert_close(out, m(x))
     with pytest.raises(Exception, match="UnsplittableGraphError: the graph has no comm op"):
@@ -161,7 +162,7 @@ def test_device_defaults_inductor_and_carveout_on_cuda_aten_elsewhere():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dbo_compile import DboConfig
-    from dbo_compile.backend import _resolve_device_defaults
+    from dbo_compile.passes.pipeline import resolve_device_defaults as _resolve_device_defaults
 
     with FakeTensorMode():
         on_gpu = torch.empty(4, 8, device="cuda")
@@ -180,7 +181,7 @@ def test_device_defaults_inductor_and_carveout_on_cuda_aten_elsewhere():
     mc.eager_and_compiled(model, step, {"split": "always"})
     art = last_artifact()
     assert art.config.compute_backend == "aten" and art.config.sm_carveout_candidates == ()
-    assert not any("+sms" in name for name in art.variants)
+    assert not any("+sms" in name for name in art.candidates)
     assert not any(isinstance(fn, InductorStage) for fn in art.split_program.units)
     assert isinstance(art.unsplit, fx.GraphModule)
 
@@ -252,12 +253,12 @@ def test_traced_only_runs_new_signatures_without_compiling(monkeypatch):
     m = NoComm()
     stage = InductorStage(fx.symbolic_trace(m), "unit 6 (test)", ind.StageCache())
     x = torch.randn(5, 8)
-    with ind.traced_only():
+    with traced_only():
         torch.testing.assert_close(stage(x), m(x))
     assert not calls and not stage.compiled and stage.uncompiled_calls == 0
     stage(x)  # outside the block the signature compiles as usual
     assert len(calls) == 1 and len(stage.compiled) == 1
-    with ind.traced_only():  # a signature compiled before keeps its compiled code
+    with traced_only():  # a signature compiled before keeps its compiled code
         stage(x)
     assert len(calls) == 1
 
@@ -313,7 +314,7 @@ def test_int_value_input_runs_aten_instead_of_compiling_every_value(caplog):
             assert not out.requires_grad  # the ATen fallback records no autograd history
             with torch.no_grad():
                 torch.testing.assert_close(out, m(x, step))
-    stage = last_artifact().fn  # Dynamo made `step` a SymInt input after its second value
+    stage = last_artifact().unsplit  # Dynamo made `step` a SymInt input after its second value
     assert isinstance(stage, InductorStage) and stage.aten_reason is not None
     assert not stage.compiled and stage.uncompiled_calls >= 4
     assert any("values, not tensor sizes" in r.message for r in caplog.records)

@@ -8,10 +8,10 @@ import torch
 import torch.fx as fx
 
 from conftest import last_artifact
-from dbo_compile.passes.comm_ops import comm_kind
-from dbo_compile.passes.insert_yields import is_wait
+from dbo_compile.ops.registry import comm_kind
+from dbo_compile.ops.registry import is_wait
 from dbo_compile.passes.meta import dbo_meta
-from dbo_compile.passes.stream_assign import COMM, COMPUTE
+from dbo_compile.schedule import COMM, COMPUTE, STREAM_INDEX
 from moe_cases import MIXED_CUT, build, eager_and_compiled
 
 
@@ -75,12 +75,14 @@ def test_every_comm_op_has_issue_and_wait_on_comm_stream(compiled_3layer):
         if comm_kind(node):
             meta = dbo_meta(node)
             assert meta["phase"] == "issue"
-            assert node.meta["custom"]["stream"] == COMM
+            assert dbo_meta(node)["stream"] == COMM
+            assert node.meta["custom"]["stream"] == STREAM_INDEX[COMM]  # Inductor's int contract
             waits = [u for u in node.users if is_wait(u)]
             assert len(waits) == 1 and list(node.users) == waits
             assert dbo_meta(waits[0])["phase"] == "wait"
         elif node.op == "call_function" and not is_wait(node):
-            assert node.meta["custom"]["stream"] == COMPUTE
+            assert dbo_meta(node)["stream"] == COMPUTE
+            assert node.meta.get("custom", {}).get("stream") is STREAM_INDEX[COMPUTE]
 
 
 def test_other_ubatch_computes_between_issue_and_wait(compiled_3layer):
@@ -188,51 +190,51 @@ def test_list_scheduler_never_worse_than_naive_order_in_the_model():
 def test_schedule_candidates_are_distinct_orders_of_the_same_program():
     """``schedule_candidates`` compiles alternative orders (list under slower links, naive);
     each is a different host order of the same units, and each computes what eager does."""
-    from dbo_compile.backend import schedule_variants
+    from dbo_compile.config import candidates_of
     from dbo_compile.config import SCHEDULE_CANDIDATES, DboConfig
     from dbo_compile.errors import DboConfigError
 
-    names = [n for n, _ in schedule_variants(DboConfig())]
+    names = [c.name for c in candidates_of(DboConfig())]
     assert names == ["list", "list@link/4", "list@link/16", "naive", "list+join",
                      "list@link/16+join"]
-    assert [n for n, _ in schedule_variants(DboConfig(schedule_candidates=False))] == ["list"]
-    assert [n for n, _ in schedule_variants(DboConfig(schedule_candidates=False,
+    assert [c.name for c in candidates_of(DboConfig(schedule_candidates=False))] == ["list"]
+    assert [c.name for c in candidates_of(DboConfig(schedule_candidates=False,
                                                       join_experts=True))] == ["list+join"]
-    assert [n for n, _ in schedule_variants(DboConfig())] == list(SCHEDULE_CANDIDATES)
+    assert [c.name for c in candidates_of(DboConfig())] == list(SCHEDULE_CANDIDATES)
     picked = DboConfig(schedule_candidates=["list@link/16+join", "naive", "naive"])
     assert picked.schedule_candidates == ("naive", "list@link/16+join")  # canonical order
     assert picked.fingerprint() == DboConfig(
         schedule_candidates=("naive", "list@link/16+join")).fingerprint()
     assert DboConfig(schedule_candidates=()).fingerprint() == DboConfig(
         schedule_candidates=False).fingerprint()
-    assert [n for n, _ in schedule_variants(picked)] == ["list", "naive", "list@link/16+join"]
+    assert [c.name for c in candidates_of(picked)] == ["list", "naive", "list@link/16+join"]
     assert picked.fingerprint() != DboConfig().fingerprint()
-    assert [n for n, _ in schedule_variants(DboConfig(schedule_candidates=("list",)))] == ["list"]
+    assert [c.name for c in candidates_of(DboConfig(schedule_candidates=("list",)))] == ["list"]
     for bad in (("list+joined",), "list+join", 1, [["naive"]]):
         with pytest.raises(DboConfigError, match="schedule_candidates"):
             DboConfig(schedule_candidates=bad)
     model, step = build(MIXED_CUT, layers=3)
     eager, _, _, _ = eager_and_compiled(model, step, {"split": "always", "link_gbps": 2.0})
     art = last_artifact()
-    assert art.variants["list"] is art.split_program and len(art.variants) >= 2
-    orders = {tuple(tuple(u.nodes) for u in p.schedule.units) for p in art.variants.values()}
-    assert len(orders) == len(art.variants)  # duplicates were dropped
+    assert art.candidates["list"] is art.split_program and len(art.candidates) >= 2
+    orders = {tuple(tuple(u.nodes) for u in p.schedule.units) for p in art.candidates.values()}
+    assert len(orders) == len(art.candidates)  # duplicates were dropped
     modules: dict = {}
     for joined in (False, True):  # same units, other order (joined: another graph)
-        plain = [p for n, p in art.variants.items() if n.endswith("+join") == joined]
+        plain = [p for n, p in art.candidates.items() if n.endswith("+join") == joined]
         units = {frozenset(tuple(u.nodes) for u in p.schedule.units) for p in plain}
         assert len(units) == 1
         for p in plain:  # each unit's module is built once for every variant of its graph
             for u, fn in zip(p.schedule.units, p.units):
                 assert modules.setdefault((joined, tuple(u.nodes)), fn) is fn, u.name
-    from dbo_compile.runtime.cudagraph import SplitStep
-    from dbo_compile.runtime.program import join_ubatch_outputs
+    from dbo_compile.testing.measure import SplitStep
+    from dbo_compile.runtime.padding import join_ubatch_outputs
 
     compiled = torch.compile(model, backend="dbo", options={"split": "always", "link_gbps": 2.0})
     with torch.no_grad():
         saved = [c.clone() for c in model.kv_caches()]
         sstep = SplitStep(art, lambda: compiled(step.input_ids, step.positions, step.attn_metadata))
-        for name, program in art.variants.items():
+        for name, program in art.candidates.items():
             for c, s in zip(model.kv_caches(), saved):
                 c.copy_(s)
             got = join_ubatch_outputs(program(*sstep.split_args), art.signature.outputs)[0]
@@ -247,12 +249,12 @@ def test_sm_carveout_candidates_add_a_copy_of_each_schedule():
     eager, out, _, _ = eager_and_compiled(model, step, {"split": "always",
                                                         "sm_carveout_candidates": [16]})
     art = last_artifact()
-    base = [n for n in art.variants if "+sms" not in n]
-    assert sorted(art.variants) == sorted(base + [f"{n}+sms16" for n in base])
-    for name, program in art.variants.items():
+    base = [n for n in art.candidates if "+sms" not in n]
+    assert sorted(art.candidates) == sorted(base + [f"{n}+sms16" for n in base])
+    for name, program in art.candidates.items():
         assert program.carveout_sms == (16 if name.endswith("+sms16") else None)
         if name.endswith("+sms16"):  # same generated code and units as its base
-            assert program.code == art.variants[name[:-6]].code
+            assert program.code == art.candidates[name[:-6]].code
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
     with pytest.raises(DboConfigError, match="sm_carveout_candidates"):
         DboConfig(sm_carveout_candidates=(0,))
@@ -346,7 +348,7 @@ def test_joined_schedule_reads_expert_weights_once_per_layer():
     eager, out, eager_caches, caches = eager_and_compiled(
         model, step, {"split": "always", "join_experts": True, "schedule_candidates": False})
     art = last_artifact()
-    assert list(art.variants) == ["list+join"]
+    assert list(art.candidates) == ["list+join"]
     program = art.split_program
     units = program.schedule.units
     mlp = [u for u in units if u.label == "MLP"]
@@ -391,7 +393,10 @@ def test_join_experts_without_expert_calls_compiles_unjoined():
                                                        "join_experts": True})(x)
     torch.testing.assert_close(out, model(x))
     art = last_artifact()
-    assert not art.config.join_experts
-    assert "list" in art.variants and not any(n.endswith("+join") for n in art.variants)
+    # the config is never rewritten (the DP vote compares its fingerprint): the fact that
+    # there was nothing to join is the schedule's
+    assert art.config.join_experts
+    assert art.schedule.meta["join_experts"] == "no routed-expert call to join"
+    assert "list" in art.candidates and not any(n.endswith("+join") for n in art.candidates)
     with pytest.raises(DboConfigError, match="join_experts"):
         DboConfig(join_experts=1)

@@ -194,7 +194,7 @@ def _(x):
 
 def test_exception_in_one_ubatch_surfaces_and_next_step_works():
     from dbo_compile import UBatchExecutionError
-    from dbo_compile.passes.token_dim import register_row_local
+    from dbo_compile.ops.registry import register_row_local
 
     register_row_local(torch.ops.dbo_test.maybe_fail.default)
     cfg, model = _model()

@@ -1,4 +1,4 @@
-"""Ubatch slicing: golden cases of ../shared/REFERENCES.md §Slicing, properties, errors."""
+"""Ubatch slicing: golden cases of docs/references.md §Slicing, properties, errors."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_golden_split_4_cuts_first_request():
     u0, u1 = split_attn_metadata(slices, md)
     assert L(u0.query_start_loc) == [0, 4] and L(u0.seq_lens) == [28]
     assert L(u1.query_start_loc) == [0, 4, 12] and L(u1.seq_lens) == [32, 40]
-    # continuation: query 4 of seq 32 -> 28 computed (REFERENCES.md last golden case)
+    # continuation: query 4 of seq 32 -> 28 computed (docs/references.md, last golden case)
     assert L(u1.num_computed_tokens) == [28, 32]
     assert L(u0.num_computed_tokens) == [24]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dbo_compile.passes.stream_assign import COMM, COMPUTE, Schedule, Unit
+from dbo_compile.schedule import COMM, COMPUTE, Schedule, Unit
 from dbo_compile.viz import (VizInputError, load_schedule, load_trace, match_profile, range_name,
                              render_text, schedule_from_dict, to_chrome_trace)
 from dbo_compile.viz.common import short_label
@@ -368,7 +368,7 @@ def test_dump_dir_writes_every_compiled_schedule(tmp_path):
                                                         "dump_dir": str(tmp_path)})
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
     art = last_artifact()
-    programs = {id(p): (name, p) for name, p in art.variants.items()}  # +smsN share a program
+    programs = {id(p): (name, p) for name, p in art.candidates.items()}  # +smsN share a program
     assert len(programs) >= 3  # list, naive, joined at least
     files = sorted(p.name for p in tmp_path.glob("*.json"))
     assert len(files) == len(programs), files

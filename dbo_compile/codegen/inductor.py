@@ -21,12 +21,13 @@ generated wrapper.
 Compiling inside CUDA-graph capture would launch (autotuning) and allocate outside the graph's
 pool, so a signature first seen while the current stream is capturing raises
 :class:`~dbo_compile.errors.UBatchExecutionError`: warm the bucket up before capturing it
-(:class:`~dbo_compile.runtime.graphs.CudaGraphRunner` does).
+(:class:`~dbo_compile.runtime.graphs.CudaGraphRunner` does). Within
+:func:`~dbo_compile.runtime.context.traced_only` (the runner's layout probe) a stage compiles
+nothing and runs its traced ATen ops.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import threading
@@ -36,12 +37,17 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+import torch._inductor
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from dbo_compile.errors import UBatchExecutionError
+from dbo_compile.runtime.context import in_traced_only
+from dbo_compile.schedule import annotate_stream
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_SIGNATURES", "InductorStage", "StageCache", "inductor_unit_compiler", "traced_only"]
+__all__ = ["MAX_SIGNATURES", "InductorStage", "StageCache", "inductor_stage_compiler"]
 
 #: input signatures one stage compiles at most (Dynamo's default recompile limit is also 8)
 MAX_SIGNATURES = 8
@@ -126,7 +132,7 @@ def _layout(args: tuple[Any, ...]) -> tuple:
 
 class StageCache:
     """Compiled callables shared by the stages of one split program (and its schedule
-    variants): stages whose graphs are the same program (:func:`_program`) and that are called
+    candidates): stages whose graphs are the same program (:func:`_program`) and that are called
     with the same input signature and :func:`_layout` use the callable Inductor compiled for
     the first of them. A compilation Inductor failed is shared too (the stages then run their
     own traced ATen ops).
@@ -156,44 +162,18 @@ class StageCache:
             self._fns[key] = fn
 
 
-_TRACED_ONLY = threading.local()
-
-
-@contextlib.contextmanager
-def traced_only():
-    """Within the block, a stage called with an input signature it has not compiled runs its
-    traced ATen ops instead of compiling (and records nothing, so a later call compiles as
-    usual); signatures compiled before keep their compiled code. For calls whose results are
-    thrown away, such as :class:`~dbo_compile.runtime.graphs.CudaGraphRunner`'s layout probe."""
-    depth = getattr(_TRACED_ONLY, "depth", 0)
-    _TRACED_ONLY.depth = depth + 1
-    try:
-        yield
-    finally:
-        _TRACED_ONLY.depth = depth
-
-
 def _drop_stream_annotations(gm: fx.GraphModule) -> None:
-    """The wrapper already runs the whole stage on its stream; Inductor would read our
-    ``meta["custom"]["stream"]`` (:mod:`dbo_compile.passes.meta`) as a request to switch
-    streams inside the stage. The dict is shared with the split graph's node: replace it."""
+    """The wrapper already runs the whole stage on its stream; Inductor would read a
+    ``meta["custom"]["stream"]`` (a user's annotation: stages of our own carry none, see
+    :mod:`dbo_compile.passes.meta`) as a request to switch streams inside the stage."""
     for n in gm.graph.nodes:
-        custom = n.meta.get("custom")
-        if isinstance(custom, dict) and "stream" in custom:
-            rest = {k: v for k, v in custom.items() if k != "stream"}
-            if rest:
-                n.meta["custom"] = rest
-            else:
-                del n.meta["custom"]
+        annotate_stream(n.meta, None)
 
 
 def _fake_inputs(args: tuple[Any, ...]) -> list[Any]:
     """Static-shape fake copies of ``args`` in a fake mode that has a shape env: Inductor's FX
     graph cache needs one (without it every stage bypasses the cache, and the stage of the next
     layer, identical but for its weights, compiles again)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     return [pytree.tree_map_only(torch.Tensor, lambda t: mode.from_tensor(t, static_shapes=True), a)
             for a in args]
@@ -240,11 +220,11 @@ class InductorStage:
       path (no buckets) with ever new token counts must not compile every step;
     - Inductor raised while compiling this signature.
 
-    Within :func:`traced_only`, a signature not compiled yet runs the traced ATen graph and
+    Within :func:`~dbo_compile.runtime.context.traced_only`, a signature not compiled yet runs the traced ATen graph and
     compiles nothing.
 
     Raises UBatchExecutionError if the first call with a signature happens during CUDA-graph
-    capture (and outside :func:`traced_only`).
+    capture (and outside ``traced_only``).
     """
 
     def __init__(self, gm: fx.GraphModule, name: str, cache: StageCache | None = None):
@@ -276,7 +256,7 @@ class InductorStage:
         key = _signature(args)
         fn = self.compiled.get(key)
         if fn is None:
-            if getattr(_TRACED_ONLY, "depth", 0):
+            if in_traced_only():
                 with torch.no_grad():
                     return self.gm(*args)
             if len(self.compiled) >= MAX_SIGNATURES:
@@ -300,8 +280,6 @@ class InductorStage:
                 f"dbo: {self.name} meets input shapes {shapes} for the first time during CUDA-graph "
                 "capture; Inductor cannot compile inside a capture. Run the step once eagerly at "
                 "this bucket before capturing it (CudaGraphRunner.warmup does).")
-        from torch._inductor import compile as inductor_compile
-
         with self._lock:
             fn = self.compiled.get(key)
             if fn is not None:
@@ -321,7 +299,7 @@ class InductorStage:
             gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
             try:
                 with torch.no_grad():  # an inference graph even if the caller records autograd
-                    fn = _as_traced(inductor_compile(gm, _fake_inputs(args)), self._tuple_out)
+                    fn = _as_traced(torch._inductor.compile(gm, _fake_inputs(args)), self._tuple_out)
             except Exception as e:  # noqa: BLE001 - a stage Inductor cannot compile still runs
                 log.warning("dbo: Inductor could not compile %s (%s: %s); it runs its traced ATen "
                             "ops for these input shapes", self.name, type(e).__name__,
@@ -355,13 +333,13 @@ def _value_int_inputs(gm: fx.GraphModule) -> list[str]:
             and not val(n).node.expr.free_symbols <= size_symbols]
 
 
-def inductor_unit_compiler() -> Callable[[fx.GraphModule, Any], Callable]:
-    """A ``compile_unit`` for :class:`~dbo_compile.codegen.wrapper.SplitProgram`: compute units
-    become :class:`InductorStage`, all sharing one :class:`StageCache` (the same program
-    compiles once for all stages, ubatches and schedule variants)."""
+def inductor_stage_compiler() -> Callable[[fx.GraphModule, Any], Callable]:
+    """A ``compile_stage`` for :class:`~dbo_compile.codegen.wrapper.SplitProgram`: every stage
+    becomes an :class:`InductorStage`, all sharing one :class:`StageCache` (the same program
+    compiles once for all stages, ubatches and schedule candidates)."""
     cache = StageCache()
 
-    def compile_unit(gm: fx.GraphModule, unit: Any) -> Callable:
+    def compile_stage(gm: fx.GraphModule, unit: Any) -> Callable:
         return InductorStage(gm, f"unit {unit.id} ({unit.name})", cache)
 
-    return compile_unit
+    return compile_stage

@@ -24,9 +24,9 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.errors import ScheduleError
-from dbo_compile.passes.insert_yields import is_wait
-from dbo_compile.passes.stream_assign import COMM, Schedule, range_name
+from dbo_compile.ops.registry import is_wait
 from dbo_compile.runtime import streams as _streams
+from dbo_compile.schedule import COMM, Schedule, range_name
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +51,15 @@ BuiltUnits = dict[tuple[str, ...], tuple[Callable, UnitIO]]
 
 
 def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
-                       compile_unit: Callable[[fx.GraphModule, Any], Callable] | None = None,
+                       compile_stage: Callable[[fx.GraphModule, Any], Callable] | None = None,
                        built: BuiltUnits | None = None) -> tuple[list[Callable], list[UnitIO]]:
     """Extract one GraphModule per unit; its inputs are values made outside the unit.
 
-    ``compile_unit(gm, unit)``, if given, turns each *compute* unit's GraphModule into the
-    callable the wrapper calls (e.g. :func:`~dbo_compile.codegen.inductor.inductor_unit_compiler`);
-    comm units always stay the GraphModule of their one comm op. ``built``, shared by the
-    schedule variants of one split graph, hands a unit with the same nodes as one built before
+    ``compile_stage(gm, unit)``, if given, turns each stage's (compute unit's) GraphModule into
+    the callable the wrapper calls (e.g.
+    :func:`~dbo_compile.codegen.inductor.inductor_stage_compiler`); comm units always stay the
+    GraphModule of their one comm op. ``built``, shared by the schedule candidates of one
+    split graph, hands a unit with the same nodes as one built before
     the same callable (a unit's inputs, outputs and ops do not depend on the order), and
     records the units built here.
 
@@ -112,8 +113,8 @@ def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
             env[n] = new
         sub.output(tuple(env[o] for o in outputs))
         gm = fx.GraphModule(split_gm, sub, class_name=f"DboUnit{unit.id}")
-        compiled = compile_unit is not None and unit.stream != COMM
-        built[tuple(unit.nodes)] = (compile_unit(gm, unit) if compiled else gm,
+        compiled = compile_stage is not None and unit.stream != COMM
+        built[tuple(unit.nodes)] = (compile_stage(gm, unit) if compiled else gm,
                                     UnitIO([a.name for a in inputs], [o.name for o in outputs]))
         modules.append(built[tuple(unit.nodes)][0])
         ios.append(built[tuple(unit.nodes)][1])
@@ -190,21 +191,21 @@ class SplitProgram:
 
     Attributes:
         code: the generated Python source (also logged at DEBUG under ``dbo_compile``).
-        schedule: the :class:`~dbo_compile.passes.stream_assign.Schedule` it runs.
+        schedule: the :class:`~dbo_compile.schedule.Schedule` it runs.
         carveout_sms: on CUDA, SMs kept free of compute GEMMs while the program runs
             (``torch._C._set_sm_carveout_experimental``, where torch has it; a CUDA graph
             captured from the call keeps it), so that comm kernels find SMs; ``None``: none.
 
-    The schedule variants of one split graph pass the same ``built`` dict, so that they share
+    The schedule candidates of one split graph pass the same ``built`` dict, so that they share
     their units' callables (:func:`build_unit_modules`).
     """
 
     def __init__(self, split_gm: fx.GraphModule, schedule: Schedule,
-                 compile_unit: Callable[[fx.GraphModule, Any], Callable] | None = None,
+                 compile_stage: Callable[[fx.GraphModule, Any], Callable] | None = None,
                  carveout_sms: int | None = None, built: BuiltUnits | None = None):
         self.schedule = schedule
         self.carveout_sms = carveout_sms
-        self.units, self.unit_io = build_unit_modules(split_gm, schedule, compile_unit, built)
+        self.units, self.unit_io = build_unit_modules(split_gm, schedule, compile_stage, built)
         self.code, num_events = generate(split_gm, schedule, self.unit_io)
         self.streams = _streams.StreamSet(num_events)
         namespace: dict[str, Any] = {

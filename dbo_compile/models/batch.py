@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dbo_compile.errors import MetadataError
-from dbo_compile.runtime.metadata import AttentionMetadata
+from dbo_compile.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def make_step(config: Any, *, decode_context_lens: list[int],
         device: where the tensors go.
         pad_to: pad the token dim to this many rows (slot -1, id 0, position 0).
         host_mirrors: the metadata carries host mirrors of its tensor fields (``*_cpu``, see
-            :mod:`dbo_compile.runtime.metadata`): copies of the CPU tensors it is built from,
+            :mod:`dbo_compile.metadata`): copies of the CPU tensors it is built from,
             as a scheduler would pass them.
 
     Returns:

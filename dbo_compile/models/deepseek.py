@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.*)
-from dbo_compile.errors import DboError
+from dbo_compile.errors import ModelConfigError
 from dbo_compile.ops.comm import ep_group_name
-from dbo_compile.runtime.metadata import AttentionMetadata
+from dbo_compile.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,6 @@ __all__ = [
     "ModelConfigError",
     "get_config",
 ]
-
-
-class ModelConfigError(DboError, ValueError):
-    """A model config or preset name is invalid, or the model is used before it is ready."""
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.*)
-from dbo_compile.errors import DboError
+from dbo_compile.errors import UnsupportedModelError
 from dbo_compile.ops.comm import ep_group_name
 
 log = logging.getLogger(__name__)
@@ -74,11 +74,6 @@ __all__ = [
     "UnsupportedModelError",
     "make_expert_parallel",
 ]
-
-
-class UnsupportedModelError(DboError, ValueError):
-    """The model's family or layout cannot be made expert-parallel; the message says what is
-    missing (family, block class, router or expert tensors) and what is supported."""
 
 
 def _swiglu_rows(experts: nn.Module, x: torch.Tensor, e: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Custom ops of dbo_compile (namespace ``dbo``); importing this package registers them all.
+"""Custom ops of dbo_compile (namespace ``dbo``); importing this package registers them all,
+with their records in :mod:`dbo_compile.ops.registry` (every fact the compiler knows of an op).
 
 - ``torch.ops.dbo.dispatch`` / ``torch.ops.dbo.combine``: MoE EP all-to-all (:mod:`.comm`).
 - ``torch.ops.dbo.grouped_experts``: an EP rank's local routed experts, row-local, grouped GEMM
@@ -7,14 +8,11 @@
   the op is not re-exported here so that ``dbo_compile.ops.attention`` stays the module).
 """
 
-from dbo_compile.ops.attention import AttentionOpError
-from dbo_compile.ops.experts import ExpertsOpError
+from dbo_compile.errors import AttentionOpError, CommBackendError, CommOpError, ExpertsOpError
+from dbo_compile.ops import attention as _attention  # noqa: F401  (registers dbo.attention)
+from dbo_compile.ops import experts as _experts  # noqa: F401  (registers dbo.grouped_experts)
 from dbo_compile.ops.comm import (
-    COMM_KIND,
-    COMM_OPS,
     CommBackend,
-    CommBackendError,
-    CommOpError,
     available_comm_backends,
     backend_for_group,
     combine,
@@ -25,6 +23,12 @@ from dbo_compile.ops.comm import (
     register_comm_backend,
     register_lazy_comm_backend,
 )
+from dbo_compile.ops.registry import OpInfo, op_info, register_row_local, registered_ops
+
+#: our comm ops and their kind (a view of the registry)
+COMM_KIND = {i.op: i.comm for i in registered_ops()
+             if i.comm is not None and getattr(i.op, "namespace", None) == "dbo"}
+COMM_OPS = frozenset(COMM_KIND)
 
 __all__ = [
     "COMM_KIND",
@@ -34,6 +38,7 @@ __all__ = [
     "CommBackendError",
     "CommOpError",
     "ExpertsOpError",
+    "OpInfo",
     "available_comm_backends",
     "backend_for_group",
     "combine",
@@ -41,6 +46,8 @@ __all__ = [
     "ep_group_name",
     "ep_world_size",
     "get_comm_backend",
+    "op_info",
     "register_comm_backend",
     "register_lazy_comm_backend",
+    "register_row_local",
 ]

@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dbo_compile.errors import DboError
+from dbo_compile.errors import AttentionOpError
+from dbo_compile.ops._triton import import_triton
+from dbo_compile.ops.registry import OpInfo, register_op
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +45,6 @@ __all__ = ["AttentionOpError", "attention"]
 
 #: Upper bound on elements of one gathered context chunk ``[chunk, L, Hkv, D]`` (memory cap).
 _GATHER_ELEMS = 1 << 24
-
-
-class AttentionOpError(DboError, ValueError):
-    """Arguments of ``dbo.attention`` have inconsistent shapes or dtypes."""
 
 
 def _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table) -> None:
@@ -134,11 +132,10 @@ def _write_kv_torch(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @functools.cache
 def _write_kv_kernel():
     """``(triton, kernel)`` of the KV-cache write, or None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    mods = import_triton()
+    if mods is None:
         return None
+    triton, tl = mods
 
     @triton.jit
     def write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
@@ -267,11 +264,10 @@ def _triton_kernel():
     """``(triton, kernel, interpreted)``, or None without Triton. Built on first use, so that
     importing the package does not import Triton. ``interpreted``: the process runs Triton's
     interpreter (``TRITON_INTERPRET=1`` before triton was imported; kernels take CPU tensors)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    mods = import_triton()
+    if mods is None:
         return None
+    triton, tl = mods
 
     # num_reqs changes every step: one compiled variant for all values (no ==1 / %16 variants)
     @triton.jit(do_not_specialize=["num_reqs", "bt_width", "num_blocks"])
@@ -496,3 +492,21 @@ def _attention_fake(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, 
                     scale):
     _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
     return torch.empty_like(q)
+
+
+def _attention_flops(node: torch.fx.Node, size) -> float:
+    """Two matmuls per query over an assumed context of 4x the ubatch's tokens (at least 64):
+    the cost model knows no context length at compile time."""
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return 0.0
+    tokens, heads, dim = (size(s) for s in out.shape)
+    return 4.0 * tokens * heads * dim * max(64, 4 * tokens)
+
+
+register_op(OpInfo(
+    torch.ops.dbo.attention.default,
+    token_args=((0, "q"), (1, "k"), (2, "v"), (4, "slot_mapping")),
+    # row t reads the KV cache the other rows of its request wrote: the split orders every
+    # ubatch's KV writes before the next ubatch's reads (docs/design.md, invariant 3)
+    row_local=True, flops=_attention_flops))

@@ -45,34 +45,29 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dbo_compile.errors import DboError
+from dbo_compile.errors import CommBackendError, CommOpError
+from dbo_compile.ops._triton import import_triton
+from dbo_compile.ops.registry import OpInfo, comm_kind, is_getitem, register_op
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "COMM_KIND",
-    "COMM_OPS",
     "CommBackend",
     "CommBackendError",
     "CommOpError",
     "available_comm_backends",
     "backend_for_group",
     "ep_group_name",
+    "ep_size_of_rows",
     "ep_world_size",
     "get_comm_backend",
     "register_comm_backend",
     "register_lazy_comm_backend",
 ]
-
-
-class CommOpError(DboError, ValueError):
-    """Arguments of ``dbo.dispatch`` / ``dbo.combine`` are inconsistent (shapes, dtypes, sharding)."""
-
-
-class CommBackendError(DboError, RuntimeError):
-    """A communication backend is unknown or cannot be loaded (its package is missing)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,8 +91,6 @@ def ep_group_name(group: dist.ProcessGroup | None) -> str:
 
 
 def _resolve_group(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     return _resolve_process_group(group_name)
 
 
@@ -278,11 +271,10 @@ def _send_buffers_torch(x, topk_ids, topk_weights, e_local, world_size):
 
 @functools.cache
 def _pack_kernel():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    mods = import_triton()
+    if mods is None:
         return None
+    triton, tl = mods
 
     @triton.jit
     def pack_kernel(x_ptr, ids_ptr, w_ptr, out_ptr, meta_ptr, T, H, stride_x, row_cols,
@@ -496,9 +488,18 @@ def _combine_fake(y, group_name):
     return y.new_empty((y.shape[0] // w, y.shape[1]))
 
 
-#: Op overloads that are communication; the backend finds comm nodes by ``node.target``.
-COMM_KIND: dict[torch._ops.OpOverload, str] = {
-    torch.ops.dbo.dispatch.default: "dispatch",
-    torch.ops.dbo.combine.default: "combine",
-}
-COMM_OPS: frozenset[torch._ops.OpOverload] = frozenset(COMM_KIND)
+register_op(OpInfo(torch.ops.dbo.dispatch.default, comm="dispatch",
+                   token_args=((0, "x"), (1, "topk_ids"), (2, "topk_weights")), row_local=True))
+register_op(OpInfo(torch.ops.dbo.combine.default, comm="combine", row_local=True))
+
+
+def ep_size_of_rows(x: fx.Node) -> int:
+    """EP world size of the dispatch whose received rows the FX node ``x`` is (a ``getitem``
+    of ``dbo.dispatch``); 1 when it cannot be told (no dispatch, unresolvable group)."""
+    src = x.args[0] if isinstance(x, fx.Node) and is_getitem(x) else None
+    if isinstance(src, fx.Node) and comm_kind(src) == "dispatch":
+        try:
+            return max(1, int(ep_world_size(src.args[4])))
+        except Exception:  # noqa: BLE001 - a cost estimate never fails the compile
+            return 1
+    return 1

@@ -35,15 +35,15 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
-from dbo_compile.errors import DboError
+from dbo_compile.errors import ExpertsOpError
+from dbo_compile.ops._triton import import_triton
+from dbo_compile.ops.comm import ep_size_of_rows
+from dbo_compile.ops.registry import OpInfo, register_op
 
 __all__ = ["ExpertsOpError", "experts_loop", "grouped_experts", "grouped_reference"]
-
-
-class ExpertsOpError(DboError):
-    """Bad arguments to ``dbo.grouped_experts`` (shapes or dtypes)."""
 
 
 def _check(x, ids, weights, w13, w2) -> None:
@@ -148,11 +148,10 @@ def grouped_reference(x, ids, weights, w13, w2) -> torch.Tensor:
 
 @functools.cache
 def _triton_kernel():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    mods = import_triton()
+    if mods is None:
         return None
+    triton, tl = mods
 
     @triton.jit
     def slot_key_kernel(ids_ptr, key_ptr, n, E, BLOCK: tl.constexpr):
@@ -281,10 +280,18 @@ def _(x, ids, weights, w13, w2):
     return torch.empty_like(x)
 
 
-def _register_row_local() -> None:
-    from dbo_compile.passes.token_dim import register_row_local
+def _grouped_experts_flops(node: fx.Node, size) -> float:
+    """SwiGLU (3 GEMMs of I x H) on the slots routed to this rank: ``N*K / W`` of them."""
+    x, ids, _w, _w13, w2 = (a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args[:5])
+    rows, k = (size(s) for s in ids.shape)
+    hidden, inter = size(x.shape[1]), size(w2.shape[2])
+    return 6.0 * rows * k * inter * hidden / ep_size_of_rows(node.args[0])
 
-    register_row_local(torch.ops.dbo.grouped_experts.default)
 
-
-_register_row_local()
+register_op(OpInfo(
+    torch.ops.dbo.grouped_experts.default,
+    token_args=((0, "x"), (1, "ids"), (2, "weights")),
+    row_local=True,
+    # in decode the grouped GEMM is bound by reading the expert weights: one call on both
+    # ubatches' rows reads them once (dbo_compile.passes.join_experts)
+    joinable=True, flops=_grouped_experts_flops))

@@ -2,7 +2,9 @@
 
 Sizes are evaluated at a reference token count (``DboConfig.cost_model_tokens`` per rank,
 divided evenly over the ubatches), so the estimate, and the schedule derived from it, depend on
-(graph, config) only: every rank computes the same schedule (../shared/DESIGN.md invariant 2).
+(graph, config) only: every rank computes the same schedule (``docs/design.md``, invariant 2).
+FLOPs: ATen matmuls by rule here, our ops by the formula of their registry record
+(:mod:`dbo_compile.ops.registry`).
 
 Units: µs. Figures: ``peak_tflops`` and ``hbm_gbps`` for compute, ``link_gbps`` and
 ``comm_latency_us`` for dispatch/combine (per rank, bytes sent + received).
@@ -18,26 +20,12 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.config import DboConfig
-from dbo_compile.passes.comm_ops import comm_kind, is_getitem
+from dbo_compile.ops.registry import comm_kind, is_getitem, op_info
 from dbo_compile.passes.meta import dbo_meta
 
 _FREE = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "t", "permute",
          "transpose", "alias", "detach", "slice", "select", "split", "split_with_sizes",
          "sym_size", "sym_numel", "_reshape_alias", "as_strided", "unbind", "chunk"}
-
-
-def _ep_size_of(x: Any) -> int:
-    """EP world size of the dispatch that produced ``x`` (``getitem`` of ``dbo.dispatch``);
-    1 when it cannot be told (no dispatch, unresolvable group)."""
-    src = x.args[0] if isinstance(x, fx.Node) and is_getitem(x) else None
-    if isinstance(src, fx.Node) and comm_kind(src) == "dispatch":
-        try:
-            from dbo_compile.ops.comm import ep_world_size
-
-            return max(1, int(ep_world_size(src.args[4])))
-        except Exception:  # noqa: BLE001 - a cost estimate never fails the compile
-            return 1
-    return 1
 
 
 class CostModel:
@@ -87,17 +75,9 @@ class CostModel:
             mat = [v for v in vals if isinstance(v, torch.Tensor) and v.dim() >= 2]
             k = self._int(mat[0].shape[-1]) if mat else 1
             return 2.0 * self.numel(out) * k
-        if name == "grouped_experts" and isinstance(out, torch.Tensor):
-            # SwiGLU (3 GEMMs of I x H) on the slots routed to this rank: N*K / W of them
-            x, ids, _w, _w13, w2 = (a.meta.get("val") if isinstance(a, fx.Node) else a
-                                    for a in node.args[:5])
-            rows, k = (self._int(s) for s in ids.shape)
-            hidden, inter = self._int(x.shape[1]), self._int(w2.shape[2])
-            return 6.0 * rows * k * inter * hidden / _ep_size_of(node.args[0])
-        if name == "attention" and isinstance(out, torch.Tensor):
-            # 2 matmuls over an assumed context of 4 * the ubatch's tokens
-            tokens, heads, dim = (self._int(s) for s in out.shape)
-            return 4.0 * tokens * heads * dim * max(64, 4 * tokens)
+        info = op_info(node.target)
+        if info is not None and info.flops is not None and isinstance(out, torch.Tensor):
+            return info.flops(node, self._int)
         return 0.0
 
     def node_cost_us(self, node: fx.Node) -> float:

@@ -14,36 +14,21 @@ After::
 Between the issue and the wait the other ubatch computes. User-written functional collectives
 (``_c10d_functional.all_to_all_single`` + ``wait_tensor``) are already split; they are only
 annotated. In generated code the wait is an event wait of the consumer's stream on the event
-recorded after the issue; the value itself is passed through unchanged.
+recorded after the issue; the value itself is passed through unchanged
+(:func:`dbo_compile.ops.registry.comm_wait`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch.fx as fx
 
-from dbo_compile.passes.comm_ops import comm_kind, is_c10d_wait
+from dbo_compile.errors import ScheduleError
+from dbo_compile.ops.registry import comm_kind, comm_wait, is_c10d_wait
 from dbo_compile.passes.meta import dbo_meta
 
 log = logging.getLogger(__name__)
-
-
-def comm_wait(value: Any) -> Any:
-    """The wait phase of a comm op: returns ``value`` once the comm has completed.
-
-    In generated code the synchronisation is an event wait on the consumer's stream; this
-    function only passes the value through (eager execution of an FX graph is synchronous).
-    """
-    return value
-
-
-comm_wait._dbo_row_local = True  # type: ignore[attr-defined]
-
-
-def is_wait(node: fx.Node) -> bool:
-    return node.op == "call_function" and (node.target is comm_wait or is_c10d_wait(node))
 
 
 def insert_yields(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
@@ -62,7 +47,8 @@ def insert_yields(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
         if kind == "all_to_all":
             waits = [u for u in node.users if is_c10d_wait(u)]
             if len(waits) != 1:
-                raise ValueError(f"{node.name}: all_to_all_single must have exactly one wait_tensor")
+                raise ScheduleError(f"{node.name}: all_to_all_single must have exactly one "
+                                    f"wait_tensor, it has {len(waits)}")
             wait = waits[0]
         else:
             existing = [u for u in node.users if u.target is comm_wait]

@@ -18,7 +18,7 @@ The joined nodes form one shared stage (``meta["dbo"]["ubatch"] = None``, ``"joi
 waits for both ubatches' dispatch and feeds both combines: the price is that the experts of a
 layer start only when the later dispatch has landed. Whether the weight reads saved pay for
 that wait depends on the bucket and the link; the runtime measures joined and unjoined
-schedules (``DboConfig.join_experts``, :func:`dbo_compile.backend.schedule_variants`).
+schedules (``DboConfig.join_experts``, :data:`dbo_compile.config.CANDIDATES`).
 """
 
 from __future__ import annotations
@@ -31,24 +31,16 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.tools_common import legalize_graph
 
+import dbo_compile.ops  # noqa: F401  (registers the ops and their records)
 from dbo_compile.errors import ScheduleError
+from dbo_compile.ops.registry import joinable_ops
 from dbo_compile.passes.meta import dbo_meta
 
 log = logging.getLogger(__name__)
 
-__all__ = ["JOINABLE_OPS", "copy_split_graph", "join_experts"]
+__all__ = ["copy_split_graph", "join_experts"]
 
 aten = torch.ops.aten
-
-
-def _joinable() -> frozenset:
-    import dbo_compile.ops  # noqa: F401  (registers dbo.grouped_experts)
-
-    return frozenset({torch.ops.dbo.grouped_experts.default})
-
-
-#: ops whose ubatch copies are joined: row-local along dim 0, weight-bound in decode
-JOINABLE_OPS = _joinable()
 
 
 def copy_split_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -88,7 +80,9 @@ def _val(a):
 
 
 def join_experts(gm: fx.GraphModule, num_ubatches: int) -> int:
-    """Join the ubatch copies of every :data:`JOINABLE_OPS` call of ``gm`` in place.
+    """Join the ubatch copies of every joinable call of ``gm`` in place (the ops whose registry
+    record says ``joinable``: :func:`dbo_compile.ops.registry.joinable_ops`). The caller lints
+    and recompiles ``gm`` (the pass pipeline does, once).
 
     Args:
         gm: the split graph (:func:`~dbo_compile.passes.split_ubatch.split_ubatch`), after
@@ -105,9 +99,10 @@ def join_experts(gm: fx.GraphModule, num_ubatches: int) -> int:
     """
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
+    joinable = joinable_ops()
     groups: dict[str, list[fx.Node]] = {}
     for n in graph.nodes:
-        if n.op == "call_function" and n.target in JOINABLE_OPS:
+        if n.op == "call_function" and n.target in joinable:
             u = dbo_meta(n).get("ubatch")
             if u is not None:
                 groups.setdefault(dbo_meta(n)["origin"], []).append(n)
@@ -170,7 +165,5 @@ def join_experts(gm: fx.GraphModule, num_ubatches: int) -> int:
     if groups:
         if _out_of_order(graph):  # a copy's user came before the last copy: reorder
             legalize_graph(gm)
-        graph.lint()
-        gm.recompile()
         log.info("dbo: joined the ubatch copies of %d routed-expert calls", len(groups))
     return len(groups)

@@ -15,8 +15,10 @@ Keys of ``node.meta["dbo"]`` (a dict):
 - ``mutates``: names of the placeholders an in-place op writes (after re-inplacing), e.g. the KV
   cache written by ``dbo.attention``.
 - ``unit``: id of the schedule unit (stage or comm op) the node belongs to.
-- ``stream``: ``"compute"`` or ``"comm"``; also written to ``node.meta["custom"]["stream"]``,
-  the key Dynamo and Inductor use for stream annotations.
+- ``stream``: ``"compute"`` or ``"comm"``. ``node.meta["custom"]["stream"]``, the key Dynamo
+  and Inductor use for stream annotations, gets its index in their contract
+  (:data:`dbo_compile.schedule.STREAM_INDEX`: ``1`` for the comm stream; none for the compute
+  stream, the current one).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 
 import torch.fx as fx
 
+from dbo_compile.schedule import STREAM_INDEX, annotate_stream
+
 
 def dbo_meta(node: fx.Node) -> dict[str, Any]:
     """The ``node.meta["dbo"]`` dict of ``node``, created empty on first use."""
@@ -32,5 +36,7 @@ def dbo_meta(node: fx.Node) -> dict[str, Any]:
 
 
 def set_stream(node: fx.Node, stream: str) -> None:
+    """Put ``node`` on ``stream`` (``"compute"`` or ``"comm"``): ``meta["dbo"]["stream"]``, and
+    ``meta["custom"]["stream"]`` in Inductor's ``int | None`` contract (no key: current stream)."""
     dbo_meta(node)["stream"] = stream
-    node.meta.setdefault("custom", {})["stream"] = stream
+    annotate_stream(node.meta, STREAM_INDEX[stream])

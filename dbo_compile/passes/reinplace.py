@@ -11,7 +11,7 @@ on the input itself and drop the epilogue ``copy_`` (as Inductor's reinplace pas
     after:   out = dbo.attention(q, ..., kv_cache)        # meta["dbo"]["mutates"] = [kv_cache]
 
 The write is no longer a data edge, so the scheduler orders writers and readers of the same
-input explicitly (../shared/DESIGN.md invariant 3).
+input explicitly (``docs/design.md``, invariant 3).
 """
 
 from __future__ import annotations

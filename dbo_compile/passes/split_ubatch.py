@@ -25,31 +25,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
 
 import torch.fx as fx
 
-from dbo_compile.lowering import InputSpec
 from dbo_compile.passes.meta import dbo_meta
+from dbo_compile.signature import InputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SplitSignature:
-    """How the split graph's inputs and outputs map to the unsplit graph's.
-
-    Attributes:
-        inputs: per split-graph placeholder, ``(original input index, ubatch or None)``.
-        outputs: per original output, the split-graph output indices: one per ubatch for a
-            per-ubatch output (concatenate them along dim 0 in ubatch order), one for a shared
-            output.
-        num_ubatches: number of ubatch copies.
-    """
-
-    inputs: tuple[tuple[int, int | None], ...]
-    outputs: tuple[tuple[int, ...], ...]
-    num_ubatches: int
 
 
 def _copy_meta(dst: fx.Node, src: fx.Node, ubatch: int | None) -> None:
@@ -68,7 +50,8 @@ def split_ubatch(gm: fx.GraphModule, specs: list[InputSpec],
         num_ubatches: number of copies (>= 2).
 
     Returns:
-        The split GraphModule (shares ``gm``'s attributes) and its :class:`SplitSignature`.
+        The split GraphModule (shares ``gm``'s attributes) and its
+        :class:`~dbo_compile.signature.SplitSignature`.
     """
     src = gm.graph
     placeholders = [n for n in src.nodes if n.op == "placeholder"]

@@ -1,5 +1,7 @@
 """Group the split graph into schedule units, list-schedule them on two streams, add events.
 
+The result is a :class:`~dbo_compile.schedule.Schedule` (ground floor), which codegen runs.
+
 A *unit* is either one comm op (its issue phase, on the comm stream) or a *stage*: a maximal
 run of one ubatch's compute between its yield points (on the compute stream). The scheduler
 orders units over the whole graph, both ubatches and every layer at once, so it can run
@@ -12,7 +14,8 @@ Algorithm:
      ubatch input reaches (weight views) form one shared prologue stage.
   2. Dependencies. Data edges between units (a wait node stands for its issue's unit), plus
      the edges FX cannot see: every access of ubatch ``u`` to an input that some op mutates in
-     place (the KV cache) precedes ubatch ``u + 1``'s accesses (DESIGN.md invariant 3).
+     place (the KV cache) precedes ubatch ``u + 1``'s accesses (``docs/design.md``,
+     invariant 3).
   3. List scheduling. Simulate the two in-order streams with the cost model; repeatedly issue
      the ready unit with the earliest possible start (ties: comm first, so the collective is
      launched before the compute it hides behind; then the longest path to the end of the
@@ -25,9 +28,7 @@ Algorithm:
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import networkx as nx
@@ -35,117 +36,12 @@ import torch.fx as fx
 
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import ScheduleError
-from dbo_compile.passes.comm_ops import comm_kind
+from dbo_compile.ops.registry import comm_kind, is_wait
 from dbo_compile.passes.cost_model import CostModel
-from dbo_compile.passes.insert_yields import is_wait
 from dbo_compile.passes.meta import dbo_meta, set_stream
+from dbo_compile.schedule import COMM, COMPUTE, Schedule, Timeline, Unit, predecessors, simulate
 
 log = logging.getLogger(__name__)
-
-COMPUTE, COMM = "compute", "comm"
-SCHEDULE_VERSION = 1
-#: prefix of the ``record_function`` range generated code opens around each unit
-RANGE_PREFIX = "dbo.u"
-
-
-@dataclass
-class Unit:
-    """One schedulable unit: a compute stage or a comm op.
-
-    Attributes:
-        id: index in the schedule's host (issue) order.
-        kind: ``"compute"`` or ``"comm"``.
-        stream: ``"compute"`` or ``"comm"``.
-        ubatch: ubatch id, ``None`` for the shared prologue and for joined calls (both ubatches).
-        label: ``A`` (attention part, with the previous layer's tail), ``S`` (shared experts),
-            ``MLP`` (routed experts), ``D`` (dispatch), ``C`` (combine), ``T`` (final tail),
-            ``P`` (shared prologue), ``X`` (any other comm / stage).
-        layer: MoE layer index (``None`` if unknown).
-        nodes: names of the split-graph nodes it runs, in graph order.
-        cost_us: estimated duration (µs).
-        start_us / end_us: predicted start/end on its stream (µs from step start).
-    """
-
-    id: int
-    kind: str
-    stream: str
-    ubatch: int | None
-    label: str
-    layer: int | None
-    nodes: list[str]
-    cost_us: float
-    start_us: float = 0.0
-    end_us: float = 0.0
-
-    @property
-    def name(self) -> str:
-        sub = "" if self.ubatch is None else str(self.ubatch)
-        layer = "" if self.layer is None else f"L{self.layer}."
-        return f"{layer}{self.label}{sub}"
-
-
-@dataclass
-class Schedule:
-    """The schedule as data (JSON-serialisable through :meth:`to_json`).
-
-    Attributes:
-        units: in host issue order.
-        deps: unit dependencies ``(src, dst)``: data edges and hidden (KV-cache) edges.
-        hidden_deps: the subset of ``deps`` that are not FX data edges.
-        event_edges: the minimal cross-stream edges; each is one event record/wait.
-        num_ubatches, scheduler, config_fingerprint: what produced it.
-        predicted_step_us: makespan of the simulated two-stream timeline (µs).
-        serial_us: sum of all unit costs (everything on one stream), µs.
-    """
-
-    units: list[Unit]
-    deps: list[tuple[int, int]]
-    hidden_deps: list[tuple[int, int]]
-    event_edges: list[tuple[int, int]]
-    num_ubatches: int
-    scheduler: str
-    config_fingerprint: str
-    predicted_step_us: float = 0.0
-    serial_us: float = 0.0
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["version"] = SCHEDULE_VERSION
-        d["deps"] = [list(e) for e in self.deps]
-        d["hidden_deps"] = [list(e) for e in self.hidden_deps]
-        d["event_edges"] = [list(e) for e in self.event_edges]
-        for u, unit in zip(d["units"], self.units):
-            u["name"] = unit.name
-        return d
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Schedule:
-        units = [Unit(**{k: v for k, v in u.items() if k != "name"}) for u in d["units"]]
-        return cls(
-            units=units,
-            deps=[tuple(e) for e in d["deps"]],
-            hidden_deps=[tuple(e) for e in d["hidden_deps"]],
-            event_edges=[tuple(e) for e in d["event_edges"]],
-            num_ubatches=d["num_ubatches"],
-            scheduler=d["scheduler"],
-            config_fingerprint=d["config_fingerprint"],
-            predicted_step_us=d.get("predicted_step_us", 0.0),
-            serial_us=d.get("serial_us", 0.0),
-            meta=d.get("meta", {}),
-        )
-
-    def unit_of_node(self) -> dict[str, int]:
-        return {n: u.id for u in self.units for n in u.nodes}
-
-
-def range_name(unit: Unit) -> str:
-    """Profiler range of ``unit`` in generated code: ``dbo.u{id}.{name}`` (e.g. ``dbo.u5.L0.MLP0``);
-    ``python -m dbo_compile.viz --profile`` matches kernels to units by it."""
-    return f"{RANGE_PREFIX}{unit.id}.{unit.name}"
 
 
 def _stage_keys(graph: fx.Graph) -> dict[fx.Node, tuple]:
@@ -320,15 +216,13 @@ def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
 
 def _list_order(units: list[Unit], deps: list[tuple[int, int]]) -> list[int]:
     """Step 3: earliest-start list scheduling over two in-order streams (simulated)."""
-    preds: dict[int, list[int]] = {u.id: [] for u in units}
+    preds = predecessors(units, deps)
     succs: dict[int, list[int]] = {u.id: [] for u in units}
     for a, b in deps:
-        preds[b].append(a)
         succs[a].append(b)
     missing = {u.id: len(preds[u.id]) for u in units}
     ready = sorted(i for i, m in missing.items() if m == 0)
-    free = {COMPUTE: 0.0, COMM: 0.0}
-    end: dict[int, float] = {}
+    timeline = Timeline(preds)
     order: list[int] = []
     by_id = {u.id: u for u in units}
     # bottom level: the longest cost path from a unit to the end of the step
@@ -337,20 +231,16 @@ def _list_order(units: list[Unit], deps: list[tuple[int, int]]) -> list[int]:
     dag.add_nodes_from(by_id)
     for i in reversed(list(nx.lexicographical_topological_sort(dag))):
         bottom[i] = by_id[i].cost_us + max((bottom[s] for s in succs[i]), default=0.0)
-    def start_of(i: int) -> float:
-        return max([free[by_id[i].stream]] + [end[p] for p in preds[i]])
 
     def key(i: int) -> tuple:
         u = by_id[i]
-        return (round(start_of(i), 6), 0 if u.kind == COMM else 1, -round(bottom[i], 6),
+        return (round(timeline.start_of(u), 6), 0 if u.kind == COMM else 1, -round(bottom[i], 6),
                 -1 if u.ubatch is None else u.ubatch, i)
 
     while ready:
         best = min(ready, key=key)
         ready.remove(best)
-        u = by_id[best]
-        end[best] = start_of(best) + u.cost_us
-        free[u.stream] = end[best]
+        timeline.place(by_id[best])
         order.append(best)
         for s in succs[best]:
             missing[s] -= 1
@@ -388,21 +278,6 @@ def _naive_order(units: list[Unit], deps: list[tuple[int, int]]) -> list[int]:
         if not progressed:
             raise ScheduleError("naive order is blocked (a ubatch depends on a later unit)")
     return order
-
-
-def simulate(units: list[Unit], deps: list[tuple[int, int]]) -> float:
-    """Set ``start_us``/``end_us`` of units (already in host order); return the makespan."""
-    preds: dict[int, list[int]] = {u.id: [] for u in units}
-    for a, b in deps:
-        preds[b].append(a)
-    free = {COMPUTE: 0.0, COMM: 0.0}
-    end: dict[int, float] = {}
-    for u in units:
-        u.start_us = max([free[u.stream]] + [end[p] for p in preds[u.id]])
-        u.end_us = u.start_us + u.cost_us
-        end[u.id] = u.end_us
-        free[u.stream] = u.end_us
-    return max(end.values(), default=0.0)
 
 
 def minimal_event_edges(units: list[Unit], deps: list[tuple[int, int]]) -> list[tuple[int, int]]:

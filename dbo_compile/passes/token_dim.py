@@ -12,8 +12,9 @@ Rules (conservative: an op we cannot prove row-local makes the graph unsplittabl
    ``[c * num_tokens, ...]`` after dispatch).
 2. An op reading a token-indexed value must be row-local: pointwise ops, views that keep dim 0,
    matmuls whose contracted dim is not the token dim, reductions/scans/sorts over other dims,
-   embedding lookups, our comm and attention ops (which keep each ubatch's tokens consistent),
-   and ops batched over dim 0 (``scaled_dot_product_attention`` on ``[batch, heads, seq, d]``
+   embedding lookups, ops the registry declares row-local (:mod:`dbo_compile.ops.registry`:
+   our comm, expert and attention ops, which keep each ubatch's tokens consistent, and user
+   ops declared with :func:`~dbo_compile.ops.registry.register_row_local`), and ops batched over dim 0 (``scaled_dot_product_attention`` on ``[batch, heads, seq, d]``
    in the ``[batch, seq, hidden]`` layout: batch ``b`` of the output reads batch ``b`` of
    q/k/v/mask) when every tensor input's dim 0 is the output's or 1 (broadcast).
 3. Reductions, scans, sorts, gathers, scatters, ``cat`` or slices *along* dim 0, and ops that
@@ -29,8 +30,8 @@ Rules (conservative: an op we cannot prove row-local makes the graph unsplittabl
    used as a size (the shape of a view / expand / new tensor) or in more size arithmetic,
    never as a value.
 
-``check_splittable`` raises :class:`~dbo_compile.errors.UnsplittableGraphError` naming the first
-offending node; the backend then compiles the graph unsplit.
+:func:`annotate_token_dims` raises :class:`~dbo_compile.errors.UnsplittableGraphError` naming
+the first offending node; the backend then compiles the graph unsplit.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.errors import UnsplittableGraphError
-from dbo_compile.passes.comm_ops import comm_kind, is_c10d_wait
+from dbo_compile.ops.registry import comm_kind, is_wait, op_info
 from dbo_compile.passes.meta import dbo_meta
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,6 @@ _BATCHED = {"scaled_dot_product_attention", "_scaled_dot_product_attention_math"
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
 _ROW_LOCAL_OTHER = {"embedding", "where", "masked_fill", "clamp", "sym_size", "sym_numel",
                     "sym_stride", "_assert_tensor_metadata", "copy", "lift_fresh"}
-
-
-_ROW_LOCAL_OPS: set = set()
-
-
-def register_row_local(op: Any) -> None:
-    """Declare a custom op (an ``OpOverload``) row-local along dim 0: row ``i`` of each output
-    depends only on row ``i`` of its token-indexed inputs. Graphs using it can then be split;
-    a wrong declaration gives wrong answers, so declare only what is true."""
-    _ROW_LOCAL_OPS.add(op)
 
 
 def _exprs(val: Any) -> list[list[sympy.Expr | int]]:
@@ -290,19 +281,12 @@ def _used_as_size_only(node: fx.Node) -> bool:
     return True
 
 
-#: inputs of our ops whose dim 0 is the token dim (the rest: weights, KV cache, metadata)
-_DBO_TOKEN_ARGS = {
-    "dispatch": ((0, "x"), (1, "topk_ids"), (2, "topk_weights")),
-    "grouped_experts": ((0, "x"), (1, "ids"), (2, "weights")),
-    "attention": ((0, "q"), (1, "k"), (2, "v"), (4, "slot_mapping")),
-}
-
-
-def _dbo_misaligned(node: fx.Node) -> str | None:
-    """A ``dbo`` op whose token inputs disagree: one has the token dim, another a fixed first
-    dim (built from a token count Dynamo specialised, e.g. ``torch.zeros(x.shape[0], k)`` in a
-    static graph). Each ubatch would pair its rows with all of the other input's rows."""
-    args = [_arg(node, i, name, None) for i, name in _DBO_TOKEN_ARGS.get(node.target._opname, ())]
+def _misaligned(node: fx.Node, token_args: tuple[tuple[int, str], ...]) -> str | None:
+    """A row-local op whose token inputs (``token_args`` of its registry record) disagree: one
+    has the token dim, another a fixed first dim (built from a token count Dynamo specialised,
+    e.g. ``torch.zeros(x.shape[0], k)`` in a static graph). Each ubatch would pair its rows with
+    all of the other input's rows."""
+    args = [_arg(node, i, name, None) for i, name in token_args]
     tok = [a for a in args if _node_token(a)]
     fixed = [a for a in args if isinstance(a, fx.Node) and not _node_token(a)]
     if tok and fixed:
@@ -316,22 +300,20 @@ def _dbo_misaligned(node: fx.Node) -> str | None:
 def _why_not_row_local(node: fx.Node, syms: frozenset) -> str | None:
     """Why ``node`` (reading token-indexed values) mixes tokens; ``None`` if it is row-local."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and target.namespace == "dbo":
-        return _dbo_misaligned(node)  # our ops keep every ubatch's tokens consistent
-    if target is operator.getitem or comm_kind(node) is not None or is_c10d_wait(node):
+    info = op_info(target)
+    if info is not None and info.row_local:
+        return _misaligned(node, info.token_args)  # keeps every ubatch's tokens consistent
+    if target is operator.getitem or comm_kind(node) is not None or is_wait(node):
         return None
     if target in _SYM_ARITH:
         if _used_as_size_only(node):
             return None  # a per-ubatch size (rule 5)
         return f"{getattr(target, '__name__', target)} of the token count is used as a value"
     if not isinstance(target, torch._ops.OpOverload):
-        if callable(target) and getattr(target, "_dbo_row_local", False):
-            return None
         return f"call of {getattr(target, '__name__', target)!r} is not known to be row-local"
     if target.namespace not in ("aten", "prims"):
-        if target in _ROW_LOCAL_OPS:
-            return None
-        return f"custom op {target} is not known to be row-local along the token dim"
+        return (f"custom op {target} is not known to be row-local along the token dim "
+                "(declare it with dbo_compile.ops.register_row_local if it is)")
     name = target._opname.rstrip("_")
     first = node.args[0] if node.args else None
     for i, a in enumerate(list(node.args) + list(node.kwargs.values())):

@@ -8,12 +8,17 @@ engine wraps each call in :func:`step_context` instead::
         logits = compiled(input_ids, positions, attn_metadata)
 
 or calls :func:`dbo_compile.runtime.engine.run_step`, which does exactly this.
+
+Also the per-thread state of the compiled artifacts (the artifact called last, recorded calls,
+uncounted warm-up steps, :func:`traced_only` blocks), which the CUDA-graph runner and the
+compiled stages read through the functions here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -53,3 +58,84 @@ def step_context(**facts: Any) -> Iterator[StepContext]:
 
 def current_step_context() -> StepContext:
     return _CURRENT.get() or StepContext()
+
+
+# -- per-thread state of the compiled artifacts -------------------------------------------
+
+
+class _PerThread(threading.local):
+    """Per thread (a server may step several models from several threads): the artifact
+    called last; while not None (inside :func:`record_calls`) the list every artifact call
+    appends ``(artifact, args)`` to; whether calls count in the artifacts' stats; the depth of
+    :func:`traced_only` blocks."""
+
+    last_called: Any = None
+    recorded: list | None = None
+    counting: bool = True
+    traced_only: int = 0
+
+
+_THREAD = _PerThread()
+
+
+def last_called() -> Any:
+    """The compiled artifact that ran the most recent step in this thread (Dynamo may hold
+    several for one model: a static and a dynamic graph); its ``last_vote`` is that step's."""
+    return _THREAD.last_called
+
+
+def note_call(artifact: Any, args: Sequence[Any] | None = None) -> None:
+    """Record that ``artifact`` runs this thread's step: it becomes :func:`last_called`, and
+    inside :func:`record_calls` ``(artifact, args)`` is appended (``args`` ``None``: only the
+    former, for a step whose call was recorded already)."""
+    _THREAD.last_called = artifact
+    if args is not None and _THREAD.recorded is not None:
+        _THREAD.recorded.append((artifact, tuple(args)))
+
+
+def counting() -> bool:
+    """Whether calls in this thread count in the artifacts' ``stats`` (see :func:`uncounted`)."""
+    return _THREAD.counting
+
+
+@contextlib.contextmanager
+def record_calls() -> Iterator[list[tuple[Any, tuple[Any, ...]]]]:
+    """Within the block, every call of a compiled artifact in this thread appends
+    ``(artifact, graph args)`` to the yielded list (the CUDA-graph runner records a step's
+    graph inputs with it)."""
+    calls: list[tuple[Any, tuple[Any, ...]]] = []
+    old, _THREAD.recorded = _THREAD.recorded, calls
+    try:
+        yield calls
+    finally:
+        _THREAD.recorded = old
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Within the block, calls in this thread do not count in the artifacts' ``stats``
+    (the CUDA-graph runner's synthetic warm-up steps are not served steps)."""
+    old, _THREAD.counting = _THREAD.counting, False
+    try:
+        yield
+    finally:
+        _THREAD.counting = old
+
+
+@contextlib.contextmanager
+def traced_only() -> Iterator[None]:
+    """Within the block, a compiled stage called with an input signature it has not compiled
+    runs its traced ATen ops instead of compiling (and records nothing, so a later call
+    compiles as usual); signatures compiled before keep their compiled code. For calls whose
+    results are thrown away, such as :class:`~dbo_compile.runtime.graphs.CudaGraphRunner`'s
+    layout probe."""
+    _THREAD.traced_only += 1
+    try:
+        yield
+    finally:
+        _THREAD.traced_only -= 1
+
+
+def in_traced_only() -> bool:
+    """Whether this thread is inside a :func:`traced_only` block."""
+    return _THREAD.traced_only > 0

@@ -17,12 +17,13 @@ or the unsplit program and returns the logits of the real tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
 
 from dbo_compile.runtime.context import step_context
-from dbo_compile.runtime.metadata import AttentionMetadata
+from dbo_compile.metadata import AttentionMetadata
 
 
 def run_step(compiled: Callable[..., Any], input_ids: torch.Tensor, positions: torch.Tensor,
@@ -74,8 +75,6 @@ def run_step(compiled: Callable[..., Any], input_ids: torch.Tensor, positions: t
 def _pad_rows(input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
               rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Pad the token dim to ``rows`` with rows that write nothing (slot -1, id 0, position 0)."""
-    import dataclasses
-
     n = rows - input_ids.shape[0]
 
     def pad_slots(slots: torch.Tensor | None) -> torch.Tensor | None:

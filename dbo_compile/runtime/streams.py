@@ -12,6 +12,9 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from dbo_compile.errors import DboConfigError
 
 
 class StreamSet:
@@ -55,7 +58,8 @@ def wait(stream: Any, event: Any) -> None:
 
 
 def keep(value: Any, stream: Any) -> None:
-    """``record_stream`` every CUDA tensor in ``value`` on ``stream`` (DESIGN.md invariant 4)."""
+    """``record_stream`` every CUDA tensor in ``value`` on ``stream`` (allocator safety:
+    ``docs/design.md``, invariant 4)."""
     if stream is None:
         return
     if isinstance(value, torch.Tensor):
@@ -111,12 +115,8 @@ def new_ep_group(ranks: list[int] | None = None, *, comm_sms: int | None = None,
     Raises:
         DboConfigError: ``comm_sms`` is not a positive int.
     """
-    import torch.distributed as dist
-
     if comm_sms is not None and (not isinstance(comm_sms, int) or isinstance(comm_sms, bool)
                                  or comm_sms < 1):
-        from dbo_compile.errors import DboConfigError
-
         raise DboConfigError(f"comm_sms must be None or a positive int (SMs), got {comm_sms!r}")
     opts = dist.ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = high_priority

@@ -2,7 +2,7 @@
 
 Host-side, run once per step after the DP vote (:mod:`dbo_compile.runtime.vote`) said "split".
 The rules are vLLM DBO's (``--enable-dbo``), pinned by the golden cases of
-../shared/REFERENCES.md §Slicing:
+docs/references.md §Slicing:
 
 1. ``cu`` = cumulative scheduled tokens with a leading 0 (``cu[i]`` = first token of request i).
 2. Split points are fixed on the **padded** token count, identical on every DP rank:
@@ -25,9 +25,9 @@ Empty-ubatch rule
 A ubatch whose real-token slice is empty (``token_slice.start == token_slice.stop``, request
 slice ``[R, R)``) is **not** dropped and does not abort the split (vLLM aborts instead): it runs
 as padding, with its padded rows (or 0 rows), and still issues every dispatch/combine, so all
-DP ranks stay in step and issue the same collectives in the same order (DESIGN.md invariants 2
-and 6). Its attention metadata has ``num_reqs == 0`` (``query_start_loc == [0]``) and one
-``slot_mapping == -1`` row per padded row. Empty ubatches arise only from DP padding: the vote
+DP ranks stay in step and issue the same collectives in the same order (``docs/design.md``,
+invariants 2 and 6). Its attention metadata has ``num_reqs == 0`` (``query_start_loc == [0]``)
+and one ``slot_mapping == -1`` row per padded row. Empty ubatches arise only from DP padding: the vote
 never splits a step in which any rank has fewer than ``num_ubatches`` real tokens (thresholds
 are ``>= num_ubatches``, and ``split="always"`` checks that bound explicitly), so a step with
 fewer real tokens than ``num_ubatches`` (a 1-token step, an idle rank) runs unsplit everywhere.
@@ -49,7 +49,7 @@ from typing import Sequence
 import torch
 
 from dbo_compile.errors import MetadataError
-from dbo_compile.runtime.metadata import (
+from dbo_compile.metadata import (
     AttentionMetadata,
     HostCounts,
     host_tensor,
@@ -65,6 +65,7 @@ PAD_SLOT_ID = -1
 __all__ = [
     "PAD_SLOT_ID",
     "UBatchSlice",
+    "cut_step",
     "make_ubatch_slices",
     "make_ubatch_slices_at",
     "slice_token_tensor",
@@ -290,7 +291,7 @@ def split_attn_metadata(
     slices: Sequence[UBatchSlice], metadata: AttentionMetadata,
     host: HostCounts | None = None,
 ) -> list[AttentionMetadata]:
-    """One :class:`AttentionMetadata` per ubatch, following REFERENCES.md §Slicing (vLLM DBO).
+    """One :class:`AttentionMetadata` per ubatch, following docs/references.md §Slicing (vLLM DBO).
 
     For ubatch ``k`` with requests ``[r0, r1)`` and real tokens ``[a, b)``:
 
@@ -312,7 +313,7 @@ def split_attn_metadata(
     ``-1`` slot per token row. Every tensor is freshly allocated (no storage is shared with the
     input or another ubatch) on the device of the corresponding input field. The counts are
     computed on the host, from ``host`` or the metadata's host mirrors (trusted: see
-    :mod:`~dbo_compile.runtime.metadata`), and copied to the device in one copy per ubatch
+    :mod:`~dbo_compile.metadata`), and copied to the device in one copy per ubatch
     (on CUDA from pinned memory, without blocking).
 
     Args:
@@ -400,3 +401,21 @@ def _to_devices(host: list[torch.Tensor], devices: list[torch.device]) -> list[t
     else:
         flat = flat.to(device)
     return list(flat.split([t.numel() for t in host]))
+
+
+def cut_step(metadata: AttentionMetadata, host: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             num_tokens_padded: int, num_ubatches: int, *, check_parts: bool = True
+             ) -> tuple[list[UBatchSlice], list[AttentionMetadata]]:
+    """The padded ubatch slices of a step and the per-ubatch metadata, for metadata already
+    validated with its host counts ``host`` (CPU tensors: ``query_start_loc``, ``seq_lens``,
+    ``num_computed_tokens``; the DP vote read them). The split points are on
+    ``num_tokens_padded`` (rule 2 of the module docstring). ``check_parts=False`` skips
+    validating the parts (valid by construction; the serving path skips it).
+
+    Raises:
+        MetadataError: a request has no query token.
+    """
+    cu = host[0].tolist()
+    _, padded = _slices_at_offsets(cu, _split_points(num_tokens_padded, num_ubatches),
+                                   num_tokens_padded)
+    return padded, _split_validated(padded, metadata, host, cu, check_parts=check_parts)

@@ -2,9 +2,9 @@
 
 A veto is a callable ``(metadata, num_scheduled_tokens) -> str | None`` returning a reason not to
 split this step (``None``: no objection). The built-in one is :func:`prefix_read_veto` (vLLM DBO,
-../shared/REFERENCES.md §"vLLM DBO", "Veto"); an engine registers its own in a
+docs/references.md §"vLLM DBO", "Veto"); an engine registers its own in a
 :class:`VetoRegistry`. A veto only turns ``allow_split`` off on its rank; the DP vote then makes
-every rank run unsplit (DESIGN.md invariant 5).
+every rank run unsplit (``docs/design.md``, invariant 5).
 
 Example::
 
@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from dbo_compile.errors import MetadataError
-from dbo_compile.runtime.metadata import (
+from dbo_compile.metadata import (
     AttentionMetadata,
     HostCounts,
     host_tensor,
@@ -51,9 +51,9 @@ def prefix_read_veto(
     not counted). Request ``j`` writes the blocks ``slot_mapping[t] // block_size`` of its
     tokens ``t`` (padding slots ``-1`` write nothing). If some block is read by ``i`` and
     written by ``j != i`` in the same step, splitting could put the read in ubatch 0 before
-    ubatch 1 has written the block (rule of vLLM DBO, REFERENCES.md). A request reading its own
+    ubatch 1 has written the block (rule of vLLM DBO, docs/references.md). A request reading its own
     earlier tokens is not vetoed: the split program orders ubatch 0's KV writes before ubatch
-    1's attention (DESIGN.md invariant 3).
+    1's attention (``docs/design.md``, invariant 3).
 
     Reads no device tensor when ``metadata`` has its host mirrors (``slot_mapping_cpu``,
     ``block_table_cpu`` and the counts, or ``host``); else the counts in one copy (unless

@@ -1,6 +1,6 @@
 """DP vote: every DP rank agrees, once per step, on (split?, padded token count).
 
-Rules from vLLM DBO (``--enable-dbo``, see ../shared/REFERENCES.md §"vLLM DBO"):
+Rules from vLLM DBO (``--enable-dbo``, see ``docs/references.md`` §"vLLM DBO"):
 
 - **One collective.** Each rank writes its column of a small int64 table
   ``[_NUM_ROWS, world_size]`` (other columns 0) and the table is all-reduced (sum) once over
@@ -31,17 +31,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import DpVoteError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VoteResult", "coordinate_across_dp", "decide_from_table", "fingerprint_to_int64"]
+__all__ = ["VoteResult", "coordinate_across_dp", "decide_from_table", "fingerprint_to_int64",
+           "min_split_tokens", "vote_device"]
 
 # Rows of the vote table (one column per DP rank).
 _REAL = 0  # real tokens of the rank
@@ -95,6 +98,20 @@ def fingerprint_to_int64(fingerprint: Any) -> int:
     else:
         data = repr(fingerprint).encode()
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
+
+
+def min_split_tokens(config: DboConfig, uniform_decode: bool | None = None) -> float:
+    """The fewest real tokens every rank needs for a step to split (the vote's threshold
+    rule, above): ``config.decode_token_threshold`` for a uniform-decode step, the prefill
+    threshold for any other, ``num_ubatches`` with ``split="always"``, infinity with
+    ``"never"``. ``uniform_decode=None``: for either kind of step (the smaller threshold)."""
+    if config.split == "never":
+        return math.inf
+    if config.split == "always":
+        return config.num_ubatches
+    if uniform_decode is None:
+        return min(config.decode_token_threshold, config.prefill_token_threshold)
+    return config.decode_token_threshold if uniform_decode else config.prefill_token_threshold
 
 
 def _ranks(mask: list[bool]) -> list[int]:
@@ -158,13 +175,13 @@ def decide_from_table(table: torch.Tensor, config: DboConfig) -> VoteResult:
     elif not all(allow):
         reason = f"vetoed on ranks {_ranks([not a for a in allow])}"
     elif config.split == "always":
-        low = _ranks([t < n for t in real])
+        low = _ranks([t < min_split_tokens(config) for t in real])
         if low:
             reason = (
                 f"ranks {low} have fewer than num_ubatches={n} tokens ({[real[r] for r in low]})"
             )
     else:  # auto
-        threshold = config.decode_token_threshold if uniform_all else config.prefill_token_threshold
+        threshold = min_split_tokens(config, uniform_all)
         kind = "decode" if uniform_all else "prefill"
         low = _ranks([t < threshold for t in real])
         if low:
@@ -195,9 +212,9 @@ def decide_from_table(table: torch.Tensor, config: DboConfig) -> VoteResult:
     )
 
 
-def _table_device(group: Any) -> torch.device:
-    import torch.distributed as dist
-
+def vote_device(group: Any) -> torch.device:
+    """Where a table all-reduced over ``group`` must live: the current CUDA device for an
+    NCCL group, the CPU otherwise (Gloo)."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and "gloo" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
@@ -259,12 +276,10 @@ def coordinate_across_dp(
         )
     world, rank, device = 1, 0, torch.device("cpu")
     if group is not None:
-        import torch.distributed as dist
-
         world = dist.get_world_size(group)
         if world > 1:
             rank = dist.get_rank(group)
-            device = _table_device(group)
+            device = vote_device(group)
     table = torch.zeros(_NUM_ROWS, world, dtype=torch.int64)
     table[:, rank] = torch.tensor(
         [
@@ -281,8 +296,6 @@ def coordinate_across_dp(
         dtype=torch.int64,
     )
     if world > 1:
-        import torch.distributed as dist
-
         table = table.to(device)
         dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
     try:

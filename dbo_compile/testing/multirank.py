@@ -13,21 +13,19 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dbo_compile.errors import DboError
-
-
-class MultirankError(DboError, RuntimeError):
-    """A spawned rank raised, or the ranks did not finish within the timeout."""
+from dbo_compile.errors import MultirankError
 
 
 def _free_port() -> int:
@@ -38,8 +36,6 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],
             result_dir: str, timeout_s: float, env: dict[str, str]) -> None:
-    import datetime
-
     os.environ.update(env)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -85,8 +81,6 @@ def run_multirank(fn: Callable[..., Any], world_size: int, args: Sequence[Any] =
         ]
         for p in procs:
             p.start()
-        import time
-
         deadline = time.monotonic() + timeout_s
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))

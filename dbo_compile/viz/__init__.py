@@ -8,6 +8,7 @@ Command line: ``python -m dbo_compile.viz --help``.
 
 from dbo_compile.viz.chrome import to_chrome_trace
 from dbo_compile.viz.common import VizInputError, load_schedule, predicted_overlap, schedule_from_dict
+from dbo_compile.viz.png import to_png
 from dbo_compile.viz.profile import Measured, load_trace, match_profile, range_name
 from dbo_compile.viz.text import render_text
 
@@ -16,10 +17,3 @@ __all__ = [
     "predicted_overlap", "range_name", "render_text", "schedule_from_dict", "to_chrome_trace",
     "to_png",
 ]
-
-
-def to_png(schedule, path, measured=None, dpi: int = 120):
-    """See :func:`dbo_compile.viz.png.to_png` (imported lazily: matplotlib is optional)."""
-    from dbo_compile.viz.png import to_png as _to_png
-
-    return _to_png(schedule, path, measured=measured, dpi=dpi)

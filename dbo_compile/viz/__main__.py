@@ -6,6 +6,13 @@ import argparse
 import json
 import sys
 
+from dbo_compile.viz.chrome import to_chrome_trace
+from dbo_compile.viz.common import VizInputError, load_schedule
+from dbo_compile.viz.example import example_schedule
+from dbo_compile.viz.png import to_png
+from dbo_compile.viz.profile import load_trace, match_profile
+from dbo_compile.viz.text import render_text
+
 DESCRIPTION = """\
 Show the schedule the dbo backend compiled: which units (attention, experts, dispatch,
 combine) run on the compute and comm streams, when (predicted by the cost model), and how
@@ -62,41 +69,29 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dbo_compile.viz.common import VizInputError, load_schedule
-
     p = _parser()
     args = p.parse_args(argv)
     if args.format == "png" and not args.output:
         p.error("--format png needs -o PATH")
     try:
         if args.example:
-            from dbo_compile.viz.example import example_schedule
-
             schedule = example_schedule(num_layers=args.layers)
         else:
             schedule = load_schedule(args.schedule)
         measured = None
         if args.profile:
-            from dbo_compile.viz.profile import load_trace, match_profile
-
             measured = match_profile(schedule, load_trace(args.profile), step=args.step)
     except VizInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     if args.format == "png":
-        from dbo_compile.viz.png import to_png
-
         to_png(schedule, args.output, measured=measured)
         print(f"wrote {args.output}", file=sys.stderr)
         return 0
     if args.format == "chrome":
-        from dbo_compile.viz.chrome import to_chrome_trace
-
         out = json.dumps(to_chrome_trace(schedule, rank=args.rank, measured=measured))
     else:
-        from dbo_compile.viz.text import render_text
-
         out = render_text(schedule, width=args.width, measured=measured)
     if args.output:
         try:

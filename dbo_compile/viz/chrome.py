@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dbo_compile.passes.stream_assign import COMM, COMPUTE, Schedule
+from dbo_compile.schedule import COMM, COMPUTE, Schedule
 from dbo_compile.viz.common import predicted_overlap
 
 TID = {COMPUTE: 1, COMM: 2}

@@ -3,7 +3,7 @@
 Overlap is measured the same way everywhere (text, chrome args, PNG title): a comm unit's time
 is *hidden* where the compute stream is busy at the same time (any compute unit, any layer,
 any ubatch). ``η_pred = hidden comm time / total comm time`` over the step. This is the
-schedule-level figure; the benchmark's η (DESIGN.md, "Where performance comes from") needs
+schedule-level figure; the benchmark's η (docs/design.md, "Where performance comes from") needs
 three measured programs and is not derivable from one schedule.
 """
 
@@ -15,17 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from dbo_compile.errors import DboError
-from dbo_compile.passes.stream_assign import COMM, COMPUTE, Schedule, Unit
+from dbo_compile.errors import VizInputError
+from dbo_compile.schedule import COMM, COMPUTE, Schedule, Unit
 
 log = logging.getLogger(__name__)
 
 SUBSCRIPTS = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
 STREAMS = (COMPUTE, COMM)
-
-
-class VizInputError(DboError, ValueError):
-    """A schedule or profile file given to the viz tools is missing or malformed."""
 
 
 def short_label(unit: Unit) -> str:

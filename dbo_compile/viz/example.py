@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from dbo_compile.passes.stream_assign import Schedule
+import torch
+
+from dbo_compile.backend import compiled_artifacts, register
+from dbo_compile.models.batch import fill_kv_cache, make_step
+from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+from dbo_compile.schedule import Schedule
 
 
 def example_schedule(num_layers: int = 2, preset: str = "tiny") -> Schedule:
@@ -11,12 +16,6 @@ def example_schedule(num_layers: int = 2, preset: str = "tiny") -> Schedule:
 
     Takes a few seconds on CPU; needs no GPU and no process group.
     """
-    import torch
-
-    from dbo_compile.backend import compiled_artifacts, register
-    from dbo_compile.models.batch import fill_kv_cache, make_step
-    from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
-
     register()
     cfg = get_config(preset, num_layers=num_layers)
     torch.manual_seed(0)
@@ -27,7 +26,6 @@ def example_schedule(num_layers: int = 2, preset: str = "tiny") -> Schedule:
     cm = torch.compile(m, backend="dbo", options={"split": "always"})
     cm(step.input_ids, step.positions, step.attn_metadata)
     art = compiled_artifacts()[-1]
-    sched = getattr(art, "schedule", None)
-    if sched is None:
-        raise RuntimeError(f"the example compiled unsplit ({type(art).__name__}); no schedule")
-    return sched
+    if not art.is_split:
+        raise RuntimeError(f"the example compiled unsplit ({art.reason}); no schedule")
+    return art.split_program.schedule

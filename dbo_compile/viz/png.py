@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dbo_compile.passes.stream_assign import COMM, COMPUTE, Schedule
+from dbo_compile.schedule import COMM, COMPUTE, Schedule
 from dbo_compile.viz.common import fmt_pct, merge, predicted_overlap, short_label
 
 _COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]

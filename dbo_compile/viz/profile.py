@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dbo_compile.passes.stream_assign import COMM, COMPUTE, RANGE_PREFIX, Schedule, range_name
+from dbo_compile.schedule import COMM, COMPUTE, RANGE_PREFIX, Schedule, range_name
 from dbo_compile.viz.common import Overlap, VizInputError, covered, fmt_pct, merge, predicted_overlap
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,9 @@ import bisect
 import textwrap
 from dataclasses import dataclass
 
-from dbo_compile.passes.stream_assign import COMM, COMPUTE, Schedule, Unit
+from dbo_compile.schedule import COMM, COMPUTE, Schedule, Unit
 from dbo_compile.viz.common import Overlap, fmt_pct, predicted_overlap, short_label
+from dbo_compile.viz.profile import render_measured_table
 
 LANE_PREFIX = {COMPUTE: "Comp: ", COMM: "Comm: "}
 LEGEND = ("Legend: A = attention part, S = shared experts, MLP = routed experts, D = dispatch, "
@@ -204,8 +205,6 @@ def render_text(schedule: Schedule, width: int = 100, measured=None) -> str:
         out.append("")
     out.extend(textwrap.wrap(LEGEND, width=max(width, 40), subsequent_indent="  "))
     if measured is not None:
-        from dbo_compile.viz.profile import render_measured_table
-
         out.append("")
         out.extend(render_measured_table(schedule, measured))
     return "\n".join(out)

@@ -1,10 +1,6 @@
-"""CUDA-graph capture of the split (DBO) program and of plain callables, plus measurement aids.
+"""Measurement aids that patch a compiled artifact: the split program over static inputs, and
+the split program with its comm on the compute stream.
 
-Helpers (the per-bucket serving runner is :mod:`dbo_compile.runtime.graphs`, which uses
-:func:`capture`):
-
-- :func:`capture`: warm up a zero-argument callable on a side stream, capture it with
-  ``torch.cuda.graph`` (optionally into a shared memory pool), return ``(graph, static_out)``.
 - :class:`SplitStep`: the split program of a :class:`~dbo_compile.runtime.program.DboCompiledModule`
   as a zero-argument callable over *static* per-ubatch inputs. It records the split inputs of one
   eager step (token-indexed inputs are views of the caller's buffers, so copying new tokens into
@@ -14,10 +10,7 @@ Helpers (the per-bucket serving runner is :mod:`dbo_compile.runtime.graphs`, whi
 - :func:`serial_comm`: run a split program with the comm stream replaced by the compute stream
   ("split serial": the same kernels in the same order on one stream, the denominator of η).
 
-The wrapper itself never synchronises with the host, so it captures whole; the per-step guard
-(``DboCompiledModule.decide``: metadata checks and the DP vote) runs on the host *outside* the
-graph (here: once, at record time / in :meth:`SplitStep.refresh`; in the runner: every step,
-before the replay).
+Capture either with :func:`dbo_compile.runtime.capture.capture`.
 """
 
 from __future__ import annotations
@@ -27,26 +20,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dbo_compile.runtime.context import uncounted
+from dbo_compile.runtime.padding import join_ubatch_outputs
 
-def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
-            stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Capture ``fn()`` as one CUDA graph after ``warmup`` eager calls on a side stream.
-
-    Returns:
-        ``(graph, static_out)``: ``graph.replay()`` rewrites ``static_out`` in place.
-    """
-    side = stream or torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
+__all__ = ["SplitStep", "serial_comm"]
 
 
 class _Recorder:
@@ -99,8 +76,6 @@ class SplitStep:
         self.outputs = compiled.signature.outputs
 
     def __call__(self) -> tuple[Any, ...]:
-        from dbo_compile.runtime.program import join_ubatch_outputs
-
         return join_ubatch_outputs(self.program(*self.split_args), self.outputs)
 
     def refresh(self) -> None:
@@ -111,10 +86,11 @@ class SplitStep:
         Raises:
             RuntimeError: the new cut has other shapes (needs a new capture for this layout).
         """
-        vote, reason, qlens = self.compiled.decide(self.graph_args)
-        if not vote.should_split:
-            raise RuntimeError(f"new step does not split: {reason}")
-        new = self.compiled.split_args(self.graph_args, qlens)
+        with uncounted():  # not a served step
+            decision = self.compiled.decide_step(self.graph_args)
+        if not decision.should_split:
+            raise RuntimeError(f"new step does not split: {decision.reason}")
+        new = self.compiled.split_args(self.graph_args, decision.qlens)
         for i, (old, val) in enumerate(zip(self.split_args, new)):
             if isinstance(old, torch.Tensor):
                 if old.shape != val.shape:

@@ -1,0 +1,146 @@
+"""Every fact the compiler knows about an op, in one table: one :class:`OpInfo` per op.
+
+The passes, the cost model and the runtime ask this table, never the op modules themselves:
+
+- which nodes are **communication** (:func:`comm_kind`: our ``dbo.dispatch`` / ``dbo.combine``,
+  and user-written ``_c10d_functional.all_to_all_single``), and which end one (:func:`is_wait`:
+  the yield pass's :func:`comm_wait`, or ``_c10d_functional.wait_tensor``);
+- which inputs of an op are **token-indexed** (dim 0 = the token dim), so that the token-dim
+  pass can check they agree;
+- which ops are **row-local** along the token dim (row ``i`` of each output depends only on
+  row ``i`` of the token-indexed inputs), so that a graph using them can be split;
+- which ops may be **joined** across the ubatches (:mod:`dbo_compile.passes.join_experts`);
+- the **cost formula** (FLOPs) of an op the cost model cannot derive from ATen rules.
+
+Each ``dbo`` op module registers its record next to its ``torch.library.custom_op``
+(:mod:`dbo_compile.ops` imports them all); users declare their own row-local custom ops with
+:func:`register_row_local`. Comm and expert backends of the same op share its record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+__all__ = ["OpInfo", "comm_kind", "comm_nodes", "comm_wait", "is_c10d_wait", "is_getitem",
+           "is_wait", "joinable_ops", "op_info", "register_op", "register_row_local",
+           "registered_ops"]
+
+#: ``flops(node, size) -> float``: FLOPs of ``node`` with its symbolic sizes evaluated by
+#: ``size(sym_or_int) -> int`` (the cost model's reference token counts)
+FlopsFormula = Callable[[fx.Node, Callable[[Any], int]], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    """What the compiler knows about one op.
+
+    Attributes:
+        op: the ``OpOverload`` (or, for :func:`comm_wait`, the Python function) FX nodes call.
+        comm: ``"dispatch"``, ``"combine"`` or ``"all_to_all"`` for an op that issues a
+            collective; ``None`` otherwise.
+        wait: the op ends a collective (its first argument is the issuing node).
+        token_args: ``(position, name)`` of the inputs whose dim 0 is the token dim.
+        row_local: row ``i`` of each output depends only on row ``i`` of the token-indexed
+            inputs (and on shared tensors the split orders explicitly, such as the KV cache
+            ``dbo.attention`` writes), so the split pass may cut the op anywhere.
+        joinable: the ubatch copies of one call may be joined into one call on the rows of
+            all ubatches (row-local, and in decode bound by reading its weights).
+        flops: the cost model's FLOP formula (:data:`FlopsFormula`), ``None``: ATen rules.
+    """
+
+    op: Any
+    comm: str | None = None
+    wait: bool = False
+    token_args: tuple[tuple[int, str], ...] = ()
+    row_local: bool = False
+    joinable: bool = False
+    flops: FlopsFormula | None = None
+
+
+_REGISTRY: dict[Any, OpInfo] = {}
+
+
+def register_op(info: OpInfo) -> OpInfo:
+    """Add (or replace) the record of ``info.op``."""
+    _REGISTRY[info.op] = info
+    return info
+
+
+def register_row_local(op: Any) -> None:
+    """Declare a custom op (an ``OpOverload``) row-local along dim 0: row ``i`` of each output
+    depends only on row ``i`` of its token-indexed inputs. Graphs using it can then be split;
+    a wrong declaration gives wrong answers, so declare only what is true."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    old = _REGISTRY.get(op)
+    register_op(dataclasses.replace(old, row_local=True) if old else OpInfo(op, row_local=True))
+
+
+def registered_ops() -> list[OpInfo]:
+    """Every record, in registration order."""
+    return list(_REGISTRY.values())
+
+
+def op_info(target: Any) -> OpInfo | None:
+    """The record of an FX node's target (an ``OpOverloadPacket`` means its default
+    overload, as Dynamo graphs call it), or ``None``."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    try:
+        return _REGISTRY.get(target)
+    except TypeError:  # an unhashable target
+        return None
+
+
+def joinable_ops() -> frozenset:
+    """The ops whose ubatch copies :mod:`dbo_compile.passes.join_experts` joins."""
+    return frozenset(i.op for i in _REGISTRY.values() if i.joinable)
+
+
+def comm_kind(node: fx.Node) -> str | None:
+    """``"dispatch"``, ``"combine"`` or ``"all_to_all"`` for an issuing comm node, else ``None``."""
+    if node.op != "call_function":
+        return None
+    info = op_info(node.target)
+    return info.comm if info is not None else None
+
+
+def is_wait(node: fx.Node) -> bool:
+    """``node`` ends a collective: :func:`comm_wait` or ``_c10d_functional.wait_tensor``."""
+    if node.op != "call_function":
+        return False
+    info = op_info(node.target)
+    return info is not None and info.wait
+
+
+def is_c10d_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target == torch.ops._c10d_functional.wait_tensor.default
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def comm_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """Issuing comm nodes in graph order."""
+    return [n for n in graph.nodes if comm_kind(n) is not None]
+
+
+def comm_wait(value: Any) -> Any:
+    """The wait phase of a comm op (inserted by :mod:`dbo_compile.passes.insert_yields`):
+    returns ``value`` once the comm has completed.
+
+    In generated code the synchronisation is an event wait on the consumer's stream; this
+    function only passes the value through (eager execution of an FX graph is synchronous).
+    """
+    return value
+
+
+register_op(OpInfo(comm_wait, wait=True, row_local=True))
+register_op(OpInfo(torch.ops._c10d_functional.all_to_all_single.default, comm="all_to_all"))
+register_op(OpInfo(torch.ops._c10d_functional.wait_tensor.default, wait=True))

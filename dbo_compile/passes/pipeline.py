@@ -1,0 +1,388 @@
+"""The pass pipeline: from Dynamo's graph to the programs of a compiled artifact.
+
+The ordered pass lists (names as in ``artifact.compile_times`` and in the numbered dumps)::
+
+    lowered graph   lower          lowering: classify the inputs, functional ATen graph with a
+                                   symbolic token dim (AOTAutograd)
+                    reinplace      KV-cache writes back in place (passes/reinplace.py)
+                    dead_code      drop what nothing uses
+                    token_dim      token dim of every node; reject token-mixing graphs
+                    find_comm      the comm ops (none: unsplittable, nothing to overlap)
+    split graph     split_ubatch   one copy of the body per ubatch (passes/split_ubatch.py)
+                    insert_yields  comm ops -> issue + wait (passes/insert_yields.py)
+    per candidate   join_experts   (+join candidates, once per split graph) routed experts of
+                                   both ubatches in one call (passes/join_experts.py)
+                    stream_assign  stages, list schedule on two streams, events
+                    codegen        the generated wrapper (codegen/wrapper.py)
+    unsplit         unsplit        the lowered graph as the unsplit program (Inductor or ATen)
+
+:class:`PassRunner` runs a list: it times each pass (DEBUG log ``dbo pass NN name: s``, and
+``times`` for the artifact), dumps the graph after each pass through ``trace_structured``
+under a numbered name (``dbo_NN_<pass>``; tlparse shows them) and lints and recompiles the
+graph once at the end of the list, where a pass changed it. Candidates come from one table
+(:data:`dbo_compile.config.CANDIDATES`); the config is never rewritten: a fact found on the
+way (no routed-expert call to join) is written into the schedule's ``meta``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._logging import trace_structured
+
+import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.* and their records)
+from dbo_compile import lowering
+from dbo_compile.codegen import inductor
+from dbo_compile.codegen.wrapper import SplitProgram
+from dbo_compile.config import Candidate, DboConfig, candidates_of
+from dbo_compile.errors import ScheduleError, UnsplittableGraphError
+from dbo_compile.ops.registry import comm_nodes
+from dbo_compile.passes import insert_yields, join_experts, reinplace, split_ubatch, stream_assign
+from dbo_compile.passes import token_dim
+from dbo_compile.runtime.program import DboCompiledModule
+from dbo_compile.schedule import Schedule
+from dbo_compile.signature import InputSpec, SplitSignature
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CompileState", "GraphPass", "PassRunner", "compile_split", "compile_unsplit",
+           "lowered_passes", "resolve_device_defaults", "split_passes", "stage_compiler"]
+
+
+@dataclass
+class CompileState:
+    """What the passes of one graph hand on to each other.
+
+    Attributes:
+        config: the options (resolved device defaults; never changed by a pass).
+        example_inputs: one value per Dynamo placeholder.
+        input_kinds: explicit input kinds for graphs not from Dynamo (``None``: from sources).
+        specs: the input classification (``lower``).
+        token_symbols: the symbols of the token and request dims (``lower``).
+        comms: the issuing comm nodes of the lowered graph (``find_comm``).
+        signature: how the split graph maps to the lowered one (``split_ubatch``).
+    """
+
+    config: DboConfig
+    example_inputs: Sequence[Any]
+    input_kinds: Sequence[str] | None = None
+    specs: list[InputSpec] = field(default_factory=list)
+    token_symbols: frozenset = frozenset()
+    comms: list[fx.Node] = field(default_factory=list)
+    signature: SplitSignature | None = None
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    """One pass: ``run(gm, state)`` changes ``gm`` in place and returns ``None``, or returns
+    the new GraphModule that replaces it (``lower``, ``split_ubatch``).
+
+    Attributes:
+        name: as in ``compile_times`` and the dumps.
+        run: the pass.
+        changes_graph: the pass adds, removes or rewires nodes (the runner then lints and
+            recompiles at the end of the list); ``False`` for passes that only annotate.
+    """
+
+    name: str
+    run: Callable[[fx.GraphModule, CompileState], fx.GraphModule | None]
+    changes_graph: bool = True
+
+
+class PassRunner:
+    """Runs pass lists (module docstring); ``times`` maps each pass (``name`` or
+    ``name[candidate]``) to its seconds, in the order run."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+        self._number = itertools.count()
+        self._last = -1
+
+    def run(self, gm: fx.GraphModule, passes: Sequence[GraphPass], state: CompileState,
+            tag: str = "") -> fx.GraphModule:
+        changed = False
+        for p in passes:
+            out = self.time(p.name, p.run, gm, state, tag=tag)
+            if out is not None:
+                gm, changed = out, False  # a new module, made consistent by its pass
+            changed |= p.changes_graph
+            _dump_graph(f"{self._last:02d}_{p.name}", gm)
+        if changed:
+            gm.graph.lint()
+            gm.recompile()
+        return gm
+
+    def time(self, name: str, fn: Callable[..., Any], *args: Any, tag: str = "") -> Any:
+        """``fn(*args)``, timed as pass ``name`` (``name[tag]``)."""
+        key = f"{name}[{tag}]" if tag else name
+        self._last = next(self._number)
+        t0 = time.perf_counter()
+        out = fn(*args)
+        dt = time.perf_counter() - t0
+        self.times[key] = self.times.get(key, 0.0) + dt
+        log.debug("dbo pass %02d %s: %.3f s", self._last, key, dt)
+        return out
+
+
+# -- the passes -------------------------------------------------------------------------------
+
+
+def _lower(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
+    st.specs = lowering.classify_inputs(gm, st.example_inputs, st.input_kinds)
+    if not any(s.kind == "token" for s in st.specs):
+        raise UnsplittableGraphError("the graph has no token-indexed tensor input")
+    lowered = lowering.lower_to_aten(gm, st.example_inputs, st.specs)
+    st.token_symbols = lowered.token_symbols
+    return lowered.gm
+
+
+def _reinplace(gm: fx.GraphModule, st: CompileState) -> None:
+    reinplace.reinplace_graph_input_mutations(gm.graph)
+
+
+def _dead_code(gm: fx.GraphModule, st: CompileState) -> None:
+    gm.graph.eliminate_dead_code()
+
+
+def _token_dim(gm: fx.GraphModule, st: CompileState) -> None:
+    token_dim.annotate_token_dims(gm.graph, st.token_symbols)
+    token_dim.check_outputs(gm.graph)
+
+
+def _find_comm(gm: fx.GraphModule, st: CompileState) -> None:
+    st.comms = comm_nodes(gm.graph)
+    if not st.comms:
+        e = UnsplittableGraphError(
+            "the graph has no comm op (dbo.dispatch / dbo.combine / "
+            "_c10d_functional.all_to_all_single): nothing to overlap"
+        )
+        e.row_local = True  # the token-dim pass passed: padding rows cannot change real rows
+        raise e
+
+
+def _split_ubatch(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
+    split_gm, st.signature = split_ubatch.split_ubatch(gm, st.specs, st.config.num_ubatches)
+    return split_gm
+
+
+def _insert_yields(gm: fx.GraphModule, st: CompileState) -> None:
+    insert_yields.insert_yields(gm.graph)
+
+
+def lowered_passes(config: DboConfig) -> list[GraphPass]:
+    """The passes from Dynamo's graph to the lowered (unsplit) graph."""
+    return [GraphPass("lower", _lower), GraphPass("reinplace", _reinplace),
+            GraphPass("dead_code", _dead_code), GraphPass("token_dim", _token_dim, False),
+            GraphPass("find_comm", _find_comm, False)]
+
+
+def split_passes(config: DboConfig) -> list[GraphPass]:
+    """The passes from the lowered graph to the split graph."""
+    return [GraphPass("split_ubatch", _split_ubatch), GraphPass("insert_yields", _insert_yields)]
+
+
+def _join_pass(joined: list[int]) -> GraphPass:
+    def run(gm: fx.GraphModule, st: CompileState) -> None:
+        joined.append(join_experts.join_experts(gm, st.config.num_ubatches))
+
+    return GraphPass("join_experts", run)
+
+
+def _schedule_pass(candidate: Candidate, out: dict[str, Schedule]) -> GraphPass:
+    def run(gm: fx.GraphModule, st: CompileState) -> None:
+        out[candidate.name] = stream_assign.stream_assign(
+            gm.graph, candidate.apply(st.config), st.token_symbols, st.config.num_ubatches)
+
+    return GraphPass("stream_assign", run, changes_graph=False)
+
+
+# -- the driver -------------------------------------------------------------------------------
+
+
+def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
+                  input_kinds: Sequence[str] | None = None,
+                  runner: PassRunner | None = None) -> DboCompiledModule:
+    """Run the whole pipeline; return the :class:`~dbo_compile.runtime.program.DboCompiledModule`.
+
+    Args:
+        gm: a Dynamo graph (or any FX graph with ``input_kinds``).
+        example_inputs: one value per placeholder.
+        config: options.
+        input_kinds: explicit input classification for graphs not from Dynamo.
+        runner: records the passes' times (default: a new one); the caller keeps it to know
+            the times of a graph that turned out unsplittable.
+
+    Raises:
+        UnsplittableGraphError: the graph has no comm op or mixes tokens across the split.
+    """
+    config = resolve_device_defaults(config, example_inputs)
+    runner = runner or PassRunner()
+    t0 = time.perf_counter()
+    state = CompileState(config, example_inputs, input_kinds)
+    _dump_graph("input", gm)
+    lowered_gm = runner.run(gm, lowered_passes(config), state)
+    split_gm = runner.run(lowered_gm, split_passes(config), state)
+
+    graphs: dict[bool, fx.GraphModule | None] = {False: split_gm}
+    joined: dict[bool, int] = {}
+
+    def graph_for(join: bool) -> fx.GraphModule | None:
+        """The split graph a candidate schedules (``None``: nothing to join)."""
+        if join not in graphs:
+            copied = join_experts.copy_split_graph(split_gm)
+            count: list[int] = []
+            try:
+                copied = runner.run(copied, [_join_pass(count)], state)
+            except ScheduleError as e:
+                log.warning("dbo: routed experts not joined: %s", e)
+                count = [0]
+            joined[join] = count[0]
+            graphs[join] = copied if count[0] else None
+        return graphs[join]
+
+    candidates = candidates_of(config)
+    primary = candidates[0]
+    nothing_to_join = graph_for(primary.join_experts) is None
+    if nothing_to_join:  # the primary is unjoined, and no candidate joins
+        log.info("dbo: join_experts: no routed-expert call to join; schedules are unjoined")
+        primary = Candidate(config.scheduler, config.scheduler)
+        candidates = [primary] + [c for c in candidates[1:] if not c.join_experts]
+    schedules: dict[str, Schedule] = {}
+    # alternative schedules first: stream_assign annotates the graph's nodes, and the primary
+    # schedule's annotations must be the ones left on its graph (codegen reads the schedule only)
+    alternatives = [(c, graph_for(c.join_experts)) for c in candidates[1:]]
+    alternatives = [(c, g) for c, g in alternatives if g is not None]
+    for c, g in alternatives:
+        runner.run(g, [_schedule_pass(c, schedules)], state, tag=c.name)
+    primary_gm = graphs[primary.join_experts]
+    runner.run(primary_gm, [_schedule_pass(primary, schedules)], state, tag=primary.name)
+    for c, _ in [(primary, None)] + alternatives:
+        schedules[c.name].meta.update(candidate=c.name, joined_calls=joined.get(c.join_experts, 0))
+    schedule = schedules[primary.name]
+    schedule.meta.update(comm_ops_per_ubatch=len(state.comms), num_graph_inputs=len(state.specs))
+    if nothing_to_join and config.join_experts:
+        schedule.meta["join_experts"] = "no routed-expert call to join"
+
+    compile_stage = stage_compiler(config)
+    # shared by the candidates of one split graph: a unit of several candidates is built (and
+    # compiled) once; the joined graph has units of the same nodes that read other inputs
+    built: dict[int, dict] = {}
+
+    def codegen(gm: fx.GraphModule, sched: Schedule) -> SplitProgram:
+        return SplitProgram(gm, sched, compile_stage, carveout_sms=config.comm_sms,
+                            built=built.setdefault(id(gm), {}))
+
+    program = runner.time("codegen", codegen, primary_gm, schedule, tag=primary.name)
+    programs: dict[str, SplitProgram] = {primary.name: program}
+    orders = {_unit_order(schedule)}
+    for c, g in alternatives:  # one program per distinct host order
+        if _unit_order(schedules[c.name]) not in orders:
+            orders.add(_unit_order(schedules[c.name]))
+            programs[c.name] = runner.time("codegen", codegen, g, schedules[c.name], tag=c.name)
+    candidate_programs: dict[str, Any] = dict(programs)
+    for sms in config.sm_carveout_candidates:  # same code and units, another carve-out
+        for name, base in programs.items():
+            candidate_programs[f"{name}+sms{sms}"] = copy.copy(base)
+            candidate_programs[f"{name}+sms{sms}"].carveout_sms = sms
+    graph_no = next(_SPLIT_GRAPHS)
+    for name, prog in programs.items():  # the primary first
+        _dump_schedule(prog.schedule, prog.code, config, graph_no,
+                       None if prog is program else name)
+    # the unsplit program is the lowered graph: symbolic in the token dim, so it also runs at
+    # the padded token count the DP vote agrees on
+    unsplit = runner.time("unsplit", compile_unsplit, lowered_gm, config)
+    log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
+             "(%.2f s)", config.num_ubatches, len(state.comms), len(schedule.units),
+             len(schedule.event_edges), time.perf_counter() - t0)
+    compiled = DboCompiledModule(unsplit, program, state.specs, state.signature, config,
+                                 candidates=candidate_programs, compile_times=runner.times)
+    compiled.split_gm = split_gm
+    compiled.lowered_gm = lowered_gm
+    return compiled
+
+
+def _unit_order(schedule: Schedule) -> tuple:
+    return tuple(tuple(u.nodes) for u in schedule.units)
+
+
+def resolve_device_defaults(config: DboConfig, example_inputs: Sequence[Any]) -> DboConfig:
+    """The defaults that depend on the device, for a graph with CUDA inputs / otherwise (every
+    rank of a job sees the same device type, so every rank resolves the same way):
+    ``compute_backend="auto"`` -> ``"inductor"`` / ``"aten"``; ``sm_carveout_candidates=None``
+    -> ``(16,)`` where torch can carve SMs out / ``()``. Resolved once, before the passes;
+    a resolved config resolves to itself."""
+    cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+    if config.compute_backend == "auto":
+        config = config.replace(compute_backend="inductor" if cuda else "aten")
+    if config.sm_carveout_candidates is None:
+        carve = cuda and hasattr(torch._C, "_set_sm_carveout_experimental")
+        config = config.replace(sm_carveout_candidates=(16,) if carve else ())
+    return config
+
+
+def stage_compiler(config: DboConfig) -> Callable[[fx.GraphModule, Any], Callable] | None:
+    """``compile_stage`` of the split programs for ``config.compute_backend`` (``None``: each
+    stage runs its traced ATen ops)."""
+    if config.compute_backend == "aten":
+        return None
+    return inductor.inductor_stage_compiler()
+
+
+def compile_unsplit(gm: fx.GraphModule, config: DboConfig) -> Callable[..., Any]:
+    """The unsplit program: the graph as traced, or Inductor's (``compute_backend``), so that
+    the runtime's split-or-not comparison is like for like."""
+    if config.compute_backend == "aten":
+        return gm
+    return inductor.InductorStage(gm, "the unsplit program")
+
+
+def _dump_graph(name: str, gm: fx.GraphModule) -> None:
+    """The graph after a pass, as a ``trace_structured`` artifact ``dbo_<name>`` and at DEBUG
+    (formatted only when someone listens)."""
+    try:
+        trace_structured("artifact", metadata_fn=lambda: {"name": f"dbo_{name}",
+                                                          "encoding": "string"},
+                         payload_fn=lambda: gm.print_readable(print_output=False))
+    except Exception:  # noqa: BLE001 - logging must never break compilation
+        pass
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("dbo graph after %s:\n%s", name, gm.graph.python_code("self").src)
+
+
+#: split graphs compiled in this process (numbers the dumps: a model with graph breaks has
+#: several, compiled in the same order on every rank)
+_SPLIT_GRAPHS = itertools.count()
+
+
+def _dump_schedule(schedule: Schedule, code: str, config: DboConfig, graph_no: int,
+                   candidate: str | None) -> None:
+    """The schedule (JSON) to TORCH_TRACE, and with ``dump_dir`` the schedule and its wrapper
+    to ``schedule_rank{R}_g{graph_no}_{fingerprint}[_{candidate}].json/.py`` (``candidate``:
+    None for the primary, else its name, ``@``, ``/`` and ``+`` written as ``-``)."""
+    payload = schedule.to_json()
+    try:
+        name = "dbo_schedule" if candidate is None else f"dbo_schedule_{candidate}"
+        trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "json"},
+                         payload_fn=lambda: payload)
+    except Exception:  # noqa: BLE001
+        pass
+    if config.dump_dir:
+        os.makedirs(config.dump_dir, exist_ok=True)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        suffix = "" if candidate is None else "_" + re.sub(r"[^A-Za-z0-9_.]", "-", candidate)
+        base = os.path.join(config.dump_dir,
+                            f"schedule_rank{rank}_g{graph_no}_{config.fingerprint()}{suffix}")
+        with open(base + ".json", "w") as f:
+            f.write(payload)
+        with open(base + ".py", "w") as f:
+            f.write(code)

@@ -1,0 +1,215 @@
+"""The base of what the backend returns to Dynamo: one step's guard, padding and run.
+
+Both compiled artifacts, :class:`~dbo_compile.runtime.program.DboCompiledModule` (split) and
+:class:`~dbo_compile.runtime.program.UnsplitProgram` (the way out), are a
+:class:`CompiledArtifact`. Per step::
+
+    decision = artifact.decide_step(args)     # the guard: DP vote (thresholds, vetoes, padding)
+    outputs  = artifact.run_decided(args, decision)   # pad -> run -> write back -> unpad
+
+``artifact(*args)`` (what Dynamo calls) does both; the CUDA-graph runner calls
+:meth:`~CompiledArtifact.decide_step` and replays its captured graphs instead of running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from dbo_compile.config import DboConfig
+from dbo_compile.metadata import AttentionMetadata, HostCounts
+from dbo_compile.runtime.context import counting, note_call
+from dbo_compile.runtime.padding import WriteBack, pad_args, unpad
+from dbo_compile.runtime.vote import VoteResult
+from dbo_compile.signature import InputSpec, SplitSignature
+
+__all__ = ["CompiledArtifact", "StepDecision", "StepStats", "dp_group"]
+
+
+@dataclass
+class StepStats:
+    """Counters tests and benchmarks read (``compiled.stats``): the steps served, not the
+    CUDA-graph runner's warm-up steps."""
+
+    split_steps: int = 0
+    unsplit_steps: int = 0
+    last_decision: str = ""
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def count(self, split: bool, reason: str) -> None:
+        if not counting():  # the CUDA-graph runner's warm-up steps
+            return
+        if split:
+            self.split_steps += 1
+        else:
+            self.unsplit_steps += 1
+        self.last_decision = reason
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+
+@dataclass
+class StepDecision:
+    """What the guard decided for one step (identical on every DP rank but ``qlens``/``host``).
+
+    Attributes:
+        vote: the DP vote's result; ``None`` when the artifact runs no vote (an unsplit graph
+            without collectives, or without a group).
+        reason: ``"split"``, or why the step does not split (for logs and ``stats``).
+        qlens: tokens per request (host ints) of this rank's step.
+        host: the metadata's host counts when the vote read them (the split reuses them).
+    """
+
+    vote: VoteResult | None
+    reason: str
+    qlens: list[int]
+    host: HostCounts | None = None
+
+    @property
+    def should_split(self) -> bool:
+        return self.vote is not None and self.vote.should_split
+
+
+def dp_group(config: DboConfig) -> Any:
+    """The group of the DP vote: ``config.dp_group_name``, else WORLD when distributed with
+    more than one rank, else ``None`` (no vote)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if config.dp_group_name:
+        return _resolve_process_group(config.dp_group_name)
+    return dist.group.WORLD if dist.get_world_size() > 1 else None
+
+
+class CompiledArtifact:
+    """What the ``dbo`` backend returns for one Dynamo graph (see the module docstring).
+
+    Attributes:
+        config: the options it was compiled with (never rewritten: the DP vote compares their
+            fingerprint across ranks).
+        specs: the classification of the graph inputs (``None``: could not be classified).
+        unsplit: the unsplit program, a callable over the graph inputs at any token count
+            (fixed to the traced count for a static graph: ``fixed_num_tokens``).
+        split_program: the primary split program (``None``: not split).
+        candidates: every compiled split program by schedule-candidate name, the primary
+            first (empty: not split).
+        signature: how the split program's inputs and outputs map to the graph's (``None``:
+            not split).
+        reason: why the graph was not split (``None``: split).
+        row_local: every output row depends only on the same input row, so padding rows
+            cannot change the real rows' results (a split graph always is).
+        compile_times: seconds per compile pass, in pipeline order (:mod:`dbo_compile.passes`).
+        stats / last_vote / last_slices: what the steps did (the last step's vote and ubatch
+            slices).
+    """
+
+    def __init__(self, *, unsplit: Callable[..., Any], config: DboConfig,
+                 specs: list[InputSpec] | None, reason: str | None, row_local: bool,
+                 split_program: Any = None, candidates: dict[str, Any] | None = None,
+                 signature: SplitSignature | None = None,
+                 compile_times: dict[str, float] | None = None):
+        self.unsplit = unsplit
+        self.config = config
+        self.specs = specs
+        self.reason = reason
+        self.row_local = row_local
+        self.split_program = split_program
+        self.candidates: dict[str, Any] = dict(candidates or {})
+        self.signature = signature
+        self.compile_times: dict[str, float] = dict(compile_times or {})
+        self.stats = StepStats()
+        self.last_vote: VoteResult | None = None
+        self.last_slices: list[Any] = []
+        self.token_index = next((s.index for s in specs or [] if s.kind == "token"), None)
+        #: graph-input index of each attention-metadata field the graph takes
+        self.metadata_inputs: dict[str, int] = {s.field: s.index for s in specs or []
+                                                if s.field is not None}
+
+    @property
+    def is_split(self) -> bool:
+        return self.split_program is not None
+
+    @property
+    def takes_metadata(self) -> bool:
+        """The graph takes the attention metadata (its ``query_start_loc`` at least)."""
+        return "query_start_loc" in self.metadata_inputs
+
+    def token_outputs(self, num_outputs: int) -> list[bool | None]:
+        """Per graph output: token-indexed (``True``), not (``False``), unknown (``None``:
+        an unsplit graph, whose outputs the analysis did not classify)."""
+        if self.signature is None:
+            return [None] * num_outputs
+        return self.signature.token_outputs()
+
+    # -- one step ---------------------------------------------------------------------------
+    def decide_step(self, args: Sequence[Any], *, min_padded: int = 0,
+                    metadata: AttentionMetadata | None = None, host: HostCounts | None = None,
+                    pads_itself: bool = False) -> StepDecision:
+        """The per-step guard (every DP rank calls it once per step, ranks with zero tokens
+        too): the DP vote and its decision; it also becomes
+        :func:`~dbo_compile.runtime.context.last_called`, keeps the vote in ``last_vote`` and
+        counts the step in ``stats``.
+
+        Args:
+            args: the step's graph inputs.
+            min_padded: report at least this padded token count (the CUDA-graph runner sends
+                one past its largest bucket when this rank's step fits no graph, so that every
+                rank runs eagerly).
+            metadata: the step's metadata when the caller holds it (the CUDA-graph runner):
+                checked and vetoed as it is, host mirrors included, instead of being rebuilt
+                from ``args`` (which carry no mirrors).
+            host: the metadata's host counts when the caller has them.
+            pads_itself: the caller pads to its own buckets (the CUDA-graph runner): a static
+                graph's fixed token count does not apply.
+
+        Raises:
+            DpVoteError: on every rank, when one rank's metadata is inconsistent or the ranks
+                run different compiled programs or configs.
+        """
+        note_call(self)
+        decision = self._decide(args, min_padded, metadata, host, pads_itself)
+        self.last_vote = decision.vote
+        self.stats.count(decision.should_split, decision.reason)
+        return decision
+
+    def run_decided(self, args: Sequence[Any], decision: StepDecision) -> Any:
+        """Run the step as ``decision`` says: pad the token-indexed inputs to the agreed count,
+        run the split or the unsplit program, copy in-place writes back, drop the padding
+        rows of the token-indexed outputs."""
+        vote = decision.vote
+        num_tokens = token_count(args, self.token_index)
+        if vote is None or (not self.is_split and vote.num_tokens_padded == num_tokens):
+            return self.unsplit(*args)  # an unsplit graph at its own size: nothing to pad
+        padded = vote.num_tokens_padded
+        padded_args = pad_args(self.specs, args, num_tokens, padded)
+        write_back = WriteBack(args, padded_args, num_tokens)
+        if decision.should_split:
+            outs = self._run_split(padded_args, decision)
+        else:
+            outs = self.unsplit(*padded_args)
+        write_back()
+        token_out = self.token_outputs(len(outs))
+        return tuple(o if t is False else unpad(o, num_tokens, padded)
+                     for o, t in zip(outs, token_out))
+
+    def __call__(self, *args: Any) -> Any:
+        note_call(self, args)
+        return self.run_decided(args, self.decide_step(args))
+
+    # -- what the two artifacts do differently ----------------------------------------------
+    def _decide(self, args: Sequence[Any], min_padded: int, metadata: AttentionMetadata | None,
+                host: HostCounts | None, pads_itself: bool) -> StepDecision:
+        raise NotImplementedError
+
+    def _run_split(self, padded_args: list[Any], decision: StepDecision) -> tuple[Any, ...]:
+        raise NotImplementedError(f"{type(self).__name__} has no split program")
+
+
+def token_count(args: Sequence[Any], index: int | None) -> int | None:
+    """Rows of the token dim of the step (``None``: the graph has no token input)."""
+    if index is None:
+        return None
+    t = args[index]
+    return int(t.shape[0]) if isinstance(t, torch.Tensor) else None

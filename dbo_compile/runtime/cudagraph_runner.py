@@ -1,0 +1,639 @@
+"""FULL CUDA graphs per bucket, and the split decision measured on them.
+
+A serving engine that runs a model compiled with ``backend="dbo"`` under CUDA graphs wraps it
+in a :class:`CudaGraphRunner`::
+
+    compiled = torch.compile(model, backend="dbo")
+    runner = CudaGraphRunner(compiled, buckets=[64, 256, 1024, 4096], max_blocks_per_req=64)
+    runner.capture()        # warm-up, on every rank, before serving
+    logits = runner(input_ids, positions, attn_metadata, num_scheduled_tokens=[1, 1, 57])
+
+At warm-up, for every bucket (a padded token count, largest first) the runner
+
+1. runs one synthetic step of exactly ``bucket`` tokens through the compiled model (Dynamo
+   compiles it; the runner records the artifact and its graph inputs, which become the bucket's
+   static input buffers), and a prefill-shaped one that must reach the same compiled graph
+   (Inductor compiles nothing for it: :func:`~dbo_compile.runtime.context.traced_only`);
+2. captures the **unsplit** program and, when the graph was split, every **split** (DBO)
+   program candidate the backend compiled (``schedule_candidates``, ``sm_carveout_candidates``)
+   as one CUDA graph each, after warm-up calls on a side stream, all into one memory pool;
+3. times the graphs by replaying them (``timing_iters`` replays each, interleaved rounds,
+   median, CUDA events), takes the max over every rank of the job and keeps the fastest split
+   candidate; with ``split="auto"`` the bucket splits only where that candidate is faster than the
+   unsplit graph by ``min_gain`` (fraction) or more. The table is therefore identical on every
+   rank. ``split="always"``/``"never"`` force it (``"never"`` captures no split graph). Only
+   graphs whose time can change the choice are timed: none in a bucket with one candidate,
+   not the unsplit graph with ``"always"``.
+
+Capture refuses what a replay could not serve correctly (``GraphRunnerError``): a step that runs
+several compiled graphs (graph breaks); a graph specialised to the warm-up layout (a
+prefill-shaped synthetic step is run per bucket too, and must reach the same compiled graph — it
+would not if the model branched on a host value such as ``max_query_len``); an unsplit graph not
+known to be row-local (padding rows could change the real rows); a bucket that is not a multiple
+of ``num_ubatches`` (a split step is padded past it).
+
+Per step (serving path; never captures):
+
+1. the DP vote (:meth:`~dbo_compile.runtime.artifact.CompiledArtifact.decide_step`:
+   thresholds, vetoes, padding to the group's max) on the step's real inputs, its metadata
+   checked on the host (from the metadata's host mirrors when given: then no step reads the
+   device, see :meth:`CudaGraphRunner.__call__`);
+2. the bucket: the smallest one ``>=`` the group's padded token count (so the same on every
+   rank); the split graph if the vote splits and the bucket's measured table says so;
+3. the step's tokens and attention metadata are copied into the bucket's static buffers: token
+   rows padded to the bucket (slot ``-1``: padding writes no KV), requests padded with
+   zero-length requests (``query_start_loc`` repeats its last value, ``seq_lens`` 0, block-table
+   rows 0); for the split graph, the metadata is cut per ubatch first
+   (:func:`~dbo_compile.runtime.ubatch.split_attn_metadata`) and each ubatch padded to its
+   captured request capacity (``bucket // num_ubatches`` requests);
+4. replay; the output rows of the real tokens are returned (**views of the graph's static
+   output**: consume or copy them before the next step).
+
+A step larger than the largest bucket, or whose block table is wider than
+``max_blocks_per_req``, runs eagerly through the compiled model (logged once per reason), on
+every rank together (such a rank asks the vote for one token past the largest bucket): a
+capture never happens after warm-up.
+
+Caveat: the timings are taken on synthetic one-token-context steps; with an attention kernel
+whose cost grows with the context, long-context steps weigh attention more than measured.
+
+Rules taken from the field: buckets of padded token counts, largest captured first and all
+graphs in one pool (vLLM ``CUDAGraphRunner`` / ``cudagraph_capture_sizes``); FULL graphs of
+the ubatched program with padding to the DP group's max (vLLM DBO); the decision to split from
+measurement, not assumption (``docs/references.md``: over NVLink the split loses below ~8k
+tokens/rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from dbo_compile.errors import GraphRunnerError
+from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata, HostCounts
+from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision
+from dbo_compile.runtime.capture import capture
+from dbo_compile.runtime.context import record_calls, step_context, traced_only, uncounted
+from dbo_compile.runtime.engine import run_step
+from dbo_compile.runtime.padding import join_ubatch_outputs, pad_args
+from dbo_compile.runtime.vote import min_split_tokens, vote_device
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BucketGraphs", "CudaGraphRunner", "GraphRunnerError"]
+
+
+@dataclass
+class BucketGraphs:
+    """What was captured for one bucket.
+
+    Attributes:
+        tokens: the bucket's padded token count.
+        artifact: the compiled artifact (a
+            :class:`~dbo_compile.runtime.artifact.CompiledArtifact`).
+        args: the static graph inputs (token rows = ``tokens``; ``tokens`` requests).
+        split_args: the split program's static per-ubatch inputs (``None``: not split).
+        graphs / outs: ``"unsplit"`` and each split schedule candidate's graph and static
+            outputs (after the choice only ``"unsplit"`` and the chosen candidate are kept).
+        times_us: replay time (µs, median, max over the DP group) of each graph whose time
+            can change the choice: the split candidates, and with ``split="auto"`` the unsplit
+            graph; nothing where there is one graph to choose from (no split graph, or
+            ``"always"`` with one candidate).
+        choice: ``"unsplit"`` or the name of the split candidate this bucket runs when the vote
+            splits.
+        best_candidate: the fastest split candidate (``None``: not split), chosen or not.
+        input_pos: graph-input position of each step input (``input_ids``, ``positions``,
+            metadata fields) in ``args``.
+    """
+
+    tokens: int
+    artifact: CompiledArtifact
+    args: list[Any]
+    split_args: list[Any] | None = None
+    graphs: dict[str, Any] = field(default_factory=dict)
+    outs: dict[str, Any] = field(default_factory=dict)
+    times_us: dict[str, float] = field(default_factory=dict)
+    choice: str = "unsplit"
+    best_candidate: str | None = None
+    input_pos: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def use_split(self) -> bool:
+        return self.choice != "unsplit"
+
+    @property
+    def t_unsplit_us(self) -> float | None:
+        """The unsplit graph's time (µs), ``None`` when it was not timed (see ``times_us``)."""
+        return self.times_us.get("unsplit")
+
+    @property
+    def t_split_us(self) -> float | None:
+        """The fastest split candidate's time (µs), ``None`` when none was timed."""
+        split = [t for k, t in self.times_us.items() if k != "unsplit"]
+        return min(split) if split else None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+class _EagerGraph:
+    """CPU stand-in for a CUDA graph: ``replay()`` re-runs the function on the same static
+    inputs and copies its outputs into the static outputs (tests the buffer plumbing)."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self) -> None:
+        for dst, src in zip(_tensors(self.out), _tensors(self.fn())):
+            dst.copy_(src)
+
+
+class CudaGraphRunner:
+    """Per-bucket FULL CUDA graphs of a ``backend="dbo"`` model (see the module docstring).
+
+    Args:
+        compiled: ``torch.compile(model, backend="dbo", ...)``; called as
+            ``compiled(input_ids, positions, attn_metadata, **model_kwargs)``.
+        buckets: padded token counts to capture (tokens per rank; each ``>= 2``).
+        max_blocks_per_req: block-table width (KV blocks per request) of the static buffers.
+        block_size: KV-cache block size (tokens), passed to the prefix-read veto.
+        timing_iters: replays per graph and timing round at warm-up (3 rounds).
+        vocab_size: when given, the synthetic warm-up steps carry random token ids below it
+            (seeded, the same on every rank), so that MoE routing, and hence the timings the
+            decision rests on, look like real traffic; default all zeros (every token routed
+            alike).
+        keep_candidates: keep every split candidate's graph after the choice (benchmarks).
+        min_gain: with ``split="auto"``, the split graph is used for a bucket only when
+            ``t_split <= (1 - min_gain) * t_unsplit`` (fraction, default 0.0).
+        device: where the synthetic warm-up step lives (default: the current CUDA device, else
+            CPU, where graphs are replaced by eager re-runs).
+        model_kwargs: extra keyword arguments of every model call.
+
+    Raises:
+        GraphRunnerError: bad buckets, ``max_blocks_per_req`` or ``timing_iters``, or a CUDA
+            device without CUDA; at :meth:`capture`: what the module docstring lists.
+    """
+
+    def __init__(self, compiled: Callable[..., Any], buckets: Sequence[int], *,
+                 max_blocks_per_req: int, block_size: int | None = None, timing_iters: int = 10,
+                 min_gain: float = 0.0, device: torch.device | str | None = None,
+                 vocab_size: int | None = None, keep_candidates: bool = False, **model_kwargs: Any):
+        buckets = list(buckets)
+        bad = [b for b in buckets if isinstance(b, bool) or not _is_int(b) or int(b) < 2]
+        if not buckets or bad:
+            raise GraphRunnerError(f"buckets must be ints >= 2 (token counts), got {buckets}")
+        buckets = [int(b) for b in buckets]
+        if not isinstance(max_blocks_per_req, int) or max_blocks_per_req < 1:
+            raise GraphRunnerError(f"max_blocks_per_req must be an int >= 1, got {max_blocks_per_req!r}")
+        if isinstance(timing_iters, bool) or not isinstance(timing_iters, int) or timing_iters < 1:
+            raise GraphRunnerError(f"timing_iters must be an int >= 1, got {timing_iters!r}")
+        self.compiled = compiled
+        self.buckets = sorted(set(buckets))
+        self.max_blocks_per_req = max_blocks_per_req
+        self.block_size = block_size
+        self.timing_iters = timing_iters
+        self.min_gain = min_gain
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise GraphRunnerError(f"device {self.device} requested but CUDA is not available; "
+                                   "use device='cpu' (graphs are then eager re-runs)")
+        self.model_kwargs = model_kwargs
+        self.vocab_size = vocab_size
+        self.keep_candidates = keep_candidates
+        self.last_choice: tuple[Any, str] | None = None
+        self.last_graph: str | None = None
+        self.graphs: dict[int, BucketGraphs] = {}
+        self.pool: Any = None
+        self.eager_steps = 0
+        self._warned: set[str] = set()
+        self._copy_plans: dict[tuple[int, bool], tuple[Any, Any, list[int]]] = {}
+
+    # -- warm-up --------------------------------------------------------------------------
+    def _dummy_step(self, tokens: int, prefill: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """A synthetic step of ``tokens`` rows whose KV writes go nowhere (slot -1):
+        ``tokens`` one-token requests, or (``prefill``) two requests of half the tokens each."""
+        dev = self.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        qlens = [tokens // 2, tokens - tokens // 2] if prefill else [1] * tokens
+        qsl = torch.tensor([0] + qlens, **i32).cumsum(0, dtype=torch.int32)
+        md = AttentionMetadata(
+            query_start_loc=qsl,
+            seq_lens=torch.tensor(qlens, **i32),
+            num_computed_tokens=torch.zeros(len(qlens), **i32),
+            block_table=torch.zeros(len(qlens), self.max_blocks_per_req, **i32),
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
+            max_query_len=max(qlens), max_seq_len=max(qlens))
+        if self.vocab_size:
+            gen = torch.Generator().manual_seed(tokens)
+            ids = torch.randint(0, self.vocab_size, (tokens,), generator=gen).to(dev)
+        else:
+            ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        return ids, torch.zeros(tokens, dtype=torch.int64, device=dev), md, qlens
+
+    def _record(self, tokens: int, prefill: bool) -> tuple[Any, list[Any], dict[str, int]]:
+        """Run one synthetic step through the compiled model; its artifact, graph args and
+        the positions of the step's inputs among them."""
+        ids, pos, md, qlens = self._dummy_step(tokens, prefill)
+        with torch.no_grad(), record_calls() as calls, uncounted():
+            run_step(self.compiled, ids, pos, md, qlens, block_size=self.block_size,
+                     **self.model_kwargs)
+        if len(calls) != 1:
+            raise GraphRunnerError(
+                f"one step ran {len(calls)} compiled graphs (graph breaks, or not compiled "
+                "with backend='dbo'); FULL CUDA graphs need the whole step in one graph: "
+                "remove the graph breaks (TORCH_LOGS=graph_breaks shows them)")
+        art, args = calls[0]
+        if not isinstance(art, CompiledArtifact) or art.specs is None:
+            raise GraphRunnerError(f"the compiled graph ({type(art).__name__}) has no input "
+                                   "classification; compile with backend='dbo'")
+        return art, list(args), self._map_inputs(args, ids, pos, md)
+
+    def capture(self) -> dict[int, BucketGraphs]:
+        """Capture and time every bucket (largest first). Call on every rank of the job, in
+        step (the timings are maxed over all ranks, so that every rank picks the same graph).
+
+        Returns:
+            ``{bucket: BucketGraphs}`` (also ``self.graphs``).
+
+        Raises:
+            GraphRunnerError: the step runs several compiled graphs (graph breaks), or the
+                compiled graph depends on the step's layout (Dynamo compiled another graph for
+                a prefill-shaped step than for a decode-shaped one, e.g. on ``max_query_len``):
+                a replayed graph would then ignore that dependence.
+        """
+        cuda = self.device.type == "cuda"
+        if cuda and self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        self._copy_plans.clear()
+        for tokens in sorted(self.buckets, reverse=True):
+            art, args, input_pos = self._record(tokens, prefill=False)
+            if tokens >= 4:
+                # only which graph Dynamo picks matters: Inductor stages run their traced
+                # ATen ops for the probe's signatures, which no captured graph replays
+                with traced_only():
+                    other, _, _ = self._record(tokens, prefill=True)
+                if other is not art:
+                    raise GraphRunnerError(
+                        f"bucket {tokens}: a prefill-shaped step ran another compiled graph than "
+                        "a decode-shaped one (Dynamo specialised on the step's layout, e.g. "
+                        "max_query_len or the request count); a replayed CUDA graph would "
+                        "ignore that. Keep layout-dependent host values out of the model")
+            self._check_artifact(art, tokens)
+            bucket = BucketGraphs(tokens, art, args, input_pos=input_pos)
+            with torch.no_grad():
+                self._capture_bucket(bucket, cuda)
+                self._decide_bucket(bucket)
+            self.graphs[tokens] = bucket
+        log.info("dbo graphs: %s", self.describe())
+        return self.graphs
+
+    @staticmethod
+    def _check_artifact(art: CompiledArtifact, tokens: int) -> None:
+        if not art.is_split and not art.row_local:
+            raise GraphRunnerError(
+                f"the compiled graph was not split ({art.reason}) and is not known to be "
+                "row-local: padding a step to a bucket could change its results. Serve it "
+                "without CudaGraphRunner (run_step), or make the model row-local")
+        n = art.config.num_ubatches
+        if art.is_split and tokens % n:
+            raise GraphRunnerError(
+                f"bucket {tokens} is not a multiple of num_ubatches={n}: a split step is padded "
+                f"to a multiple of it ({tokens + n - tokens % n}), so this bucket's split graph "
+                f"would never run at its size; use {tokens - tokens % n} or {tokens + n - tokens % n}")
+
+    @staticmethod
+    def _map_inputs(args: Sequence[Any], ids: torch.Tensor, pos: torch.Tensor,
+                    md: AttentionMetadata) -> dict[str, int]:
+        """Graph-input position of each step input (by identity with the synthetic step's)."""
+        named = {"input_ids": ids, "positions": pos, **md.tensors()}
+        where = {}
+        for name, t in named.items():
+            hits = [i for i, a in enumerate(args) if a is t]
+            if hits:
+                where[name] = hits[0]
+        if "input_ids" not in where:
+            raise GraphRunnerError("the compiled graph does not take input_ids as an input")
+        return where
+
+    def _capture_bucket(self, b: BucketGraphs, cuda: bool) -> None:
+        art = b.artifact
+        self._graph(b, "unsplit", lambda: art.unsplit(*b.args), cuda)
+        # no step of this bucket can split (the vote's own thresholds): capture no split graph
+        never = b.tokens < min_split_tokens(art.config)
+        if art.is_split and not never:
+            b.split_args = art.split_args(b.args, [1] * b.tokens)
+            for name, program in art.candidates.items():
+                self._graph(b, name, _split_fn(program, b.split_args, art.signature.outputs), cuda)
+        b.times_us = self._time(b, _timed(b, art.config.split))
+
+    def _graph(self, b: BucketGraphs, name: str, fn: Callable[[], Any], cuda: bool) -> None:
+        if not cuda:
+            g = _EagerGraph(fn)
+            b.graphs[name], b.outs[name] = g, g.out
+            return
+        b.graphs[name], b.outs[name] = capture(fn, warmup=2, pool=self.pool)
+
+    def _time(self, b: BucketGraphs, names: Sequence[str]) -> dict[str, float]:
+        """Replay time of the graphs ``names`` of ``b`` (µs): interleaved rounds, median, max
+        over every rank (``names`` must be the same on every rank)."""
+        if not names:
+            return {}
+        cuda = self.device.type == "cuda"
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        for _round in range(3):
+            for name in names:
+                g = b.graphs[name]
+                g.replay()
+                if cuda:
+                    torch.cuda.synchronize()
+                    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(self.timing_iters)]
+                    for s, e in ev:
+                        s.record()
+                        g.replay()
+                        e.record()
+                    torch.cuda.synchronize()
+                    samples[name] += [s.elapsed_time(e) * 1e3 for s, e in ev]
+                else:
+                    for _ in range(self.timing_iters):
+                        t0 = time.perf_counter()
+                        g.replay()
+                        samples[name].append((time.perf_counter() - t0) * 1e6)
+        med = _max_over_ranks([statistics.median(samples[n]) for n in names])
+        return dict(zip(names, med))
+
+    def _decide_bucket(self, b: BucketGraphs) -> None:
+        """The fastest split candidate, and whether it runs at all (``split`` mode); the other
+        candidates' graphs are dropped at once, so that later captures reuse their memory."""
+        mode = b.artifact.config.split
+        split = [k for k in b.graphs if k != "unsplit"]
+        best = min(split, key=lambda k: (b.times_us[k], k)) if len(split) > 1 else (
+            split[0] if split else None)
+        b.best_candidate = best
+        if best is None or mode == "never":
+            b.choice = "unsplit"
+        elif mode == "always":
+            b.choice = best
+        else:
+            faster = b.times_us[best] <= (1.0 - self.min_gain) * b.times_us["unsplit"]
+            b.choice = best if faster else "unsplit"
+        if not self.keep_candidates:
+            for name in [k for k in b.graphs if k not in ("unsplit", best)]:
+                del b.graphs[name], b.outs[name]
+
+    def describe(self) -> str:
+        """One line per bucket: times and the choice."""
+        rows = []
+        for t in sorted(self.graphs):
+            b = self.graphs[t]
+            unsplit, split = ("-" if v is None else f"{v:.0f}" for v in (b.t_unsplit_us, b.t_split_us))
+            rows.append(f"{t}: unsplit {unsplit} us, split {split} us -> {b.choice}")
+        return "; ".join(rows)
+
+    # -- serving path ---------------------------------------------------------------------
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                 num_scheduled_tokens: Sequence[int], *, vetoes: Sequence[Any] = (),
+                 allow_split: bool = True) -> Any:
+        """Run one step (every DP rank calls it once per step, ranks without work too).
+
+        Args:
+            input_ids: ``[num_tokens]`` int64 (token dim; padding rows allowed at the end).
+            positions: ``[num_tokens]`` int64.
+            attn_metadata: the step's metadata; its block table at most ``max_blocks_per_req``
+                wide (else the step runs eagerly); with host mirrors where the caller has them.
+            num_scheduled_tokens: tokens per request (host ints).
+            vetoes / allow_split: as :func:`dbo_compile.runtime.engine.run_step`.
+
+        Returns:
+            The model's output for the real tokens (rows ``[:num_tokens]``): a view of the
+            graph's static output, valid until the next step.
+
+        Host syncs (each device read waits for the GPU to drain): none when ``attn_metadata``
+        carries its host mirrors (``*_cpu``, see :mod:`~dbo_compile.metadata`) and the
+        DP vote runs over a CPU (Gloo) group: the vote and the split take the counts from
+        ``query_start_loc_cpu``, ``seq_lens_cpu`` and ``num_computed_tokens_cpu``, the
+        prefix-read veto (``block_size`` given) takes ``slot_mapping_cpu`` and
+        ``block_table_cpu``, and the split's per-ubatch counts go to the GPU from pinned memory
+        without blocking. Without mirrors: one read of the counts, and one of the slots and
+        block table for the veto. Not avoidable here: a vote over an NCCL group reads its
+        table back; a step that fits no bucket runs eagerly (as ``run_step``).
+
+        Raises:
+            GraphRunnerError: called before :meth:`capture`.
+            DpVoteError: as the compiled model's vote (also for bad metadata or host mirrors).
+        """
+        if not self.graphs:
+            raise GraphRunnerError("CudaGraphRunner: call capture() (warm-up) before serving steps")
+        n = int(input_ids.shape[0])
+        ctx = dict(num_scheduled_tokens=list(num_scheduled_tokens), block_size=self.block_size,
+                   vetoes=tuple(vetoes), allow_split=allow_split)
+        largest = self.graphs[self.buckets[-1]]
+        real_args = self._graph_args(largest, input_ids, positions, attn_metadata)
+        width = int(attn_metadata.block_table.shape[1])
+        fits = n <= self.buckets[-1] and width <= self.max_blocks_per_req
+        # a step that fits no graph on *this* rank asks for one token past the largest bucket,
+        # so that the vote sends every rank down the eager path together (never a hang)
+        with step_context(**ctx):
+            # the runner pads into its own buffers: a static graph's fixed size does not apply
+            decision = largest.artifact.decide_step(
+                real_args, min_padded=0 if fits else self.buckets[-1] + 1,
+                metadata=attn_metadata, pads_itself=True)
+        vote = decision.vote
+        padded = n if vote is None else vote.num_tokens_padded
+        tokens = next((t for t in self.buckets if t >= padded), None)
+        if tokens is None:
+            if n > self.buckets[-1]:
+                reason = f"{n} tokens > largest bucket {self.buckets[-1]}"
+            elif not fits:
+                reason = f"block table width {width} > max_blocks_per_req {self.max_blocks_per_req}"
+            else:
+                reason = (f"the DP vote padded the step to {padded} tokens (> largest bucket "
+                          f"{self.buckets[-1]}): another rank's step fits no captured graph")
+            self.last_choice, self.last_graph = ("eager", reason), None
+            return self._eager(reason, input_ids, positions, attn_metadata, ctx)
+        b = self.graphs[tokens]
+        split = decision.should_split and b.use_split
+        self.last_choice = (tokens, "split" if split else "unsplit")
+        name = b.choice if split else "unsplit"
+        self.last_graph = name
+        self._load(tokens, input_ids, positions, attn_metadata, decision.qlens, split,
+                   decision.host, validated=True)
+        b.graphs[name].replay()
+        static = b.outs[name]
+        outs = tuple(_real_rows(o, n, tokens, token_out)
+                     for o, token_out in zip(static, b.artifact.token_outputs(len(static))))
+        return outs[0] if len(outs) == 1 else outs
+
+    def load_step(self, tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                  attn_metadata: AttentionMetadata, num_scheduled_tokens: Sequence[int], *,
+                  split: bool, host: HostCounts | None = None) -> None:
+        """Copy a step into bucket ``tokens``'s static buffers of the unsplit (``split=False``)
+        or split graphs, without voting (the serving path calls it after the vote; benchmarks
+        and tests call it to replay a graph on a chosen step).
+
+        ``host``: the metadata's :meth:`~AttentionMetadata.host_counts` when the caller has
+        them (the serving path passes the vote's); else the split takes them from the
+        metadata's host mirrors, or reads them from the device in one copy.
+
+        Raises:
+            GraphRunnerError: no such bucket, the step does not fit it, or ``split`` for a
+                bucket whose graph was not split.
+        """
+        self._load(tokens, input_ids, positions, attn_metadata, num_scheduled_tokens, split, host,
+                   validated=False)
+
+    def _load(self, tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
+              attn_metadata: AttentionMetadata, num_scheduled_tokens: Sequence[int], split: bool,
+              host: HostCounts | None, validated: bool) -> None:
+        """:meth:`load_step`; ``validated``: the vote validated the metadata with ``host``."""
+        b = self.graphs.get(tokens)
+        n = int(input_ids.shape[0])
+        if b is None or n > tokens:
+            raise GraphRunnerError(f"step of {n} tokens does not fit a captured bucket "
+                                   f"({tokens} not in {sorted(self.graphs)} or too small)")
+        args = self._graph_args(b, input_ids, positions, attn_metadata)
+        padded_args = pad_args(b.artifact.specs, args, n, tokens)
+        if split:
+            if b.split_args is None:
+                raise GraphRunnerError(f"bucket {tokens} has no split graph (graph not split)")
+            if host is None and "query_start_loc" in b.input_pos:
+                host = attn_metadata.host_counts()
+            per_ubatch = b.artifact.split_args(padded_args, list(num_scheduled_tokens), host=host,
+                                               validated=validated)
+            _copy_into(b.split_args, per_ubatch, *self._copy_plan(b, split=True))
+        else:
+            _copy_into(b.args, padded_args, *self._copy_plan(b, split=False))
+
+    def _copy_plan(self, b: BucketGraphs, split: bool
+                   ) -> tuple[Sequence[tuple[int, int | None]], Sequence[Any], list[int]]:
+        """``_copy_into``'s ``inputs``, ``specs`` and ``positions`` for the unsplit graph of
+        ``b`` or its split program: only the positions a step can change (the step's own
+        inputs, token-indexed inputs, which are padded per step, and whatever is cut per
+        ubatch); the others (weights, KV caches) are the captured objects themselves. Worked
+        out once per bucket: a large model has hundreds of inputs."""
+        key = (b.tokens, split)
+        if key not in self._copy_plans:
+            art = b.artifact
+            step = set(b.input_pos.values()) | {s.index for s in art.specs if s.kind == "token"}
+            if split:
+                inputs = art.signature.inputs
+                positions = [pos for pos, (index, ubatch) in enumerate(inputs)
+                             if ubatch is not None or index in step]
+            else:
+                inputs = tuple((i, None) for i in range(len(b.args)))
+                positions = sorted(step)
+            self._copy_plans[key] = (inputs, art.specs, positions)
+        return self._copy_plans[key]
+
+    @staticmethod
+    def _graph_args(b: BucketGraphs, ids: torch.Tensor, pos: torch.Tensor,
+                    md: AttentionMetadata) -> list[Any]:
+        args = list(b.args)
+        named = {"input_ids": ids, "positions": pos, **md.tensors()}
+        for name, i in b.input_pos.items():
+            args[i] = named[name]
+        return args
+
+    def _eager(self, reason: str, ids, pos, md, ctx) -> Any:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("dbo graphs: step runs eagerly (no capture after warm-up): %s", reason)
+        self.eager_steps += 1
+        return run_step(self.compiled, ids, pos, md, **ctx, **self.model_kwargs)
+
+
+def _is_int(value: Any) -> bool:
+    try:
+        operator.index(value)
+        return True
+    except TypeError:
+        return False
+
+
+def _timed(b: BucketGraphs, mode: str) -> list[str]:
+    """The graphs of ``b`` whose times can change its choice (``split`` mode ``mode``): the
+    split candidates, and with ``"auto"`` the unsplit graph; none where fewer than two remain."""
+    names = [k for k in b.graphs if k != "unsplit" or mode == "auto"]
+    return names if len(names) > 1 else []
+
+
+def _split_fn(program: Any, split_args: list[Any], outputs: Sequence[Sequence[int]]):
+    """The split program over static per-ubatch inputs; outputs concatenated in ubatch order."""
+    return lambda: join_ubatch_outputs(program(*split_args), outputs)
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    """Elementwise max over every rank of the job (the default group), not only the DP vote's
+    group: the graphs' collectives may span other ranks (EP), which must replay the same
+    schedule candidate."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=vote_device(dist.group.WORLD))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _real_rows(out: Any, n: int, rows: int, token_out: bool | None) -> Any:
+    """The real rows of a token-indexed output (by the split signature; for an unsplit
+    artifact, any output whose dim 0 is the bucket's row count)."""
+    if token_out is False or not isinstance(out, torch.Tensor) or not out.dim():
+        return out
+    return out[:n] if out.shape[0] == rows else out
+
+
+def _copy_into(static: list[Any], new: Sequence[Any], inputs: Sequence[tuple[int, int | None]],
+               specs: Sequence[Any], positions: Sequence[int] | None = None) -> None:
+    """Copy a step's (per-ubatch) inputs into the captured static ones.
+
+    Shared inputs are the same objects (skipped). Token-indexed tensors have the captured
+    shape (else ``GraphRunnerError``). Request-indexed metadata is padded to the captured
+    request count with zero-length requests (see the module docstring). Ints (sizes) are not
+    copied: the graph keeps its captured token sizes, which the bucket's padding reproduces,
+    and its captured request capacity, which the request padding fills. ``positions``: the
+    only positions that can differ (default: all).
+    """
+    for pos in range(len(inputs)) if positions is None else positions:
+        index = inputs[pos][0]
+        dst, src = static[pos], new[pos]
+        if dst is src:
+            continue
+        spec = specs[index]
+        if isinstance(dst, torch.Tensor):
+            if FIELD_LAYOUT.get(spec.field or "") == "request":
+                _copy_request_padded(dst, src, spec.field)
+            elif dst.shape == src.shape:
+                dst.copy_(src)
+            else:
+                raise GraphRunnerError(
+                    f"graph input {spec.name} ({spec.kind}): step shape {tuple(src.shape)} != "
+                    f"captured {tuple(dst.shape)}")
+
+
+def _copy_request_padded(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    r = src.shape[0] - (1 if name == "query_start_loc" else 0)
+    cap = dst.shape[0] - (1 if name == "query_start_loc" else 0)
+    if r > cap:
+        raise GraphRunnerError(f"{name}: {r} requests > captured capacity {cap}")
+    if name == "query_start_loc":
+        dst[: r + 1].copy_(src)
+        dst[r + 1:].copy_(src[-1:].expand(cap - r))
+    elif name == "block_table":
+        dst.zero_()
+        dst[:r, : src.shape[1]].copy_(src)
+    else:
+        dst[:r].copy_(src)
+        dst[r:].zero_()
+

@@ -1,0 +1,72 @@
+"""Padding a step to the agreed token count, and joining the ubatches' outputs.
+
+The DP vote agrees on one padded token count for every rank (``docs/design.md``); the compiled
+programs then run on inputs padded to it and return outputs without the padding rows:
+
+    pad_args -> run -> WriteBack -> unpad
+
+Padding rows write nothing (slot ``-1``, zeros elsewhere). Token-indexed inputs the step pads
+are copies, so rows a program writes in place are copied back (:class:`WriteBack`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from dbo_compile.signature import InputSpec
+
+__all__ = ["WriteBack", "join_ubatch_outputs", "pad_args", "unpad"]
+
+
+def pad_args(specs: Sequence[InputSpec], args: Sequence[Any], num_tokens: int,
+             padded: int) -> list[Any]:
+    """The graph inputs with every token-indexed tensor padded from ``num_tokens`` to
+    ``padded`` rows along the token dim (``slot_mapping`` rows ``-1``, others zeros) and
+    token-count ``size`` inputs set to ``padded``; the other inputs are the same objects."""
+    out = list(args)
+    if padded == num_tokens:
+        return out
+    for spec in specs:
+        if spec.kind == "token":
+            t = args[spec.index]
+            fill = -1 if spec.field == "slot_mapping" else 0
+            pad = t.new_full((padded - num_tokens, *t.shape[1:]), fill)
+            out[spec.index] = torch.cat([t, pad], dim=0)
+        elif spec.kind == "size":
+            src, dim = spec.size_of
+            if dim == 0 and specs[src].kind == "token":
+                out[spec.index] = padded
+    return out
+
+
+class WriteBack:
+    """Token-indexed inputs the step pads are copies: rows the program writes in place (a KV
+    cache indexed by request, e.g. transformers' StaticCache) are copied back to the caller's
+    tensor after the step. In-place writes are detected by the tensor version counter."""
+
+    def __init__(self, original: Sequence[Any], padded: Sequence[Any], num_tokens: int):
+        self.pairs = [(o, p, p._version) for o, p in zip(original, padded)
+                      if isinstance(p, torch.Tensor) and p is not o and isinstance(o, torch.Tensor)]
+        self.num_tokens = num_tokens
+
+    def __call__(self) -> None:
+        for orig, pad, version in self.pairs:
+            if pad._version != version:
+                orig.copy_(pad[: self.num_tokens])
+
+
+def unpad(out: Any, num_tokens: int, padded: int) -> Any:
+    """The first ``num_tokens`` rows of a ``[padded, ...]`` tensor; anything else unchanged."""
+    if padded != num_tokens and isinstance(out, torch.Tensor) and out.dim() and out.shape[0] == padded:
+        return out[:num_tokens]
+    return out
+
+
+def join_ubatch_outputs(outs: Sequence[Any], outputs: Sequence[Sequence[int]]) -> tuple[Any, ...]:
+    """The graph's outputs from the split program's: a token-indexed output (several split
+    outputs, one per ubatch) is concatenated along the token dim in ubatch order; any other is
+    taken as it is. ``outputs`` is ``SplitSignature.outputs``."""
+    return tuple(outs[idx[0]] if len(idx) == 1 else torch.cat([outs[i] for i in idx], dim=0)
+                 for idx in outputs)

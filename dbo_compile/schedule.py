@@ -1,0 +1,201 @@
+"""The schedule as data: units, their order on two streams, event edges (ground floor).
+
+Made by :mod:`dbo_compile.passes.stream_assign`, run by :mod:`dbo_compile.codegen`, compared
+across ranks by the runtime (:meth:`Schedule.fingerprint`), drawn by :mod:`dbo_compile.viz`.
+
+Words (``docs/design.md``): a *unit* is one entry of the schedule, either a *stage* (a run of
+one ubatch's compute between two of its yield points, on the compute stream) or one *comm op*
+(a dispatch or combine of one ubatch, on the comm stream).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+__all__ = ["COMM", "COMPUTE", "RANGE_PREFIX", "SCHEDULE_VERSION", "STREAM_INDEX", "Schedule",
+           "Timeline", "Unit", "annotate_stream", "range_name", "simulate"]
+
+COMPUTE, COMM = "compute", "comm"
+SCHEDULE_VERSION = 1
+#: prefix of the ``record_function`` range generated code opens around each unit
+RANGE_PREFIX = "dbo.u"
+#: ``node.meta["custom"]["stream"]`` of a node on each stream, in Dynamo's and Inductor's
+#: contract (``int | None``: a user stream's index, ``None`` the current stream). The compute
+#: stream is the caller's current stream, the comm stream our one side stream.
+STREAM_INDEX: dict[str, int | None] = {COMPUTE: None, COMM: 1}
+
+
+def annotate_stream(node_meta: dict[str, Any], index: int | None) -> None:
+    """Set ``node_meta["custom"]["stream"]`` to ``index`` (``None``: remove the key, and
+    ``"custom"`` once empty). The ``"custom"`` dict is replaced, never changed in place: the
+    copies of a node (ubatch copies, a stage's graph) share it."""
+    custom = node_meta.get("custom")
+    if index is not None:
+        node_meta["custom"] = {**(custom or {}), "stream": index}
+    elif isinstance(custom, dict) and "stream" in custom:
+        rest = {k: v for k, v in custom.items() if k != "stream"}
+        if rest:
+            node_meta["custom"] = rest
+        else:
+            del node_meta["custom"]
+
+
+@dataclass
+class Unit:
+    """One schedulable unit: a compute stage or a comm op.
+
+    Attributes:
+        id: index in the schedule's host (issue) order.
+        kind: ``"compute"`` or ``"comm"``.
+        stream: ``"compute"`` or ``"comm"``.
+        ubatch: ubatch id, ``None`` for the shared prologue and for joined calls (both ubatches).
+        label: ``A`` (attention part, with the previous layer's tail), ``S`` (shared experts),
+            ``MLP`` (routed experts), ``D`` (dispatch), ``C`` (combine), ``T`` (final tail),
+            ``P`` (shared prologue), ``X`` (any other comm / stage).
+        layer: MoE layer index (``None`` if unknown).
+        nodes: names of the split-graph nodes it runs, in graph order.
+        cost_us: estimated duration (µs).
+        start_us / end_us: predicted start/end on its stream (µs from step start).
+    """
+
+    id: int
+    kind: str
+    stream: str
+    ubatch: int | None
+    label: str
+    layer: int | None
+    nodes: list[str]
+    cost_us: float
+    start_us: float = 0.0
+    end_us: float = 0.0
+
+    @property
+    def name(self) -> str:
+        sub = "" if self.ubatch is None else str(self.ubatch)
+        layer = "" if self.layer is None else f"L{self.layer}."
+        return f"{layer}{self.label}{sub}"
+
+
+@dataclass
+class Schedule:
+    """The schedule as data (JSON-serialisable through :meth:`to_json`).
+
+    Attributes:
+        units: in host issue order.
+        deps: unit dependencies ``(src, dst)``: data edges and hidden (KV-cache) edges.
+        hidden_deps: the subset of ``deps`` that are not FX data edges.
+        event_edges: the minimal cross-stream edges; each is one event record/wait.
+        num_ubatches, scheduler, config_fingerprint: what produced it
+            (:meth:`DboConfig.fingerprint <dbo_compile.config.DboConfig.fingerprint>`).
+        predicted_step_us: makespan of the simulated two-stream timeline (µs).
+        serial_us: sum of all unit costs (everything on one stream), µs.
+        meta: facts about how it was made (comm ops per ubatch, joined experts, candidate).
+    """
+
+    units: list[Unit]
+    deps: list[tuple[int, int]]
+    hidden_deps: list[tuple[int, int]]
+    event_edges: list[tuple[int, int]]
+    num_ubatches: int
+    scheduler: str
+    config_fingerprint: str
+    predicted_step_us: float = 0.0
+    serial_us: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["version"] = SCHEDULE_VERSION
+        d["deps"] = [list(e) for e in self.deps]
+        d["hidden_deps"] = [list(e) for e in self.hidden_deps]
+        d["event_edges"] = [list(e) for e in self.event_edges]
+        for u, unit in zip(d["units"], self.units):
+            u["name"] = unit.name
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Schedule:
+        units = [Unit(**{k: v for k, v in u.items() if k != "name"}) for u in d["units"]]
+        return cls(
+            units=units,
+            deps=[tuple(e) for e in d["deps"]],
+            hidden_deps=[tuple(e) for e in d["hidden_deps"]],
+            event_edges=[tuple(e) for e in d["event_edges"]],
+            num_ubatches=d["num_ubatches"],
+            scheduler=d["scheduler"],
+            config_fingerprint=d["config_fingerprint"],
+            predicted_step_us=d.get("predicted_step_us", 0.0),
+            serial_us=d.get("serial_us", 0.0),
+            meta=d.get("meta", {}),
+        )
+
+    def unit_of_node(self) -> dict[str, int]:
+        return {n: u.id for u in self.units for n in u.nodes}
+
+    def fingerprint(self) -> str:
+        """16 hex digits of SHA-256 over the order of collectives this schedule issues
+        (``(ubatch, label, layer)`` of each comm unit, and the ubatch count): what every DP
+        rank must issue identically (``docs/design.md``, invariant 2), compared by the DP
+        vote. Not the code itself: ranks that saw different token counts may hold a static
+        and a dynamic Dynamo graph with the same collective order."""
+        order = [(u.ubatch, u.label, u.layer) for u in self.units if u.kind == COMM]
+        return hashlib.sha256(repr((self.num_ubatches, order)).encode()).hexdigest()[:16]
+
+
+def range_name(unit: Unit) -> str:
+    """Profiler range of ``unit`` in generated code: ``dbo.u{id}.{name}`` (e.g. ``dbo.u5.L0.MLP0``);
+    ``python -m dbo_compile.viz --profile`` matches kernels to units by it."""
+    return f"{RANGE_PREFIX}{unit.id}.{unit.name}"
+
+
+class Timeline:
+    """Two in-order streams (compute, comm) simulated unit by unit: a unit starts when its
+    stream is free and its dependencies have ended. The one model of a schedule's time, used
+    by the list scheduler to pick units and by :func:`simulate` to time a fixed order.
+
+    Args:
+        preds: per unit id, the ids it depends on.
+    """
+
+    def __init__(self, preds: dict[int, list[int]]):
+        self.preds = preds
+        self.free = {COMPUTE: 0.0, COMM: 0.0}
+        self.end: dict[int, float] = {}
+
+    def start_of(self, unit: Unit) -> float:
+        """When ``unit`` would start if placed next (its dependencies must be placed)."""
+        return max([self.free[unit.stream]] + [self.end[p] for p in self.preds[unit.id]])
+
+    def place(self, unit: Unit) -> tuple[float, float]:
+        """Place ``unit`` next on its stream; its ``(start, end)`` in µs."""
+        start = self.start_of(unit)
+        end = start + unit.cost_us
+        self.end[unit.id] = end
+        self.free[unit.stream] = end
+        return start, end
+
+    @property
+    def makespan(self) -> float:
+        return max(self.end.values(), default=0.0)
+
+
+def predecessors(units: Iterable[Unit], deps: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
+    """Per unit id, the ids it depends on (in ``deps`` order)."""
+    preds: dict[int, list[int]] = {u.id: [] for u in units}
+    for a, b in deps:
+        preds[b].append(a)
+    return preds
+
+
+def simulate(units: list[Unit], deps: list[tuple[int, int]]) -> float:
+    """Set ``start_us``/``end_us`` of units (already in host order); return the makespan (µs)."""
+    timeline = Timeline(predecessors(units, deps))
+    for u in units:
+        u.start_us, u.end_us = timeline.place(u)
+    return timeline.makespan
