@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -45,13 +46,16 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         options = {"split": "always", "scheduler": args.scheduler, "link_gbps": args.link_gbps,
                    "dump_dir": args.dump_dir}
         compiled = torch.compile(model, backend="dbo", options=options)
+        t0 = time.perf_counter()
         out = compiled(step.input_ids, step.positions, step.attn_metadata)
+        first_call_s = time.perf_counter() - t0
     artifact = compiled_artifacts()[-1]
     err = (out.float() - eager.float()).abs().max().item()
     if artifact.split_program is None:  # e.g. a 1-token step: compiled unsplit, says why
         return {"rank": rank, "num_tokens": step.num_tokens, "tokens_per_ubatch": [],
                 "request_cut": False, "comm_ops_per_ubatch": 0, "max_abs_err": err,
-                "split_steps": 0, "schedule": None, "code": "", "reason": artifact.reason}
+                "split_steps": 0, "schedule": None, "code": "", "reason": artifact.reason,
+                "compile_times": artifact.compile_times, "first_call_s": first_call_s}
     sched = artifact.schedule
     slices = artifact.last_slices
     tokens = [sl.num_tokens for sl in slices]
@@ -66,7 +70,19 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         "split_steps": artifact.stats.split_steps,
         "schedule": sched.to_dict(),
         "code": artifact.code,
+        "compile_times": artifact.compile_times,
+        "first_call_s": first_call_s,
     }
+
+
+def print_pass_times(result: dict) -> None:
+    """The backend's compile time of rank 0, pass by pass (the pipeline's own timings)."""
+    times = result["compile_times"]
+    total = sum(times.values())
+    print(f"compile passes (rank 0): {total:.3f} s of the first call's {result['first_call_s']:.3f} s "
+          "(the rest: Dynamo tracing and the step itself)")
+    for name, seconds in times.items():
+        print(f"  {name:36s} {seconds * 1e3:9.1f} ms  {seconds / total:6.1%}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dump-dir", default=None, metavar="DIR",
                         help="write each compiled schedule (JSON) and generated wrapper (.py) "
                              "there, for python -m dbo_compile.viz DIR/schedule_rank0_....json")
+    parser.add_argument("--pass-times", action="store_true",
+                        help="print the backend's compile time per pass (rank 0)")
     parser.add_argument("--tol", type=float, default=None,
                         help="max abs error allowed vs eager (default 1e-5 fp32, 5e-2 bf16)")
     args = parser.parse_args(argv)
@@ -95,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--decodes and --prefill-tokens must be >= 0 and give a step of >= 1 token")
     tol = args.tol if args.tol is not None else (1e-5 if args.dtype == "fp32" else 5e-2)
 
-    from dbo_compile.passes.stream_assign import Schedule
+    from dbo_compile.schedule import Schedule
     from dbo_compile.testing import run_multirank
     from dbo_compile.viz.text import render_text
 
     results = run_multirank(run_rank, args.world_size, args=(args,), timeout_s=600)
+    if args.pass_times:
+        print_pass_times(results[0])
     if results[0]["schedule"] is None:  # compiled unsplit: still checked against eager
         print(f"not split: {results[0]['reason']}")
         ok = True
