@@ -161,6 +161,15 @@ class DboConfig:
             wrapper as ``.py``.
         dp_group_name: name of the CPU (Gloo) process group that carries the DP vote; ``None``
             means the default group when torch.distributed is initialised, else no vote.
+        comm_backend: the comm backend of the graph's ``dbo.dispatch`` / ``dbo.combine``:
+            ``"auto"`` (default) keeps each op's own choice (``"local"`` for an EP group of one
+            rank, ``"torch"`` otherwise); any other value is the name of a registered comm
+            backend (``dbo_compile.ops.available_comm_backends()``), bound into the graph
+            before lowering. An unknown or unloadable one raises ``CommBackendError`` at
+            compile time.
+        experts_backend: the backend of ``dbo.grouped_experts``: ``"auto"`` (default) keeps
+            the op's own (``"torch"``), else a registered experts backend
+            (``dbo_compile.ops.experts.available_experts_backends()``).
         check_host_mirrors: compare the host mirrors of the attention metadata
             (``query_start_loc_cpu``, ...; see :mod:`dbo_compile.metadata`) with their
             device tensors every step: a device read per mirrored field, for debugging an
@@ -186,6 +195,8 @@ class DboConfig:
     launch_us: float = 4.0
     dump_dir: str | None = None
     dp_group_name: str | None = None
+    comm_backend: str = "auto"
+    experts_backend: str = "auto"
     check_host_mirrors: bool = False
 
     def __post_init__(self) -> None:
@@ -245,6 +256,9 @@ class DboConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise bad(name, "must be None or a str")
+        for name in ("comm_backend", "experts_backend"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise bad(name, "must be 'auto' or the name of a registered backend")
         if not isinstance(self.cost_model_tokens, int) or self.cost_model_tokens < self.num_ubatches:
             raise bad("cost_model_tokens", f"must be an int >= num_ubatches ({self.num_ubatches})")
         for name in ("peak_tflops", "hbm_gbps", "link_gbps"):

@@ -39,7 +39,6 @@ process group's stream.
 
 import dataclasses
 import functools
-import importlib
 import logging
 from typing import Callable
 
@@ -51,7 +50,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dbo_compile.errors import CommBackendError, CommOpError
 from dbo_compile.ops._triton import import_triton
-from dbo_compile.ops.registry import OpInfo, comm_kind, is_getitem, register_op
+from dbo_compile.ops.registry import BackendRegistry, OpInfo, comm_kind, is_getitem, register_op
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +100,12 @@ def ep_world_size(group_name: str) -> int:
     return _resolve_group(group_name).size()
 
 
-def backend_for_group(group_name: str) -> str:
-    """The comm backend the ops use for ``group_name``: ``"local"`` for ``""``, else ``"torch"``."""
+def backend_for_group(group_name: str, backend: str = "") -> str:
+    """The comm backend the ops use: ``backend`` when given (the op's ``backend`` argument, bound
+    by the compiler from ``DboConfig.comm_backend``), else ``"local"`` for the group ``""`` and
+    ``"torch"`` for any other."""
+    if backend:
+        return backend
     return "local" if group_name == "" else "torch"
 
 
@@ -113,31 +116,38 @@ def backend_for_group(group_name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CommBackend:
-    """One implementation of dispatch / combine.
+    """One implementation of dispatch / combine, and what the compiler must know of it.
+
+    The backend of a compiled graph's comm ops is chosen by ``DboConfig.comm_backend`` and bound
+    into the graph (the ops' ``backend`` argument) before lowering, so that the fake shapes,
+    the cost model, the scheduler and the DP vote's fingerprint all see it.
 
     Attributes:
         name: registry key (``"torch"``, ``"local"``, ``"deep_ep"``, ...).
         dispatch: ``(x, topk_ids, topk_weights, num_experts, group_name) -> (recv_x, recv_ids,
-            recv_weights)`` with the shapes of ``torch.ops.dbo.dispatch``.
-        combine: ``(y, group_name) -> out`` with the shapes of ``torch.ops.dbo.combine``.
+            recv_weights)``; the shapes of :attr:`dispatch_fake`.
+        combine: ``(y, group_name) -> out``; the shapes of :attr:`combine_fake`.
         description: one line for logs and errors.
+        dispatch_fake / combine_fake: the shapes of the results from the (fake) inputs, same
+            signatures; ``None``: the rank-major layout of :func:`dispatch` (``[W*T, ...]``
+            receive rows, ``W`` the group's world size) and ``[T, H]`` combined rows.
     """
 
     name: str
     dispatch: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     combine: Callable[..., torch.Tensor]
     description: str = ""
+    dispatch_fake: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    combine_fake: Callable[..., torch.Tensor] | None = None
 
 
-_BACKENDS: dict[str, CommBackend] = {}
-#: name -> module path; the module is imported on first use and must call register_comm_backend.
-_LAZY_BACKENDS: dict[str, str] = {}
+_REGISTRY: BackendRegistry[CommBackend] = BackendRegistry("comm backend", CommBackendError,
+                                                         fallback="torch")
 
 
 def register_comm_backend(backend: CommBackend) -> None:
     """Register (or replace) a comm backend under ``backend.name``."""
-    _BACKENDS[backend.name] = backend
-    _LAZY_BACKENDS.pop(backend.name, None)
+    _REGISTRY.register(backend.name, backend)
 
 
 def register_lazy_comm_backend(name: str, module: str) -> None:
@@ -145,13 +155,12 @@ def register_lazy_comm_backend(name: str, module: str) -> None:
 
     The module must call :func:`register_comm_backend` with a backend named ``name`` on import.
     """
-    if name not in _BACKENDS:
-        _LAZY_BACKENDS[name] = module
+    _REGISTRY.register_lazy(name, module)
 
 
 def available_comm_backends() -> list[str]:
     """Names of the registered backends (loaded or lazy), sorted."""
-    return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
+    return _REGISTRY.names()
 
 
 def get_comm_backend(name: str) -> CommBackend:
@@ -161,23 +170,7 @@ def get_comm_backend(name: str) -> CommBackend:
         CommBackendError: ``name`` is unknown, or its module (or the package it wraps, e.g.
             ``deep_ep``) cannot be imported.
     """
-    if name in _BACKENDS:
-        return _BACKENDS[name]
-    if name not in _LAZY_BACKENDS:
-        raise CommBackendError(
-            f"unknown comm backend {name!r}; registered: {available_comm_backends()}"
-        )
-    module = _LAZY_BACKENDS[name]
-    try:
-        importlib.import_module(module)
-    except ImportError as e:
-        raise CommBackendError(
-            f"comm backend {name!r} cannot be loaded: importing {module!r} failed ({e}). "
-            f"Install its package (e.g. `pip install dbo_compile[deepep]`) or use 'torch'."
-        ) from e
-    if name not in _BACKENDS:
-        raise CommBackendError(f"module {module!r} did not register comm backend {name!r}")
-    return _BACKENDS[name]
+    return _REGISTRY.get(name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,7 +408,8 @@ register_lazy_comm_backend("deep_ep", "dbo_compile.ops.deep_ep")
 
 @torch.library.custom_op("dbo::dispatch", mutates_args=())
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             num_experts: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             num_experts: int, group_name: str, backend: str = ""
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MoE dispatch: send each token to the EP ranks that own its top-k experts.
 
     Args:
@@ -426,23 +420,30 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         topk_weights: ``[T, K]`` float32 routing weights.
         num_experts: global expert count ``E``; must be divisible by the EP world size ``W``.
         group_name: EP process group name (:func:`ep_group_name`); ``""`` = local, ``W = 1``.
+        backend: the comm backend (:func:`get_comm_backend`); ``""``: the group's default
+            (:func:`backend_for_group`). The compiler binds it from ``DboConfig.comm_backend``.
 
     Returns:
-        ``(recv_x [W*T, H] x.dtype, recv_topk_ids [W*T, K] int64, recv_topk_weights [W*T, K]
-        float32)``, rank-major: row ``r*T + t`` is token ``t`` of source rank ``r``. Ids are the
-        local expert index ``0..E_local-1`` for slots owned by this rank and ``-1`` otherwise
-        (weight 0); rows not routed here are zeros with all ids ``-1``.
+        With the default backends, ``(recv_x [W*T, H] x.dtype, recv_topk_ids [W*T, K] int64,
+        recv_topk_weights [W*T, K] float32)``, rank-major: row ``r*T + t`` is token ``t`` of
+        source rank ``r``. Ids are the local expert index ``0..E_local-1`` for slots owned by
+        this rank and ``-1`` otherwise (weight 0); rows not routed here are zeros with all ids
+        ``-1``. Another backend declares its own layout (:class:`CommBackend`).
 
     Raises:
         CommOpError: bad shapes/dtypes (``x`` not floating point), an id ``>= num_experts``
             (CPU, ``W = 1``) or ``num_experts % W != 0``.
+        CommBackendError: ``backend`` is unknown or cannot be loaded.
     """
-    backend = get_comm_backend(backend_for_group(group_name))
-    return backend.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
+    impl = get_comm_backend(backend_for_group(group_name, backend))
+    return impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
 
 
 @dispatch.register_fake
-def _dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name):
+def _dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name, backend=""):
+    impl = get_comm_backend(backend_for_group(group_name, backend))
+    if impl.dispatch_fake is not None:
+        return impl.dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name)
     w = ep_world_size(group_name)
     _check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
     n, h = x.shape
@@ -452,13 +453,14 @@ def _dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name):
 
 
 @torch.library.custom_op("dbo::combine", mutates_args=())
-def combine(y: torch.Tensor, group_name: str) -> torch.Tensor:
+def combine(y: torch.Tensor, group_name: str, backend: str = "") -> torch.Tensor:
     """MoE combine: return expert outputs to the token's rank and sum them.
 
     Args:
         y: ``[W*T, H]`` expert outputs in the dispatch receive layout (row ``r*T + t`` belongs
             to token ``t`` of rank ``r``), already multiplied by the top-k weights.
         group_name: the EP process group name used for the matching dispatch.
+        backend: as :func:`dispatch`'s (the same as the matching dispatch).
 
     Returns:
         ``[T, H]`` of ``y.dtype``: ``out[t] = sum_r recv[r*T + t]`` (accumulated in fp32 for
@@ -466,9 +468,10 @@ def combine(y: torch.Tensor, group_name: str) -> torch.Tensor:
 
     Raises:
         CommOpError: ``y`` is not 2-D or its rows are not a multiple of ``W``.
+        CommBackendError: ``backend`` is unknown or cannot be loaded.
     """
-    backend = get_comm_backend(backend_for_group(group_name))
-    return backend.combine(y, group_name)
+    impl = get_comm_backend(backend_for_group(group_name, backend))
+    return impl.combine(y, group_name)
 
 
 def _check_combine_args(y: torch.Tensor, world_size: int) -> None:
@@ -482,15 +485,20 @@ def _check_combine_args(y: torch.Tensor, world_size: int) -> None:
 
 
 @combine.register_fake
-def _combine_fake(y, group_name):
+def _combine_fake(y, group_name, backend=""):
+    impl = get_comm_backend(backend_for_group(group_name, backend))
+    if impl.combine_fake is not None:
+        return impl.combine_fake(y, group_name)
     w = ep_world_size(group_name)
     _check_combine_args(y, w)
     return y.new_empty((y.shape[0] // w, y.shape[1]))
 
 
 register_op(OpInfo(torch.ops.dbo.dispatch.default, comm="dispatch",
-                   token_args=((0, "x"), (1, "topk_ids"), (2, "topk_weights")), row_local=True))
-register_op(OpInfo(torch.ops.dbo.combine.default, comm="combine", row_local=True))
+                   token_args=((0, "x"), (1, "topk_ids"), (2, "topk_weights")), row_local=True,
+                   backend="comm"))
+register_op(OpInfo(torch.ops.dbo.combine.default, comm="combine", row_local=True,
+                   backend="comm"))
 
 
 def ep_size_of_rows(x: fx.Node) -> int:

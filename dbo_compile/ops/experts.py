@@ -32,7 +32,9 @@ Kernels:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -41,9 +43,11 @@ import torch.nn.functional as F
 from dbo_compile.errors import ExpertsOpError
 from dbo_compile.ops._triton import import_triton
 from dbo_compile.ops.comm import ep_size_of_rows
-from dbo_compile.ops.registry import OpInfo, register_op
+from dbo_compile.ops.registry import BackendRegistry, OpInfo, register_op
 
-__all__ = ["ExpertsOpError", "experts_loop", "grouped_experts", "grouped_reference"]
+__all__ = ["ExpertsBackend", "ExpertsOpError", "available_experts_backends", "experts_loop",
+           "get_experts_backend", "grouped_experts", "grouped_reference",
+           "register_experts_backend", "register_lazy_experts_backend"]
 
 
 def _check(x, ids, weights, w13, w2) -> None:
@@ -251,14 +255,72 @@ def _grouped_cuda(x, ids, weights, w13, w2) -> torch.Tensor:
     return _grouped_triton(x, ids, weights, w13, w2)
 
 
-@torch.library.custom_op("dbo::grouped_experts", mutates_args=())
-def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """See the module docstring. Raises ExpertsOpError on bad shapes or dtypes."""
-    _check(x, ids, weights, w13, w2)
+def _grouped_torch(x, ids, weights, w13, w2) -> torch.Tensor:
+    """The ``"torch"`` experts backend: the grouped algorithm where it has fused kernels, the
+    reference loop elsewhere (see the module docstring)."""
     if _grouped_ok(x, w13, w2):
         return _grouped_cuda(x, ids, weights, w13, w2)
     return experts_loop(x, ids, weights, w13, w2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsBackend:
+    """One implementation of ``dbo.grouped_experts`` (same signature and semantics).
+
+    Attributes:
+        name: registry key (``"torch"``, ``"deep_gemm"``, ...).
+        run: ``(x, ids, weights, w13, w2) -> y``.
+        description: one line for logs and errors.
+    """
+
+    name: str
+    run: Callable[..., torch.Tensor]
+    description: str = ""
+
+
+_REGISTRY: BackendRegistry[ExpertsBackend] = BackendRegistry("experts backend", ExpertsOpError,
+                                                            fallback="torch")
+
+
+def register_experts_backend(backend: ExpertsBackend) -> None:
+    """Register (or replace) an experts backend under ``backend.name``."""
+    _REGISTRY.register(backend.name, backend)
+
+
+def register_lazy_experts_backend(name: str, module: str) -> None:
+    """Register a backend whose module is imported only when it is asked for."""
+    _REGISTRY.register_lazy(name, module)
+
+
+def available_experts_backends() -> list[str]:
+    """Names of the registered experts backends (loaded or lazy), sorted."""
+    return _REGISTRY.names()
+
+
+def get_experts_backend(name: str) -> ExpertsBackend:
+    """The experts backend ``name`` (``""``: ``"torch"``), importing its module if lazy.
+
+    Raises:
+        ExpertsOpError: ``name`` is unknown, or its module cannot be imported.
+    """
+    return _REGISTRY.get(name or "torch")
+
+
+register_experts_backend(ExpertsBackend(
+    "torch", _grouped_torch, "torch._grouped_mm + Triton on CUDA (bf16, sm90+), a loop elsewhere"))
+
+
+@torch.library.custom_op("dbo::grouped_experts", mutates_args=())
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor, backend: str = "") -> torch.Tensor:
+    """See the module docstring; ``backend``: the experts backend (:func:`get_experts_backend`,
+    ``""``: ``"torch"``), bound by the compiler from ``DboConfig.experts_backend``.
+
+    Raises:
+        ExpertsOpError: bad shapes or dtypes, or an unknown backend.
+    """
+    _check(x, ids, weights, w13, w2)
+    return get_experts_backend(backend).run(x, ids, weights, w13, w2)
 
 
 def _grouped_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -275,7 +337,7 @@ def _grouped_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 @grouped_experts.register_fake
-def _(x, ids, weights, w13, w2):
+def _(x, ids, weights, w13, w2, backend=""):
     _check(x, ids, weights, w13, w2)
     return torch.empty_like(x)
 
@@ -294,4 +356,4 @@ register_op(OpInfo(
     row_local=True,
     # in decode the grouped GEMM is bound by reading the expert weights: one call on both
     # ubatches' rows reads them once (dbo_compile.passes.join_experts)
-    joinable=True, flops=_grouped_experts_flops))
+    joinable=True, flops=_grouped_experts_flops, backend="experts"))

@@ -20,13 +20,14 @@ Each ``dbo`` op module registers its record next to its ``torch.library.custom_o
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 import torch.fx as fx
 
-__all__ = ["OpInfo", "comm_kind", "comm_nodes", "comm_wait", "is_c10d_wait", "is_getitem",
+__all__ = ["BackendRegistry", "OpInfo", "bound_backend", "comm_kind", "comm_nodes", "comm_wait", "is_c10d_wait", "is_getitem",
            "is_wait", "joinable_ops", "op_info", "register_op", "register_row_local",
            "registered_ops"]
 
@@ -51,6 +52,9 @@ class OpInfo:
         joinable: the ubatch copies of one call may be joined into one call on the rows of
             all ubatches (row-local, and in decode bound by reading its weights).
         flops: the cost model's FLOP formula (:data:`FlopsFormula`), ``None``: ATen rules.
+        backend: the registry the op's ``backend`` argument names (``"comm"``: comm backends,
+            ``"experts"``: experts backends), which the compiler binds from the config
+            (``DboConfig.comm_backend`` / ``experts_backend``); ``None``: no such argument.
     """
 
     op: Any
@@ -60,6 +64,7 @@ class OpInfo:
     row_local: bool = False
     joinable: bool = False
     flops: FlopsFormula | None = None
+    backend: str | None = None
 
 
 _REGISTRY: dict[Any, OpInfo] = {}
@@ -100,6 +105,19 @@ def op_info(target: Any) -> OpInfo | None:
 def joinable_ops() -> frozenset:
     """The ops whose ubatch copies :mod:`dbo_compile.passes.join_experts` joins."""
     return frozenset(i.op for i in _REGISTRY.values() if i.joinable)
+
+
+def bound_backend(node: fx.Node) -> str:
+    """The ``backend`` argument of a call of an op with a backend registry (``""``: the op's
+    own choice), whether it is given by keyword (a Dynamo graph) or by position (lowered)."""
+    if "backend" in node.kwargs:
+        return node.kwargs["backend"]
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    names = [a.name for a in target._schema.arguments]
+    pos = names.index("backend") if "backend" in names else -1
+    return node.args[pos] if 0 <= pos < len(node.args) else ""
 
 
 def comm_kind(node: fx.Node) -> str | None:
@@ -144,3 +162,58 @@ def comm_wait(value: Any) -> Any:
 register_op(OpInfo(comm_wait, wait=True, row_local=True))
 register_op(OpInfo(torch.ops._c10d_functional.all_to_all_single.default, comm="all_to_all"))
 register_op(OpInfo(torch.ops._c10d_functional.wait_tensor.default, wait=True))
+
+
+B = TypeVar("B")
+
+
+class BackendRegistry(Generic[B]):
+    """Named implementations of an op (its comm or experts backends), some imported lazily.
+
+    Args:
+        kind: what they are, for errors (``"comm backend"``).
+        error: the exception type raised for an unknown or unloadable backend.
+        fallback: the backend to name in the error as the one that always works.
+    """
+
+    def __init__(self, kind: str, error: type[Exception], fallback: str):
+        self.kind, self.error, self.fallback = kind, error, fallback
+        self._loaded: dict[str, B] = {}
+        #: name -> module path; imported on first use, it must register the backend
+        self._lazy: dict[str, str] = {}
+
+    def register(self, name: str, backend: B) -> None:
+        """Register (or replace) ``backend`` under ``name``."""
+        self._loaded[name] = backend
+        self._lazy.pop(name, None)
+
+    def register_lazy(self, name: str, module: str) -> None:
+        """``name`` is registered by importing ``module``, done when it is first asked for."""
+        if name not in self._loaded:
+            self._lazy[name] = module
+
+    def names(self) -> list[str]:
+        """Every registered name (loaded or lazy), sorted."""
+        return sorted(set(self._loaded) | set(self._lazy))
+
+    def get(self, name: str) -> B:
+        """The backend ``name``, importing its module first if it is lazy.
+
+        Raises:
+            ``self.error``: ``name`` is unknown, or importing its module (or the package it
+                wraps) failed, with the reason and the fallback.
+        """
+        if name in self._loaded:
+            return self._loaded[name]
+        if name not in self._lazy:
+            raise self.error(f"unknown {self.kind} {name!r}; registered: {self.names()}")
+        module = self._lazy[name]
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - an optional package can fail in many ways
+            raise self.error(
+                f"{self.kind} {name!r} cannot be loaded: importing {module!r} failed "
+                f"({type(e).__name__}: {e}); use {self.fallback!r}") from e
+        if name not in self._loaded:
+            raise self.error(f"module {module!r} did not register {self.kind} {name!r}")
+        return self._loaded[name]

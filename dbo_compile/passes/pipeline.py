@@ -2,6 +2,8 @@
 
 The ordered pass lists (names as in ``artifact.compile_times`` and in the numbered dumps)::
 
+    Dynamo graph    bind_backends  the config's comm / experts backends into the ops' ``backend``
+                                   argument (before lowering: the fake shapes are the backend's)
     lowered graph   lower          lowering: classify the inputs, functional ATen graph with a
                                    symbolic token dim (AOTAutograd)
                     reinplace      KV-cache writes back in place (passes/reinplace.py)
@@ -46,7 +48,9 @@ from dbo_compile.codegen import inductor
 from dbo_compile.codegen.wrapper import SplitProgram
 from dbo_compile.config import Candidate, DboConfig, candidates_of
 from dbo_compile.errors import ScheduleError, UnsplittableGraphError
-from dbo_compile.ops.registry import comm_nodes
+from dbo_compile.ops.comm import get_comm_backend
+from dbo_compile.ops.experts import get_experts_backend
+from dbo_compile.ops.registry import comm_nodes, op_info
 from dbo_compile.passes import insert_yields, join_experts, reinplace, split_ubatch, stream_assign
 from dbo_compile.passes import token_dim
 from dbo_compile.runtime.program import DboCompiledModule
@@ -55,8 +59,8 @@ from dbo_compile.signature import InputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileState", "GraphPass", "PassRunner", "compile_split", "compile_unsplit",
-           "lowered_passes", "resolve_device_defaults", "split_passes", "stage_compiler"]
+__all__ = ["CompileState", "GraphPass", "PassRunner", "bind_passes", "compile_split",
+           "compile_unsplit", "lowered_passes", "resolve_device_defaults", "split_passes", "stage_compiler"]
 
 
 @dataclass
@@ -135,6 +139,31 @@ class PassRunner:
 
 
 # -- the passes -------------------------------------------------------------------------------
+
+
+def _bind_backends(gm: fx.GraphModule, st: CompileState) -> None:
+    """Every op whose record names a backend registry gets ``backend=<the config's choice>``
+    (``"auto"``: the op's own choice, left as it is; a model that names a backend keeps it).
+
+    Raises:
+        CommBackendError / ExpertsOpError: the asked backend is unknown or cannot be loaded.
+    """
+    chosen = {"comm": st.config.comm_backend, "experts": st.config.experts_backend}
+    check = {"comm": get_comm_backend, "experts": get_experts_backend}
+    for node in gm.graph.nodes:
+        info = op_info(node.target) if node.op == "call_function" else None
+        if info is None or info.backend is None or chosen[info.backend] == "auto":
+            continue
+        if node.kwargs.get("backend"):
+            continue
+        check[info.backend](chosen[info.backend])  # loads it, or says why not
+        node.kwargs = {**node.kwargs, "backend": chosen[info.backend]}
+
+
+def bind_passes(config: DboConfig) -> list[GraphPass]:
+    """The passes on Dynamo's graph itself (the unsplit fallback runs it too)."""
+    return [GraphPass("bind_backends", _bind_backends)]
+
 
 
 def _lower(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
@@ -230,6 +259,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     t0 = time.perf_counter()
     state = CompileState(config, example_inputs, input_kinds)
     _dump_graph("input", gm)
+    gm = runner.run(gm, bind_passes(config), state)
     lowered_gm = runner.run(gm, lowered_passes(config), state)
     split_gm = runner.run(lowered_gm, split_passes(config), state)
 
