@@ -270,6 +270,34 @@ def test_profile_kernel_order(schedule):
     assert "kernel-order" in render_text(schedule, measured=m)
 
 
+def test_profile_kernel_order_deals_emulated_comm_ops_at_their_first_kernel(schedule):
+    """A CUDA-graph replay of the emulated backend: its dispatches launch 4 kernels on the comm
+    stream, its combines 3; each op's units start at its first kernel (route / flag)."""
+    comm = [u for u in schedule.units if u.stream == COMM]
+    tr = synthetic_trace(schedule, None)
+    evs = [e for e in tr["traceEvents"] if "nccl" not in e.get("name", "")]
+    names = {"D": ["emulated_dispatch_route", "cumsum", "emulated_dispatch_pack",
+                   "emulated_dispatch_unpack"],
+             "C": ["emulated_combine_flag", "cumsum", "emulated_combine_sum"]}
+    for u in comm:
+        ks = names[u.label]
+        s, e = u.start_us * 1.5 + 1000, u.end_us * 1.5 + 1000
+        for i, name in enumerate(ks):
+            evs.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 20,
+                        "ts": s + (e - s) * i / len(ks), "dur": (e - s) / len(ks) * 0.9,
+                        "args": {"stream": 20}})
+    m = match_profile(schedule, {"traceEvents": evs})
+    assert set(m.units) == {u.id for u in comm}
+    for u in comm:
+        assert m.units[u.id][0] == pytest.approx(u.start_us * 1.5, abs=1e-6)
+        assert m.units[u.id][1] - m.units[u.id][0] == pytest.approx(
+            (u.end_us - u.start_us) * 1.5 * (1 - 0.1 / len(names[u.label])), rel=1e-6)
+    swapped = [dict(e, name="emulated_combine_flag") if e.get("name") == "emulated_dispatch_route"
+               else e for e in evs]
+    with pytest.raises(VizInputError, match="not the schedule's"):
+        match_profile(schedule, {"traceEvents": swapped})
+
+
 def test_profile_errors(schedule):
     with pytest.raises(VizInputError, match="no GPU kernels"):
         match_profile(schedule, {"traceEvents": []})

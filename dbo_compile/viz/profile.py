@@ -15,10 +15,13 @@ Two ways to match, tried in this order:
    host ranges, a unit's kernels are those whose launch (``cuda_runtime``/``cuda_driver``
    event with the same ``correlation``) lies inside its range. A trace with several steps
    holds several ranges per unit: the ``k``-th range of each unit is step ``k``.
-2. **Kernel order** (fallback, no annotations; one step in the trace). The comm stream is
-   the stream whose kernel names look like collectives (``nccl``, ``all_to_all``,
-   ``dispatch``, ``combine``, ``deep_ep``); its kernels are dealt to comm units in host order,
-   the same number per unit (an error if the count does not divide). Compute kernels cannot
+2. **Kernel order** (fallback, no annotations; one step in the trace, e.g. a CUDA-graph
+   replay, whose kernels carry no ranges). The comm stream is the stream whose kernel names
+   look like collectives (``nccl``, ``all_to_all``, ``dispatch``, ``combine``, ``deep_ep``);
+   its kernels are dealt to comm units in host order: from each op's first kernel to the next
+   where the backend's ops start with a known kernel (the emulated backend's
+   ``emulated_dispatch_route`` / ``emulated_combine_flag``), else the same number per unit (an
+   error if the count does not divide). Compute kernels cannot
    be dealt to compute units without per-unit kernel counts (fusion decides them), so compute
    units stay unmeasured; the compute stream's kernels are still used as its busy time, so
    whether each comm really overlapped with compute is measured either way.
@@ -47,6 +50,11 @@ log = logging.getLogger(__name__)
 _RANGE_RE = re.compile(r"^" + re.escape(RANGE_PREFIX) + r"(\d+)(\.|$)")
 #: kernel names that identify the comm stream when the trace has no named ranges
 _COMM_KERNEL_RE = re.compile(r"nccl|all_?to_?all|alltoall|dispatch|combine|deep_?ep", re.I)
+#: the first kernel of each comm op of a backend whose ops launch differently many kernels
+#: (the emulated backend: a dispatch starts with its routing kernel, a combine with its flag
+#: kernel); with these, the comm stream's kernels are dealt to comm units at each start
+_COMM_START_RE = {"D": re.compile(r"emulated_dispatch_route"),
+                  "C": re.compile(r"emulated_combine_flag")}
 
 
 @dataclass
@@ -216,7 +224,20 @@ def _match_order(schedule: Schedule, kernels) -> Measured:
     notes = ["kernel-order matching: compute units are not matched to kernels (add "
              "record_function ranges named dbo.u<ID>.<name> for per-unit compute times)"]
     spans: dict[int, tuple[float, float]] = {}
-    if comm_units:
+    starts = [i for i, k in enumerate(comm_k)
+              if any(r.search(str(k.get("name", ""))) for r in _COMM_START_RE.values())]
+    if comm_units and starts:  # one unit from each start kernel to the next
+        kinds = [next(lab for lab, r in _COMM_START_RE.items()
+                      if r.search(str(comm_k[i].get("name", "")))) for i in starts]
+        if kinds != [u.label for u in comm_units]:
+            raise VizInputError(f"the comm stream's ops ({''.join(kinds)}) are not the "
+                                f"schedule's ({''.join(u.label for u in comm_units)}): "
+                                "profile exactly one step of this schedule")
+        bounds = starts[1:] + [len(comm_k)]
+        for u, a, b in zip(comm_units, starts, bounds):
+            ks = comm_k[a:b]
+            spans[u.id] = (_span(ks[0])[0], max(_span(k)[1] for k in ks))
+    elif comm_units:
         if len(comm_k) % len(comm_units):
             raise VizInputError(f"cannot deal {len(comm_k)} comm-stream kernels to "
                                 f"{len(comm_units)} comm units evenly; profile exactly one step "
