@@ -189,7 +189,10 @@ def time_units(program, split_args, outputs, timer: Timer, reps: int) -> dict[in
     return out
 
 
-def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Timer) -> list:
+def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Timer,
+              save) -> None:
+    """One (preset, W, link): one compile and one runner for every bucket; ``save(row)``
+    after each bucket."""
     torch._dynamo.reset()
     dbo_backend.reset_artifacts()
     t0 = time.perf_counter()
@@ -220,7 +223,6 @@ def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Ti
     capture_s = time.perf_counter() - t0
     log(f"[emulated] {preset} W={w} {gbps:g} GB/s: compiled and captured {tokens} in "
         f"{capture_s:.1f} s; {runner.describe()}")
-    rows = []
     for phase, n in buckets:
         try:
             row = bench_bucket(args, model, ref, cmodel, runner, steps[(phase, n)], phase, n,
@@ -230,13 +232,12 @@ def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Ti
             row = {"phase": phase, "tokens_per_rank": n, "errors": [f"{type(e).__name__}: {e}"[:500]]}
         row.update(preset=preset, world_size=w, link_gbps=gbps, layers=args.layers,
                    capture_s=round(capture_s, 1))
-        rows.append(row)
+        save(row)
         log("[emulated] " + json.dumps({k: v for k, v in row.items() if k != "calib"}, default=str))
     del runner, cmodel, model, ref
     torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return rows
 
 
 def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer) -> dict:
@@ -409,19 +410,23 @@ def main(args) -> int:
     if args.append and os.path.exists(args.json):
         with open(args.json) as f:
             doc["rows"] = json.load(f).get("rows", [])
+    def save(row=None):  # after every bucket: a run cut off by its time limit keeps its rows
+        if row is not None:
+            doc["rows"].append(row)
+        doc["link"] = E.link_figures()
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+
     for w, gbps in parse_worlds(args.emulate_ep, args.link_gbps):
         try:
-            doc["rows"] += run_world(args, preset, w, gbps, buckets, device, timer)
+            run_world(args, preset, w, gbps, buckets, device, timer, save)
         except Exception as e:  # noqa: BLE001
             log(traceback.format_exc()[-3000:])
-            doc["rows"].append({"preset": preset, "world_size": w, "link_gbps": gbps,
-                                "phase": "-", "tokens_per_rank": 0,
-                                "errors": [f"{type(e).__name__}: {e}"[:500]]})
-        doc["link"] = E.link_figures()
-        with open(args.json, "w") as f:  # after every world: a cut-off run keeps its rows
-            json.dump(doc, f, indent=1, default=str)
+            save({"preset": preset, "world_size": w, "link_gbps": gbps, "phase": "-",
+                  "tokens_per_rank": 0, "errors": [f"{type(e).__name__}: {e}"[:500]]})
+    save()
     md = markdown(doc)
-    with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
+    with open(args.md or os.path.splitext(args.json)[0] + ".md", "w") as f:
         f.write(md)
     print(md, flush=True)
     return 0

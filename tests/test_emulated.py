@@ -332,14 +332,25 @@ for W, Ex, K, T, H, dtype, cf in [(4, 8, 3, 37, 40, torch.float32, 1.1),
     world = E.EmulatedWorld(W, Ex, K, capacity_factor=cf)
     x = torch.randn(T, H).to(dtype)
     ids = torch.stack([torch.randperm(Ex)[:K] for _ in range(T)])
+    if cf == 1.0:  # every token to 3 remote ranks: past the capacity
+        ids = torch.tensor([[2, 4, 6]] * T)
     ids[0, 0] = -1
     w = torch.rand(T, K)
-    a = E._dispatch_torch(world, x, ids, w)
-    b = E._dispatch_triton(world, x, ids, w)
-    assert all(torch.equal(u, v) for u, v in zip(a, b)), W
-    y = torch.randn(a[0].shape).abs().to(dtype) * (a[1] >= 0).any(-1, keepdim=True)
-    torch.testing.assert_close(E._combine_triton(world, y), E._combine_torch(world, y),
-                               rtol=0 if dtype == torch.float32 else 2 ** -7, atol=0)
+    counts = []
+    for path in ("torch", "triton"):
+        if E._LINK.counters:
+            E.reset_stats()
+        d = getattr(E, "_dispatch_" + path)(world, x, ids, w)
+        y = torch.randn(d[0].shape, generator=torch.Generator().manual_seed(1)).abs().to(dtype)
+        y = y * (d[1] >= 0).any(-1, keepdim=True)
+        c = getattr(E, "_combine_" + path)(world, y)
+        counts.append(E.stats()["cpu"])
+        if path == "torch":
+            a, ca = d, c
+    assert all(torch.equal(u, v) for u, v in zip(a, d)), W
+    torch.testing.assert_close(c, ca, rtol=0 if dtype == torch.float32 else 2 ** -7, atol=0)
+    assert counts[0] == counts[1], counts
+    assert (counts[0]["dispatch_overflow"] > 0) == (cf == 1.0), counts
 print("OK")
 ''')
     assert "OK" in out

@@ -36,7 +36,9 @@ are packed, in token-major order, into a link buffer of a static **capacity** of
 ``C(T) = min(T * F, ceil(m * T * capacity_factor))``, ``m = (W - 1) * (1 - comb(E - E_local,
 K) / comb(E, K))`` the expected number of remote ranks per token under uniform top-``K``
 routing (the routed volume, not the ``torch`` backend's fixed ``W * T`` capacity). The buffer
-goes to pinned host memory and back (both directions at once, in chunks); the rows come back
+goes to pinned host memory and back (both directions at once, in ``n`` chunks: the way back
+trails the way out by one chunk, so a round trip of ``V`` bytes takes about ``V / bw * (1 +
+1/n)`` plus a few µs per chunk, ``n ~ sqrt(V / bw / 3 µs)``, at most 16); the rows come back
 to their places. A row past the capacity (**overflow**) takes the device-side copy instead:
 exact, and counted (:meth:`EmulatedWorld.stats`); its bytes do not cross the link, so a run
 with overflow under-counts the comm by the counted rows. The combine finds the rows that
@@ -240,6 +242,7 @@ class _Link:
     def cuda_streams(self, index: int) -> tuple[Any, Any]:
         if index not in self.streams:
             self.streams[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index))
+            self.cuda_events(index, _MAX_CHUNKS)  # made here, not during a capture
         return self.streams[index]
 
     def cuda_events(self, index: int, n: int) -> list[Any]:
@@ -322,7 +325,10 @@ class _Link:
         hw = world.copy_gbps or self.copy_gbps.get(index, FALLBACK_COPY_GBPS)
         repeat = max(1.0, hw / world.link_gbps)
         rows = src.shape[0]
-        chunks = max(1, min(8, rows, nbytes // (1 << 20)))
+        # n chunks: the second direction trails the first by one chunk, each copy has a setup
+        # cost (~3 µs): the round trip takes ~ V/bw (1 + 1/n) + 3n µs, least at sqrt(V/bw / 3)
+        t_link = nbytes / (min(hw, world.link_gbps) * 1e3)
+        chunks = max(1, min(_MAX_CHUNKS, rows, round(math.sqrt(t_link / 3.0))))
         bounds = [rows * i // chunks for i in range(chunks + 1)]
         cur = torch.cuda.current_stream(src.device)
         s_out, s_in = self.cuda_streams(index)
@@ -359,6 +365,7 @@ def _copies(dst: torch.Tensor, src: torch.Tensor, repeat: float) -> None:
         extra -= 1.0
 
 
+_MAX_CHUNKS = 16
 _LINK = _Link()
 
 
@@ -530,11 +537,13 @@ def _kernels():
     @triton.jit
     def emulated_dispatch_pack(x_ptr, ids_ptr, w_ptr, row_ptr, valid_ptr, pos_ptr,
                                out_x_ptr, out_ids_ptr, out_w_ptr, link_ptr, link_meta_ptr,
-                               inv_ptr, H, stride_x, EL, cap, link_cols, link_meta_row,
-                               K: tl.constexpr, K_P2: tl.constexpr, G: tl.constexpr,
-                               BLOCK_H: tl.constexpr):
+                               inv_ptr, count_ptr, H, stride_x, EL, cap, link_cols,
+                               link_meta_row, K: tl.constexpr, K_P2: tl.constexpr,
+                               G: tl.constexpr, BLOCK_H: tl.constexpr, COUNT: tl.constexpr):
         """Row ``(t, g)``: the local row and the fan-out rows that do not cross the link are
-        written to the outputs; those that do, to link row ``pos`` (with ``inv[pos]``)."""
+        written to the outputs; those that do, to link row ``pos`` (with ``inv[pos]``).
+        ``COUNT``: fan-out rows that matter and those past the capacity are added to
+        ``count[0]`` / ``count[1]``."""
         r = tl.program_id(0).to(tl.int64)
         t = r // G
         gg = r % G
@@ -555,6 +564,11 @@ def _kernels():
             xv = tl.load(x_ptr + t * stride_x + cols, mask=cm)
         else:
             xv = tl.zeros([BLOCK_H], dtype=out_x_ptr.dtype.element_ty)
+        if COUNT:
+            if (tl.program_id(1) == 0) & (gg > 0) & valid:
+                tl.atomic_add(count_ptr, 1)
+                if pos >= cap:
+                    tl.atomic_add(count_ptr + 1, 1)
         if linked:
             tl.store(link_ptr + pos * link_cols + cols, xv, mask=cm)
             if tl.program_id(1) == 0:
@@ -611,9 +625,10 @@ def _kernels():
             tl.store(link_ptr + pos * H + cols, tl.load(y_ptr + r * H + cols, mask=cm), mask=cm)
 
     @triton.jit
-    def emulated_combine_sum(y_ptr, back_ptr, valid_ptr, pos_ptr, out_ptr, cap, H,
-                             G: tl.constexpr, BLOCK_H: tl.constexpr):
-        """``out[t] = y[t, 0] + sum_j (row j from the link, or y[t, 1+j])``, in fp32."""
+    def emulated_combine_sum(y_ptr, back_ptr, valid_ptr, pos_ptr, out_ptr, count_ptr, cap, H,
+                             G: tl.constexpr, BLOCK_H: tl.constexpr, COUNT: tl.constexpr):
+        """``out[t] = y[t, 0] + sum_j (row j from the link, or y[t, 1+j])``, in fp32 (counts
+        as the pack kernel's, at ``count[2:4]``)."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cm = cols < H
@@ -621,7 +636,13 @@ def _kernels():
         for j in tl.static_range(G - 1):
             f = t * (G - 1) + j
             pos = tl.load(pos_ptr + f)
-            if (tl.load(valid_ptr + f) != 0) & (pos < cap):
+            ok = tl.load(valid_ptr + f) != 0
+            if COUNT:
+                if (tl.program_id(1) == 0) & ok:
+                    tl.atomic_add(count_ptr + 2, 1)
+                    if pos >= cap:
+                        tl.atomic_add(count_ptr + 3, 1)
+            if ok & (pos < cap):
                 v = tl.load(back_ptr + pos * H + cols, mask=cm, other=0.0)
             else:
                 v = tl.load(y_ptr + (t * G + 1 + j) * H + cols, mask=cm, other=0.0)
@@ -656,9 +677,8 @@ def _dispatch_triton(world: EmulatedWorld, x, topk_ids, topk_weights):
     kern["route"][(t,)](ids, row, valid, t, world.num_experts, world.local_experts, K=k,
                         K_P2=k_p2, G=g, G_P2=g_p2)
     cap = world.capacity(t)
-    fan_valid = valid[:, 1:].reshape(-1).bool()
-    pos, sent = _positions(fan_valid, cap)
-    _count(dev, 0, fan_valid, sent)
+    pos = torch.cumsum(valid[:, 1:].reshape(-1), 0, dtype=torch.int64) - 1
+    counter = _LINK.counter(dev)
     link = torch.empty((max(cap, 1), cols), dtype=x.dtype, device=dev)
     link_meta = _meta_view(link, meta_col)
     if meta_col > h:
@@ -667,8 +687,9 @@ def _dispatch_triton(world: EmulatedWorld, x, topk_ids, topk_weights):
     block_h = min(1024, triton.next_power_of_2(h))
     grid = (n, triton.cdiv(h, block_h))
     kern["pack"][grid](x, ids, wts, row, valid, pos, out_x, out_ids, out_w, link, link_meta, inv,
-                       h, x.stride(0), world.local_experts, cap, cols, link_meta.stride(0), K=k,
-                       K_P2=k_p2, G=g, BLOCK_H=block_h)
+                       counter if counter is not None else inv, h, x.stride(0),
+                       world.local_experts, cap, cols, link_meta.stride(0), K=k, K_P2=k_p2, G=g,
+                       BLOCK_H=block_h, COUNT=counter is not None)
     if cap > 0:
         back = _LINK.round_trip(link[:cap], world)
         kern["unpack"][(cap, triton.cdiv(h, block_h))](
@@ -692,16 +713,17 @@ def _combine_triton(world: EmulatedWorld, y):
     if nf:
         kern["flag"][(nf,)](y, valid, h, G=g, BLOCK_H=block_h)
     cap = world.capacity(t)
-    pos, sent = _positions(valid.bool(), cap)
-    _count(dev, 2, valid.bool(), sent)
+    pos = torch.cumsum(valid, 0, dtype=torch.int64) - 1
+    counter = _LINK.counter(dev)
     back = y  # never read when nothing crosses the link
     if cap > 0 and nf:
         link = torch.empty((cap, h), dtype=y.dtype, device=dev)
         kern["cpack"][(nf, triton.cdiv(h, block_h))](y, valid, pos, link, cap, h, G=g,
                                                      BLOCK_H=block_h)
         back = _LINK.round_trip(link, world)
-    kern["sum"][(t, triton.cdiv(h, block_h))](y, back, valid, pos, out, cap, h, G=g,
-                                              BLOCK_H=block_h)
+    kern["sum"][(t, triton.cdiv(h, block_h))](y, back, valid, pos, out,
+                                              counter if counter is not None else pos, cap, h,
+                                              G=g, BLOCK_H=block_h, COUNT=counter is not None)
     return out
 
 
