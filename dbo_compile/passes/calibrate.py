@@ -11,7 +11,9 @@ us_per_row`` per node class) to them, and checks the fit on whole steps:
 - a **split** program runs its schedule's units on two streams in host order with the
   schedule's dependencies: its predicted time is the makespan of that timeline with every
   unit's cost re-evaluated at the bucket's per-ubatch token count (:func:`predict_split`,
-  :func:`~dbo_compile.schedule.simulate`).
+  :func:`~dbo_compile.schedule.simulate`), the units that overlap the other stream optionally
+  slowed down by fitted factors (:func:`simulate_overlapped`: units are measured alone, and
+  run beside the other stream's kernels in the step).
 
 Features are plain data (``(class, flops, bytes, rows)`` per node, :func:`step_features`), so a
 fit and its predictions run anywhere from a results file, without the graph or a GPU.
@@ -20,12 +22,13 @@ fit and its predictions run anywhere from a results file, without the graph or a
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 from dbo_compile.passes.cost_model import CostModel, Figures, predict_us
-from dbo_compile.schedule import Schedule, simulate
+from dbo_compile.schedule import COMM, Schedule, simulate
 
-__all__ = ["predict_split", "predict_unsplit", "step_features", "unit_features"]
+__all__ = ["node_cost", "predict_split", "predict_unsplit", "simulate_overlapped", "step_features",
+           "unit_features"]
 
 Feature = tuple[str, float, float, float]
 
@@ -73,28 +76,66 @@ def step_features(artifact: Any, candidate: str, tokens: int) -> dict[str, Any]:
             "features": {str(i): [list(f) for f in fs] for i, fs in feats.items()}}
 
 
-def _figures(figures: dict[str, Any]) -> dict[str, Figures]:
-    return {c: f if isinstance(f, Figures) else Figures(**f) for c, f in figures.items()}
+#: a node's cost from its features (µs), or the per-class figures it comes from
+NodeCost = Callable[[Feature], float]
 
 
-def predict_unsplit(figures: dict[str, Any], step: dict[str, Any]) -> float:
+def node_cost(figures: dict[str, Any] | NodeCost) -> NodeCost:
+    """The per-node cost function of ``figures`` (``{class: Figures or its fields}``; a
+    callable is returned as it is)."""
+    if callable(figures):
+        return figures
+    figs = {c: f if isinstance(f, Figures) else Figures(**f) for c, f in figures.items()}
+    return lambda f: predict_us(figs, [tuple(f)])
+
+
+def predict_unsplit(figures: dict[str, Any] | NodeCost, step: dict[str, Any]) -> float:
     """Predicted µs of the unsplit program of ``step`` (:func:`step_features`): its nodes in
-    turn on one stream, comm included."""
-    return predict_us(_figures(figures), [tuple(f) for f in step["unsplit"]])
+    turn on one stream, comm included. ``figures``: per-class figures, or a cost per node."""
+    cost = node_cost(figures)
+    return sum(cost(tuple(f)) for f in step["unsplit"])
 
 
-def predict_split(figures: dict[str, Any], step: dict[str, Any],
-                  serial: bool = False) -> tuple[float, Schedule]:
+Slowdown = float | tuple[float, float]
+
+
+def simulate_overlapped(sched: Schedule, slowdown: Slowdown, rounds: int = 3) -> float:
+    """The makespan of ``sched`` (its units' ``cost_us`` as measured alone) when the units run
+    slower over the part of them that overlaps the other stream: ``slowdown`` = ``(compute,
+    comm)`` factors (a float: compute only). Units are timed alone; in the step, the comm
+    stream's kernels compete with compute for SMs (and SM-holding comm kernels take them), and
+    the comm ops' own kernels wait for SMs that large GEMMs hold. A fixed point of ``rounds``
+    simulations; sets the units' times; ``1``: the plain timeline."""
+    k_compute, k_comm = (slowdown, 1.0) if isinstance(slowdown, (int, float)) else slowdown
+    base = {u.id: u.cost_us for u in sched.units}
+    span = simulate(sched.units, sched.deps)
+    for _ in range(rounds if (k_compute, k_comm) != (1.0, 1.0) else 0):
+        busy = {s: [(u.start_us, u.end_us) for u in sched.units if u.stream == s]
+                for s in {u.stream for u in sched.units}}
+        for u in sched.units:
+            if u.end_us <= u.start_us:
+                continue
+            other = [iv for s, ivs in busy.items() if s != u.stream for iv in ivs]
+            ov = sum(max(0.0, min(u.end_us, b) - max(u.start_us, a)) for a, b in other)
+            k = k_comm if u.stream == COMM else k_compute
+            u.cost_us = base[u.id] * (1 + (k - 1) * min(1.0, ov / (u.end_us - u.start_us)))
+        span = simulate(sched.units, sched.deps)
+    return span
+
+
+def predict_split(figures: dict[str, Any] | NodeCost, step: dict[str, Any],
+                  serial: bool = False, slowdown: Slowdown = 1.0) -> tuple[float, Schedule]:
     """Predicted µs of the split candidate of ``step``: the makespan of its schedule with the
-    calibrated unit costs (``serial``: every unit on one stream, the "split serial" step), and
-    the schedule with those costs and times (for the viewer)."""
-    figs = _figures(figures)
+    calibrated unit costs (``serial``: every unit on one stream, the "split serial" step;
+    ``slowdown``: of units overlapping the other stream, :func:`simulate_overlapped`), and the schedule
+    with those costs and times (for the viewer)."""
+    cost = node_cost(figures)
     sched = Schedule.from_dict(copy.deepcopy(step["schedule"]))
     for u in sched.units:
-        u.cost_us = round(predict_us(figs, [tuple(f) for f in step["features"][str(u.id)]]), 3)
+        u.cost_us = round(sum(cost(tuple(f)) for f in step["features"][str(u.id)]), 3)
     if serial:
         return sum(u.cost_us for u in sched.units), sched
-    sched.predicted_step_us = round(simulate(sched.units, sched.deps), 3)
+    sched.predicted_step_us = round(simulate_overlapped(sched, slowdown), 3)
     sched.serial_us = round(sum(u.cost_us for u in sched.units), 3)
     sched.meta["calibrated"] = True
     return sched.predicted_step_us, sched

@@ -110,7 +110,9 @@ class CostModel:
         cal = config.calibration_data()
         self.figures: dict[str, Figures] | None = None
         if cal is not None:
-            self.figures = {c: Figures(**v) for c, v in cal["figures"].items() if c in CLASSES}
+            # compute classes only: the comm ops keep the config's link figures
+            self.figures = {c: Figures(**v) for c, v in cal["figures"].items()
+                            if c in CLASSES and c != "comm"}
 
     def _int(self, s: Any) -> int:
         if isinstance(s, torch.SymInt):
