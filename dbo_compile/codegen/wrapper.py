@@ -192,6 +192,7 @@ class SplitProgram:
     Attributes:
         code: the generated Python source (also logged at DEBUG under ``dbo_compile``).
         schedule: the :class:`~dbo_compile.schedule.Schedule` it runs.
+        split_gm: the split graph (joined, for a joined candidate) whose nodes the units run.
         carveout_sms: on CUDA, SMs kept free of compute GEMMs while the program runs
             (``torch._C._set_sm_carveout_experimental``, where torch has it; a CUDA graph
             captured from the call keeps it), so that comm kernels find SMs; ``None``: none.
@@ -204,6 +205,7 @@ class SplitProgram:
                  compile_stage: Callable[[fx.GraphModule, Any], Callable] | None = None,
                  carveout_sms: int | None = None, built: BuiltUnits | None = None):
         self.schedule = schedule
+        self.split_gm = split_gm  # the graph the schedule's units name (a cost model reads it)
         self.carveout_sms = carveout_sms
         self.units, self.unit_io = build_unit_modules(split_gm, schedule, compile_stage, built)
         self.code, num_events = generate(split_gm, schedule, self.unit_io)

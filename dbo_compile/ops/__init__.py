@@ -4,12 +4,14 @@ with their records in :mod:`dbo_compile.ops.registry` (every fact the compiler k
 - ``torch.ops.dbo.dispatch`` / ``torch.ops.dbo.combine``: MoE EP all-to-all (:mod:`.comm`).
 - ``torch.ops.dbo.grouped_experts``: an EP rank's local routed experts, row-local, grouped GEMM
   on CUDA (:mod:`.experts`).
+- the ``emulated`` comm backend: this device as rank 0 of an EP-W world (:mod:`.emulated`).
 - ``torch.ops.dbo.attention``: paged causal attention + KV-cache write (:mod:`.attention`;
   the op is not re-exported here so that ``dbo_compile.ops.attention`` stays the module).
 """
 
 from dbo_compile.errors import AttentionOpError, CommBackendError, CommOpError, ExpertsOpError
 from dbo_compile.ops import attention as _attention  # noqa: F401  (registers dbo.attention)
+from dbo_compile.ops import emulated as _emulated  # noqa: F401  (registers comm backend "emulated")
 from dbo_compile.ops import experts as _experts  # noqa: F401  (registers dbo.grouped_experts)
 from dbo_compile.ops.comm import (
     CommBackend,

@@ -50,7 +50,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dbo_compile.errors import CommBackendError, CommOpError
 from dbo_compile.ops._triton import import_triton
-from dbo_compile.ops.registry import BackendRegistry, OpInfo, comm_kind, is_getitem, register_op
+from dbo_compile.ops.registry import (BackendRegistry, OpInfo, bound_backend, comm_kind, is_getitem,
+                                      is_wait, register_op)
 
 log = logging.getLogger(__name__)
 
@@ -502,12 +503,22 @@ register_op(OpInfo(torch.ops.dbo.combine.default, comm="combine", row_local=True
 
 
 def ep_size_of_rows(x: fx.Node) -> int:
-    """EP world size of the dispatch whose received rows the FX node ``x`` is (a ``getitem``
-    of ``dbo.dispatch``); 1 when it cannot be told (no dispatch, unresolvable group)."""
+    """Receive rows per token of the dispatch whose received rows the FX node ``x`` is (a
+    ``getitem`` of ``dbo.dispatch`` or of its wait in a split graph, or the ``cat`` of such rows
+    that
+    :mod:`dbo_compile.passes.join_experts` makes): its backend's ``recv_rows_per_token`` where
+    it declares one, else the EP world size (the rank-major ``[W*T]`` layout); 1 when it cannot
+    be told (no dispatch, unresolvable group)."""
+    if isinstance(x, fx.Node) and x.target is torch.ops.aten.cat.default and x.args[0]:
+        x = x.args[0][0]  # the joined rows: every part has the same layout
     src = x.args[0] if isinstance(x, fx.Node) and is_getitem(x) else None
+    while isinstance(src, fx.Node) and is_wait(src):  # the split graph's wait of the dispatch
+        src = src.args[0]
     if isinstance(src, fx.Node) and comm_kind(src) == "dispatch":
         try:
-            return max(1, int(ep_world_size(src.args[4])))
+            backend = get_comm_backend(backend_for_group(src.args[4], bound_backend(src)))
+            rows = getattr(backend, "recv_rows_per_token", None)
+            return max(1, int(rows if rows is not None else ep_world_size(src.args[4])))
         except Exception:  # noqa: BLE001 - a cost estimate never fails the compile
             return 1
     return 1

@@ -48,9 +48,10 @@ from dbo_compile.codegen import inductor
 from dbo_compile.codegen.wrapper import SplitProgram
 from dbo_compile.config import Candidate, DboConfig, candidates_of
 from dbo_compile.errors import ScheduleError, UnsplittableGraphError
+from dbo_compile.ops import emulated
 from dbo_compile.ops.comm import get_comm_backend
 from dbo_compile.ops.experts import get_experts_backend
-from dbo_compile.ops.registry import comm_nodes, op_info
+from dbo_compile.ops.registry import bound_backend, comm_nodes, op_info
 from dbo_compile.passes import insert_yields, join_experts, reinplace, split_ubatch, stream_assign
 from dbo_compile.passes import token_dim
 from dbo_compile.runtime.program import DboCompiledModule
@@ -143,21 +144,37 @@ class PassRunner:
 
 def _bind_backends(gm: fx.GraphModule, st: CompileState) -> None:
     """Every op whose record names a backend registry gets ``backend=<the config's choice>``
-    (``"auto"``: the op's own choice, left as it is; a model that names a backend keeps it).
+    (``"auto"``: the op's own choice, left as it is; a model that names a backend keeps it,
+    except that ``comm_backend="emulated"`` re-binds the emulated instance of a model built
+    for the emulated world to the one the config's ``emulate_*`` options describe).
 
     Raises:
         CommBackendError / ExpertsOpError: the asked backend is unknown or cannot be loaded.
     """
     chosen = {"comm": st.config.comm_backend, "experts": st.config.experts_backend}
     check = {"comm": get_comm_backend, "experts": get_experts_backend}
+    if emulated.is_emulated(chosen["comm"]):
+        # the emulated world's instance: the config's emulate_* options and the graph's expert
+        # count and top-k; it replaces the instance a model built for that world names
+        chosen["comm"] = emulated.bind_name(gm.graph, st.config)
     for node in gm.graph.nodes:
         info = op_info(node.target) if node.op == "call_function" else None
         if info is None or info.backend is None or chosen[info.backend] == "auto":
             continue
-        if node.kwargs.get("backend"):
+        own = bound_backend(node)
+        if own and not (info.backend == "comm" and emulated.is_emulated(own)
+                        and emulated.is_emulated(chosen["comm"])):
             continue
         check[info.backend](chosen[info.backend])  # loads it, or says why not
-        node.kwargs = {**node.kwargs, "backend": chosen[info.backend]}
+        target = node.target
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            target = target.default
+        names = [a.name for a in target._schema.arguments] if hasattr(target, "_schema") else []
+        pos = names.index("backend") if "backend" in names else -1
+        if 0 <= pos < len(node.args):  # given by position: replace it there
+            node.args = node.args[:pos] + (chosen[info.backend],) + node.args[pos + 1:]
+        else:
+            node.kwargs = {**node.kwargs, "backend": chosen[info.backend]}
 
 
 def bind_passes(config: DboConfig) -> list[GraphPass]:
@@ -309,7 +326,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     built: dict[int, dict] = {}
 
     def codegen(gm: fx.GraphModule, sched: Schedule) -> SplitProgram:
-        return SplitProgram(gm, sched, compile_stage, carveout_sms=config.comm_sms,
+        return SplitProgram(gm, sched, compile_stage, carveout_sms=_carveout_sms(config),
                             built=built.setdefault(id(gm), {}))
 
     program = runner.time("codegen", codegen, primary_gm, schedule, tag=primary.name)
@@ -338,7 +355,16 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
                                  candidates=candidate_programs, compile_times=runner.times)
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
+    compiled.token_symbols = state.token_symbols  # the cost model's (and a calibration's)
     return compiled
+
+
+def _carveout_sms(config: DboConfig) -> int | None:
+    """SMs the split programs carve out of compute: ``comm_sms``, else the emulated world's
+    ``emulate_comm_sms`` (the SMs its comm kernels would hold), else none."""
+    if config.comm_sms is not None:
+        return config.comm_sms
+    return config.emulate_comm_sms or None
 
 
 def _unit_order(schedule: Schedule) -> tuple:
