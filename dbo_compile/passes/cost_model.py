@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.config import DboConfig
+from dbo_compile.ops.comm import comm_backend_of
 from dbo_compile.ops.registry import comm_kind, is_getitem, op_info
 from dbo_compile.passes.meta import dbo_meta
 
@@ -87,7 +88,11 @@ class CostModel:
             return 0.0
         kind = comm_kind(node)
         if kind is not None:
-            moved = self.nbytes(node.meta.get("val"))
+            backend = comm_backend_of(node)
+            if backend is not None and backend.moved_bytes is not None:
+                moved = backend.moved_bytes(kind, node, self._int)
+            else:  # the static-capacity rank-major layout moves its outputs' bytes
+                moved = self.nbytes(node.meta.get("val"))
             return cfg.comm_latency_us + moved / (cfg.link_gbps * 1e3)
         name = getattr(node.target, "_opname", "")
         if name in _FREE:
