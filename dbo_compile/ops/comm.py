@@ -104,6 +104,7 @@ __all__ = [
     "CommOpError",
     "ResultPool",
     "available_comm_backends",
+    "abort_pending_receives",
     "comm_receive",
     "backend_for_group",
     "ep_group_name",
@@ -253,6 +254,13 @@ class CommBackend:
         moved_bytes: ``moved_bytes(kind, node, size) -> bytes`` the op moves per rank, for
             the cost model (``size`` evaluates a symbolic size); ``None``: the bytes of its
             outputs (right for the static-capacity rank-major layout).
+        abort: ``abort()``: receive, in order, the calls issued and not received, after a step
+            that failed between an issue and its receive (the next issue would otherwise
+            break the in-flight rule); ``None``: nothing to do.
+        bind: ``bind(facts) -> spec``: for a backend whose options depend on the graph (DeepEP
+            ``mode="auto"``: the EP group's size picks the mode), the spec the compiler binds
+            instead, given the facts of the graph's comm ops (``supports``'s); ``None``: this
+            backend's own spec.
     """
 
     name: str
@@ -269,6 +277,8 @@ class CommBackend:
     configure: Callable[..., "CommBackend"] | None = None
     supports: Callable[[dict], str | None] | None = None
     moved_bytes: Callable[..., int] | None = None
+    bind: Callable[[list[dict]], str] | None = None
+    abort: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in (RANK_MAJOR, EXPERT_MAJOR):
@@ -327,6 +337,19 @@ def get_comm_backend(name: str) -> CommBackend:
 def clear_configured_comm_backends() -> None:
     """Forget configured backends (rebuilt when next asked for; tests swapping ``deep_ep``)."""
     _REGISTRY.clear_configured()
+
+
+def abort_pending_receives() -> None:
+    """After a step that failed inside the split program: every backend receives what it
+    issued and did not receive (``CommBackend.abort``), so that the next step starts with
+    nothing in flight. Called by the runtime (``runtime/program.py``)."""
+    for backend in _REGISTRY.instances():
+        if backend.abort is not None:
+            try:
+                backend.abort()
+            except Exception as e:  # noqa: BLE001 - the step's own error is the one to raise
+                log.error("dbo: comm backend %r: receiving the aborted step's calls failed: %s",
+                          backend.name, e)
 
 
 def comm_backend_name(spec: str) -> str:

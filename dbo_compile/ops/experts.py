@@ -318,10 +318,13 @@ def _triton_kernel():
         tl.store(y_ptr + t * H + cols, acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def silu_mul_kernel(h_ptr, a_ptr, n_valid_ptr, inter, BLOCK: tl.constexpr):
+    def silu_mul_kernel(h_ptr, a_ptr, counts_ptr, M, inter, BLOCK: tl.constexpr):
+        """``a = silu(gate) * up`` of row ``e*M + i`` of ``h`` if ``i < counts[e]``: the rows
+        of the expert-major layout below each expert's count; with ``M`` >= the rows and one
+        count, the rows below it (rows past the last routed slot are never read downstream:
+        no traffic for them)."""
         row = tl.program_id(0).to(tl.int64)
-        # rows past the last routed slot are never read downstream: no traffic for them
-        if row < tl.load(n_valid_ptr):
+        if row % M < tl.load(counts_ptr + row // M):
             cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
             m = cols < inter
             gate = tl.load(h_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
@@ -362,7 +365,8 @@ def _grouped_triton(x, ids, weights, w13, w2) -> torch.Tensor:
     h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
     act = torch.empty(nk, inter, dtype=h.dtype, device=h.device)
     block = min(1024, triton.next_power_of_2(inter))
-    kern["silu_mul"][(nk, triton.cdiv(inter, block))](h, act, offs[-1:], inter, BLOCK=block)
+    kern["silu_mul"][(nk, triton.cdiv(inter, block))](h, act, offs[-1:], nk, inter,
+                                                        BLOCK=block)
     o = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # row-major, whatever x's strides
     kern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids, weights, y, hidden, K=k,

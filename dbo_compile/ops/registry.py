@@ -27,10 +27,11 @@ from typing import Any, Callable, Generic, TypeVar
 import torch
 import torch.fx as fx
 
-__all__ = ["BackendRegistry", "OpInfo", "backend_spec", "bound_backend", "comm_kind", "comm_nodes",
-           "comm_wait", "is_c10d_wait", "is_getitem", "is_receive", "is_wait", "joinable_ops",
-           "op_arg", "op_has_arg", "op_info", "parse_backend_spec", "register_op", "register_row_local",
-           "registered_ops", "set_op_arg"]
+__all__ = ["BackendRegistry", "OpInfo", "backend_spec", "bound_backend", "comm_kind",
+           "comm_nodes", "comm_wait", "import_optional", "is_c10d_wait", "is_getitem",
+           "is_receive", "is_wait", "joinable_ops", "op_arg", "op_has_arg", "op_info",
+           "parse_backend_spec", "register_op", "register_row_local", "registered_ops",
+           "set_op_arg"]
 
 #: ``flops(node, size) -> float``: FLOPs of ``node`` with its symbolic sizes evaluated by
 #: ``size(sym_or_int) -> int`` (the cost model's reference token counts)
@@ -209,6 +210,24 @@ register_op(OpInfo(torch.ops._c10d_functional.wait_tensor.default, wait=True))
 B = TypeVar("B")
 
 
+def import_optional(module: str, error: type[Exception], what: str, install: str,
+                    option: str) -> Any:
+    """Import the optional package ``module`` a backend wraps (``deep_ep``, ``deep_gemm``).
+
+    Raises:
+        ``error``: it failed to import (any exception: without CUDA these packages raise
+            ``OSError`` or ``AssertionError``, not only ``ImportError``), naming the package,
+            how to install it (``install``) and the fallback (``option='torch'``).
+    """
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - an optional package can fail in many ways
+        raise error(
+            f"{what} needs the package {module}, which failed to import ({type(e).__name__}: "
+            f"{e}); install it with {install}, or use {option}='torch' ({option}='auto' falls "
+            "back to it)") from e
+
+
 def parse_backend_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"name"`` or ``"name:key=value,key=value"`` -> ``(name, {key: value})``; values that
     read as ints, floats or ``true``/``false`` become those (the form the compiler binds into
@@ -282,6 +301,10 @@ class BackendRegistry(Generic[B]):
     def names(self) -> list[str]:
         """Every registered name (loaded or lazy), sorted."""
         return sorted(set(self._loaded) | set(self._lazy))
+
+    def instances(self) -> list[B]:
+        """Every backend built so far: the loaded ones and the configured ones."""
+        return list(self._loaded.values()) + list(self._configured.values())
 
     def clear_configured(self) -> None:
         """Forget the configured backends (they are rebuilt, and their packages checked again,

@@ -206,6 +206,9 @@ def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) ->
     if config.comm_backend != "auto":
         spec = backend_spec(config.comm_backend, config.comm_backend_options)
         backend = get_comm_backend(spec)  # loads it, or says why not
+        if backend.bind is not None:
+            spec = backend.bind(facts)
+            backend = get_comm_backend(spec)
         for f in facts:
             why = _comm_unsupported(backend, f)
             if why is not None:
@@ -221,6 +224,9 @@ def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) ->
     spec = backend_spec("deep_ep", config.comm_backend_options)
     try:
         backend = get_comm_backend(spec)
+        if backend.bind is not None:
+            spec = backend.bind(facts)
+            backend = get_comm_backend(spec)
     except CommBackendError as e:
         log.info("dbo: comm_backend=auto -> torch: %s", e)
         return None
