@@ -97,13 +97,13 @@ def _nocomm_combine(y, group_name):
 @contextlib.contextmanager
 def no_comm():
     """Within the block, ``dbo.dispatch``/``combine`` over a process group move no data."""
-    old = _comm._BACKENDS["torch"]
-    _comm._BACKENDS["torch"] = _comm.CommBackend("torch", _nocomm_dispatch, _nocomm_combine,
-                                                 "benchmark stand-in: no collective")
+    old = _comm.get_comm_backend("torch")
+    _comm.register_comm_backend(_comm.CommBackend("torch", _nocomm_dispatch, _nocomm_combine,
+                                                  "benchmark stand-in: no collective"))
     try:
         yield
     finally:
-        _comm._BACKENDS["torch"] = old
+        _comm.register_comm_backend(old)
 
 
 # ----------------------------------------------------------------------------- process group

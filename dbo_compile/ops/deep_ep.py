@@ -90,7 +90,7 @@ from dbo_compile.ops.registry import backend_spec, import_optional, op_arg
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LL_HIDDEN", "MODES", "deep_ep_backend"]
+__all__ = ["LL_HIDDEN", "MODES", "deep_ep_backend", "release_buffers"]
 
 MODES = ("auto", "low_latency", "normal")
 #: hidden sizes DeepEP's low-latency kernels are compiled for (``SWITCH_HIDDEN``)
@@ -113,6 +113,8 @@ def _deep_ep() -> Any:
 
 _BUFFERS: dict[tuple, Any] = {}
 _GROUPS: dict[str, Any] = {}
+#: the NVSHMEM_QP_DEPTH this module set (it may raise its own setting, not the user's)
+_QP_DEPTH_SET: list[str | None] = [None]
 
 
 def _group(group_name: str) -> Any:
@@ -133,6 +135,13 @@ def _group(group_name: str) -> Any:
             group, _ = dist.new_subgroups(group_size=1)
     _GROUPS[group_name] = group
     return group
+
+
+def release_buffers() -> None:
+    """Destroy this process's DeepEP buffers (collective over each buffer's group: call on
+    every rank), so that a buffer of another layout (``max_tokens``, hidden, experts) can be
+    built; graphs captured with the old buffers must not be replayed again."""
+    _destroy_buffers()
 
 
 def _destroy_buffers() -> None:
@@ -161,8 +170,9 @@ def _ll_buffer(group_name: str, cap: int, hidden: int, num_experts: int) -> Any:
     ep = _deep_ep()
     need = 2 * (cap + 1)
     depth = os.environ.get("NVSHMEM_QP_DEPTH")
-    if depth is None and need > 1024:
-        os.environ["NVSHMEM_QP_DEPTH"] = str(1 << (need - 1).bit_length())
+    ours = depth is not None and depth == _QP_DEPTH_SET[0]
+    if (depth is None and need > 1024) or (ours and int(depth) < need):
+        os.environ["NVSHMEM_QP_DEPTH"] = _QP_DEPTH_SET[0] = str(1 << (need - 1).bit_length())
         log.info("dbo: deep_ep: NVSHMEM_QP_DEPTH=%s for max_tokens=%d (DeepEP needs >= %d)",
                  os.environ["NVSHMEM_QP_DEPTH"], cap, need)
     elif depth is not None and int(depth) < need:

@@ -7,7 +7,8 @@
   weights (quantised once per weight tensor and kept); bf16 outputs. Accuracy against bf16:
   measured by ``benchmarks/bench_backends.py`` (README, GPU results).
 - ``expected_m``: the rows per expert DeepGEMM's heuristic plans for (its kernel choice, and
-  so what it JIT-compiles, depends on it); default: an eighth of the layout's rows per expert.
+  so what it JIT-compiles, depends on it); default: an eighth of the rows per expert of the
+  expert-major layout (its static capacity, ``W * max_tokens``), 128 for the rank-major rows.
   Fixed per weight shape and layout, so a new token count never compiles a new kernel.
 
 The two receive layouts (``dbo_compile.ops.experts``):
@@ -64,6 +65,9 @@ __all__ = ["deep_gemm_backend", "per_block_cast_fp8", "per_token_cast_fp8"]
 _INSTALL = ("pip install 'dbo_compile[deepgemm]' (sgl-deep-gemm 0.1.5.post1 and "
             "apache-tvm-ffi 0.1.11: torch 2.11, CUDA 13 with nvcc for its JIT, sm90 GPUs)")
 _FP8_MAX = 448.0
+#: rows per expert the contiguous GEMMs plan for by default (a fixed figure: DeepGEMM picks and
+#: JIT-compiles its kernel from it, so it must not follow the step's token count)
+_CONTIGUOUS_EXPECTED_M = 128
 
 
 def _deep_gemm() -> Any:
@@ -216,7 +220,7 @@ class _DeepGemm:
         a = torch.empty((m_pad + 1, hidden), dtype=x.dtype, device=x.device)
         a.index_copy_(0, dst, x.index_select(0, rows))
         a = a[:m_pad]
-        expected = self.expected_m or max(1, -(-slots // (8 * e)))
+        expected = self.expected_m or _CONTIGUOUS_EXPECTED_M  # fixed: no JIT per token count
         gemm = (self.dg.m_grouped_fp8_fp4_gemm_nt_contiguous if self.fp8
                 else self.dg.m_grouped_bf16_gemm_nt_contiguous)
         h = torch.empty((m_pad, 2 * inter), dtype=torch.bfloat16, device=x.device)
