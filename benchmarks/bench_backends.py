@@ -262,7 +262,8 @@ def _hf_row(args, results, write):
                          num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
                          num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False)
-    model = Qwen3MoeForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    with torch.device("cuda"):
+        model = Qwen3MoeForCausalLM(cfg).to(dtype=torch.bfloat16).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1)

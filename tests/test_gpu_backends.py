@@ -77,7 +77,8 @@ def test_ll_deepgemm_equals_torch_eagerly_and_replayed_from_a_cuda_graph():
     model = H.build_model("deepseek-v2-lite", 2, None, "cuda", vocab_size=4096,
                           first_k_dense_replace=0)
     step = H.make_bucket_step(model.config, "decode", 256, "cuda", seed=1)
-    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    new = H.make_bucket_step(model.config, "decode", 256, "cuda", seed=2, decode_ctx=130)
+    model.allocate_kv_cache(max(step.num_blocks, new.num_blocks), step.block_size)
     g = torch.Generator(device="cuda").manual_seed(7)
     for c in model.kv_caches():
         c.normal_(generator=g)
@@ -112,7 +113,6 @@ def test_ll_deepgemm_equals_torch_eagerly_and_replayed_from_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         _check(H.rel_err(gout[0], ref), "graph replay")
-        new = H.make_bucket_step(model.config, "decode", 256, "cuda", seed=2, decode_ctx=130)
         ids.copy_(new.input_ids)
         pos.copy_(new.positions)
         for name, t in md.tensors().items():
