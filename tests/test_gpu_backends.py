@@ -47,6 +47,16 @@ needs_stack = pytest.mark.skipif(
     reason="needs CUDA, deep_ep and deep_gemm")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_deep_ep_buffers():
+    """Destroy the NVSHMEM buffer before the interpreter exits (DeepEP warns of hangs in
+    destructors run during exception handling)."""
+    yield
+    mod = sys.modules.get("dbo_compile.ops.deep_ep")
+    if mod is not None:
+        mod.release_buffers()
+
+
 def _harness():
     sys.path.insert(0, _BENCH)
     import moe_harness as H
@@ -131,75 +141,6 @@ def test_ll_deepgemm_equals_torch_eagerly_and_replayed_from_a_cuda_graph():
         assert H.rel_err(gout[0], ref)["max_rel"] > 0.05  # the new step really is different
 
 
-_SANITIZER = r"""
-import json, sys
-import torch
-import torch.cuda._sanitizer as csan
-from torch.utils._python_dispatch import _disable_current_modes
-sys.path.insert(0, sys.argv[1])
-import moe_harness as H
-from dbo_compile import backend as B
-from dbo_compile.runtime.engine import run_step
-from dbo_compile.testing import measure as cg
-
-options = json.loads(sys.argv[2])
-res = {"csan_enabled": bool(csan.cuda_sanitizer.enabled)}
-B.register()
-H.install_kernels("cuda", experts="grouped", attention="ref")
-model = H.build_model("deepseek-v2-lite", 2, None, "cuda", vocab_size=4096,
-                      first_k_dense_replace=0)
-step = H.make_bucket_step(model.config, "decode", 128, "cuda", seed=1)
-model.allocate_kv_cache(step.num_blocks, step.block_size)
-ids, pos, md = step.input_ids, step.positions, step.attn_metadata
-with torch.no_grad():
-    for name, opts in options.items():
-        with _disable_current_modes():  # Dynamo does not compile under a dispatch mode
-            torch._dynamo.reset()
-            cm = torch.compile(model, backend="dbo", options=opts)
-            run_step(cm, ids, pos, md, step.num_scheduled_tokens)
-            art = B.compiled_artifacts()[-1]
-            sstep = cg.SplitStep(art, lambda: run_step(cm, ids, pos, md,
-                                                       step.num_scheduled_tokens))
-        try:
-            art.split_program(*sstep.split_args)
-            torch.cuda.synchronize()
-            res[name] = "ok"
-        except Exception as e:
-            res[name] = type(e).__name__ + ": " + str(e)[:1500]
-        if name == "torch":  # negative control: the torch program without its event waits
-            program = art.split_program
-            waits = program._fn.__globals__["wait"]
-            program._fn.__globals__["wait"] = lambda stream, event: None
-            try:
-                program(*sstep.split_args)
-                torch.cuda.synchronize()
-                res["torch/no_waits"] = "not reported"
-            except Exception as e:
-                res["torch/no_waits"] = type(e).__name__
-            program._fn.__globals__["wait"] = waits
-print("RESULT " + json.dumps(res), flush=True)
-"""
-
-
-@needs_stack
-def test_ll_split_program_under_cuda_sanitizer():
-    """TORCH_CUDA_SANITIZER=1 in a fresh process: the DeepEP LL + DeepGEMM split program
-    reports no unsynchronized access (its LL units share the compute stream); the control:
-    the torch/torch split program without its event waits is reported."""
-    options = {"ll": {**BASE, **LL_OPTIONS},
-               "torch": {**BASE}}
-    env = dict(os.environ, TORCH_CUDA_SANITIZER="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(_HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _SANITIZER, _BENCH, json.dumps(options)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    res = json.loads(line[len("RESULT "):])
-    print(res)
-    assert res["csan_enabled"] and res["ll"] == "ok", res
-    assert res["torch"] == "ok" and res["torch/no_waits"] == "CUDASanitizerErrors", res
-
-
 @needs_cuda
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_hf_family_bf16_grouped_experts_equal_the_unmodified_model(model_type, monkeypatch):
@@ -268,3 +209,72 @@ def test_deepgemm_kernels_at_deepseek_v2_lite_shapes():
     print(errs)
     assert errs["contiguous deep_gemm"] < 0.01 and errs["masked deep_gemm"] < 0.01, errs
     assert errs["contiguous deep_gemm:fp8=true"] < 0.1 and errs["masked deep_gemm:fp8=true"] < 0.1
+
+
+_SANITIZER = r"""
+import json, sys
+import torch
+import torch.cuda._sanitizer as csan
+from torch.utils._python_dispatch import _disable_current_modes
+sys.path.insert(0, sys.argv[1])
+import moe_harness as H
+from dbo_compile import backend as B
+from dbo_compile.runtime.engine import run_step
+from dbo_compile.testing import measure as cg
+
+options = json.loads(sys.argv[2])
+res = {"csan_enabled": bool(csan.cuda_sanitizer.enabled)}
+B.register()
+H.install_kernels("cuda", experts="grouped", attention="ref")
+model = H.build_model("deepseek-v2-lite", 2, None, "cuda", vocab_size=4096,
+                      first_k_dense_replace=0)
+step = H.make_bucket_step(model.config, "prefill", 256, "cuda", seed=1, prompt=128)
+model.allocate_kv_cache(step.num_blocks, step.block_size)
+ids, pos, md = step.input_ids, step.positions, step.attn_metadata
+with torch.no_grad():
+    for name, opts in options.items():
+        with _disable_current_modes():  # Dynamo does not compile under a dispatch mode
+            torch._dynamo.reset()
+            cm = torch.compile(model, backend="dbo", options=opts)
+            run_step(cm, ids, pos, md, step.num_scheduled_tokens)
+            art = B.compiled_artifacts()[-1]
+            sstep = cg.SplitStep(art, lambda: run_step(cm, ids, pos, md,
+                                                       step.num_scheduled_tokens))
+        try:
+            art.split_program(*sstep.split_args)
+            torch.cuda.synchronize()
+            res[name] = "ok"
+        except Exception as e:
+            res[name] = type(e).__name__ + ": " + str(e)[:1500]
+        if name == "torch":  # negative control: the torch program without its event waits
+            program = art.split_program
+            waits = program._fn.__globals__["wait"]
+            program._fn.__globals__["wait"] = lambda stream, event: None
+            try:
+                program(*sstep.split_args)
+                torch.cuda.synchronize()
+                res["torch/no_waits"] = "not reported"
+            except Exception as e:
+                res["torch/no_waits"] = type(e).__name__
+            program._fn.__globals__["wait"] = waits
+print("RESULT " + json.dumps(res), flush=True)
+"""
+
+
+@needs_stack
+def test_ll_split_program_under_cuda_sanitizer():
+    """TORCH_CUDA_SANITIZER=1 in a fresh process: the DeepEP LL + DeepGEMM split program
+    reports no unsynchronized access (its LL units share the compute stream); the control:
+    the torch/torch split program without its event waits is reported."""
+    options = {"ll": {**BASE, **LL_OPTIONS},
+               "torch": {**BASE}}
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(_HERE), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _SANITIZER, _BENCH, json.dumps(options)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    res = json.loads(line[len("RESULT "):])
+    print(res)
+    assert res["csan_enabled"] and res["ll"] == "ok", res
+    assert res["torch"] == "ok" and res["torch/no_waits"] == "CUDASanitizerErrors", res
