@@ -12,7 +12,10 @@ For every unit, in host order, the generated function
 5. drops values after their last use, as eager execution would.
 
 At the end the compute stream joins the comm stream (required for CUDA-graph capture: every
-forked stream must rejoin the origin stream). No thread, no host synchronisation.
+forked stream must rejoin the origin stream), where a unit ran on it: a schedule whose units
+all run on the compute stream (DeepEP low-latency's comm units) never forks the comm stream,
+and waiting on an event recorded there would depend on work outside the capture
+(``cudaErrorStreamCaptureIsolation``). No thread, no host synchronisation.
 """
 
 from __future__ import annotations
@@ -183,9 +186,12 @@ def generate(split_gm: fx.GraphModule, schedule: Schedule, ios: list[UnitIO]) ->
         dead = [n for n in io.inputs if last_use.get(n) == unit.id and n not in keep_alive]
         if dead:
             lines.append(f"{indent}del {', '.join(dead)}")
-    lines.append("    # join: the compute stream waits for the comm stream's last op")
-    lines.append(f"    record(ev[{join_event}], s_comm)")
-    lines.append(f"    wait(s_compute, ev[{join_event}])")
+    if any(u.stream == COMM for u in schedule.units):
+        lines.append("    # join: the compute stream waits for the comm stream's last op")
+        lines.append(f"    record(ev[{join_event}], s_comm)")
+        lines.append(f"    wait(s_compute, ev[{join_event}])")
+    else:
+        lines.append("    # no unit ran on the comm stream: nothing to join (not forked)")
     lines.append("    return (" + "".join(f"{o}, " for o in outputs) + ")")
     return "\n".join(lines) + "\n", num_events
 
