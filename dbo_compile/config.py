@@ -88,6 +88,28 @@ def candidates_of(config: DboConfig) -> list[Candidate]:
     return out
 
 
+def _canonical_options(value: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
+    """A backend's options as sorted ``(key, value)`` pairs (hashable, and the same on every
+    rank however the dict was built: they enter the fingerprint)."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise bad("must be a dict of option name -> value") from None
+    for k, v in pairs:
+        if not isinstance(k, str) or not k or any(c in k for c in ":,="):
+            raise bad(f"option name {k!r} must be a non-empty str without ':', ',' or '='")
+        if not isinstance(v, (bool, int, float, str)) or (isinstance(v, str) and
+                                                          any(c in v for c in ":,=")):
+            raise bad(f"option {k}={v!r} must be a bool, int, float or str (without ':', ',', "
+                      "'=')")
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise bad("an option is given twice")
+    return tuple(sorted(pairs))
+
+
 @dataclass(frozen=True)
 class DboConfig:
     """Options of the ``dbo`` backend.
@@ -161,15 +183,25 @@ class DboConfig:
             wrapper as ``.py``.
         dp_group_name: name of the CPU (Gloo) process group that carries the DP vote; ``None``
             means the default group when torch.distributed is initialised, else no vote.
-        comm_backend: the comm backend of the graph's ``dbo.dispatch`` / ``dbo.combine``:
-            ``"auto"`` (default) keeps each op's own choice (``"local"`` for an EP group of one
-            rank, ``"torch"`` otherwise); any other value is the name of a registered comm
-            backend (``dbo_compile.ops.available_comm_backends()``), bound into the graph
-            before lowering. An unknown or unloadable one raises ``CommBackendError`` at
-            compile time.
-        experts_backend: the backend of ``dbo.grouped_experts``: ``"auto"`` (default) keeps
-            the op's own (``"torch"``), else a registered experts backend
+        comm_backend: the comm backend of the graph's comm ops (``dbo.moe_dispatch`` /
+            ``dbo.moe_combine``, ``dbo.dispatch`` / ``dbo.combine``), bound into the graph
+            before lowering: ``"auto"`` (default): DeepEP (``"deep_ep"``) where it imports
+            and serves every comm op of the graph (the MoE-layer ops, an EP group of 2, 4 or 8
+            ranks: its normal mode; see ``dbo_compile.ops.deep_ep``), else each op's own
+            (``"local"`` for an EP group of one rank, ``"torch"`` otherwise), logging what it
+            chose and why; any other value is the name of a registered comm backend
+            (``dbo_compile.ops.available_comm_backends()``). An unknown or unloadable one, or
+            one that cannot serve an op of the graph, raises ``CommBackendError`` at compile
+            time, naming what is missing and the fallback.
+        comm_backend_options: options of the comm backend (a dict; ``deep_ep``:
+            ``mode`` ``"auto"`` / ``"low_latency"`` / ``"normal"``, ``max_tokens``, ...), bound
+            with its name; an unknown option raises ``CommBackendError`` at compile time.
+        experts_backend: the backend of ``dbo.grouped_experts``: ``"auto"`` (default):
+            DeepGEMM (``"deep_gemm"``) for the calls it serves best where it imports (the
+            expert-major layout of DeepEP low-latency: its masked grouped GEMM), else the op's
+            own (``"torch"``), logging what it chose; else a registered experts backend
             (``dbo_compile.ops.experts.available_experts_backends()``).
+        experts_backend_options: options of the experts backend (``deep_gemm``: ``fp8``).
         check_host_mirrors: compare the host mirrors of the attention metadata
             (``query_start_loc_cpu``, ...; see :mod:`dbo_compile.metadata`) with their
             device tensors every step: a device read per mirrored field, for debugging an
@@ -218,6 +250,8 @@ class DboConfig:
     dp_group_name: str | None = None
     comm_backend: str = "auto"
     experts_backend: str = "auto"
+    comm_backend_options: Any = ()
+    experts_backend_options: Any = ()
     check_host_mirrors: bool = False
     emulate_world_size: int | None = None
     emulate_link_gbps: float | None = None
@@ -287,6 +321,9 @@ class DboConfig:
         for name in ("comm_backend", "experts_backend"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise bad(name, "must be 'auto' or the name of a registered backend")
+        for name in ("comm_backend_options", "experts_backend_options"):
+            object.__setattr__(self, name, _canonical_options(getattr(self, name),
+                                                              lambda why, n=name: bad(n, why)))
         if not isinstance(self.cost_model_tokens, int) or self.cost_model_tokens < self.num_ubatches:
             raise bad("cost_model_tokens", f"must be an int >= num_ubatches ({self.num_ubatches})")
         for name in ("peak_tflops", "hbm_gbps", "link_gbps"):

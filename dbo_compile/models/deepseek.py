@@ -1,8 +1,11 @@
 """Reference DeepSeek-style MoE decoder in the flattened-token layout ``[num_tokens, hidden]``.
 
 Each layer: RMSNorm -> attention (q/k/v projections, RoPE, ``dbo.attention`` over a paged KV
-cache, o_proj) -> residual -> RMSNorm -> MoE (softmax gate, top-k, ``dbo.dispatch``, local
-experts, ``dbo.combine``, plus shared experts on the same input) -> residual. The first
+cache, o_proj) -> residual -> RMSNorm -> MoE (softmax gate, top-k, ``dbo.moe_dispatch``, local
+experts as ``dbo.grouped_experts`` on the dispatch's receive layout, ``dbo.moe_combine``, plus
+shared experts on the same input) -> residual: the MoE-layer contract of
+:mod:`dbo_compile.ops.comm`, so that any comm backend (torch, DeepEP) and experts backend
+(torch, DeepGEMM) can run it. The first
 ``first_k_dense_replace`` layers use a dense SwiGLU MLP instead of MoE, as in DeepSeek-V2/V3.
 (Attention is plain GQA, not MLA: what matters here is the MoE all-to-all.)
 
@@ -260,9 +263,11 @@ class MoE(nn.Module):
 
     def experts(self, recv_x: torch.Tensor, recv_ids: torch.Tensor,
                 recv_w: torch.Tensor) -> torch.Tensor:
-        """Local experts, row-local (``dbo.grouped_experts``: grouped GEMM on CUDA, the
-        reference loop elsewhere). ``recv_x [N, H]``, ``recv_ids [N, K]`` int64 local ids
-        (-1 = not here), ``recv_w [N, K]`` fp32 -> ``[N, H]`` of ``recv_x.dtype`` (weighted)."""
+        """Local experts on the dispatch's receive layout (``dbo.grouped_experts``: grouped
+        GEMM on CUDA, the reference loop elsewhere): rank-major ``recv_x [N, H]``, ``recv_ids
+        [N, K]`` int64 local ids (-1 = not here), ``recv_w [N, K]`` fp32 -> ``[N, H]``
+        weighted; expert-major ``recv_x [E_local, M, H]``, ``recv_ids [E_local]`` int32 valid
+        rows -> ``[E_local, M, H]`` unweighted (:mod:`dbo_compile.ops.comm`)."""
         return torch.ops.dbo.grouped_experts(recv_x, recv_ids, recv_w, self.w13, self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,17 +276,13 @@ class MoE(nn.Module):
         topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
-        if self.comm_backend:  # an emulated world names its instance (ops.emulated)
-            recv_x, recv_ids, recv_w = torch.ops.dbo.dispatch(
-                x, topk_ids, topk_w, self.num_experts, self.group_name,
-                backend=self.comm_backend)
-            y = self.experts(recv_x, recv_ids, recv_w)
-            out = torch.ops.dbo.combine(y, self.group_name, backend=self.comm_backend)
-        else:
-            recv_x, recv_ids, recv_w = torch.ops.dbo.dispatch(
-                x, topk_ids, topk_w, self.num_experts, self.group_name)
-            y = self.experts(recv_x, recv_ids, recv_w)
-            out = torch.ops.dbo.combine(y, self.group_name)
+        # an emulated world names its backend instance (ops.emulated); else the op's own
+        backend = {"backend": self.comm_backend} if self.comm_backend else {}
+        recv_x, recv_ids, recv_w, handle = torch.ops.dbo.moe_dispatch(
+            x, topk_ids, topk_w, self.num_experts, self.group_name, **backend)
+        y = self.experts(recv_x, recv_ids, recv_w)
+        out = torch.ops.dbo.moe_combine(y, topk_ids, topk_w, recv_ids, recv_w, handle,
+                                        self.group_name, **backend)
         if self.routed_scaling_factor != 1.0:
             out = out * self.routed_scaling_factor
         if self.shared_experts is not None:

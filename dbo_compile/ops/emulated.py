@@ -90,7 +90,7 @@ from dbo_compile.ops.comm import (
     payload_layout,
     register_comm_backend,
 )
-from dbo_compile.ops.registry import bound_backend, comm_kind
+from dbo_compile.ops.registry import backend_spec, bound_backend, comm_kind
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +148,14 @@ class EmulatedWorld:
 
     @property
     def name(self) -> str:
-        """The registry name of this instance (``emulated:w8:e64:k6:...``)."""
-        copy = "auto" if self.copy_gbps is None else f"{self.copy_gbps:g}"
-        return (f"{NAME}:w{self.world_size}:e{self.num_experts}:k{self.top_k}:"
-                f"gbps{self.link_gbps:g}:lat{self.latency_us:g}:copy{copy}:"
-                f"cap{self.capacity_factor:g}")
+        """The backend spec of this instance (:func:`~dbo_compile.ops.registry.backend_spec`:
+        ``emulated:capacity_factor=1.1,copy_gbps=auto,...,world_size=8``), which the registry
+        configures (:func:`_configure`) and the compiler binds into the ops."""
+        return backend_spec(NAME, {
+            "world_size": self.world_size, "num_experts": self.num_experts, "top_k": self.top_k,
+            "link_gbps": f"{self.link_gbps:g}", "latency_us": f"{self.latency_us:g}",
+            "copy_gbps": "auto" if self.copy_gbps is None else f"{self.copy_gbps:g}",
+            "capacity_factor": f"{self.capacity_factor:g}"})
 
     @property
     def local_experts(self) -> int:
@@ -752,15 +755,6 @@ class EmulatedBackend(CommBackend):
         rows by it (:func:`dbo_compile.ops.comm.ep_size_of_rows`)."""
         return self.world.rows_per_token
 
-    def comm_bytes(self, node: fx.Node, size) -> int:
-        """Bytes the comm node (``dbo.dispatch`` / ``dbo.combine`` bound to this backend)
-        sends per direction at the cost model's reference sizes (``size``: symbolic size ->
-        int); the cost model's comm time is ``comm_latency_us + bytes / link_gbps``."""
-        kind = comm_kind(node)
-        x = node.args[0].meta.get("val")
-        rows = size(x.shape[0])
-        tokens = rows if kind == "dispatch" else rows // self.world.rows_per_token
-        return self.world.link_bytes(kind, tokens, size(x.shape[1]), x.element_size())
 
 
 def _check_world(world: EmulatedWorld, x, topk_ids, num_experts) -> None:
@@ -770,6 +764,18 @@ def _check_world(world: EmulatedWorld, x, topk_ids, num_experts) -> None:
             f"num_experts={num_experts}, top_k={topk_ids.shape[1]}, but the backend was bound "
             f"for num_experts={world.num_experts}, top_k={world.top_k}; every dispatch of a "
             "graph must share them")
+
+
+def _moved_bytes(world: EmulatedWorld):
+    def moved_bytes(kind: str, node: fx.Node, size) -> int:
+        """Bytes the comm node sends per direction at the cost model's reference sizes
+        (``size``: symbolic size -> int): the link's static capacity."""
+        x = node.args[0].meta.get("val")
+        rows = size(x.shape[0])
+        tokens = rows if kind == "dispatch" else rows // world.rows_per_token
+        return world.link_bytes(kind, tokens, size(x.shape[1]), x.element_size())
+
+    return moved_bytes
 
 
 def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
@@ -805,7 +811,40 @@ def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
     return EmulatedBackend(
         world.name, dispatch, combine,
         f"emulated EP-{world.world_size} world on one device (rank 0; {world.link_gbps:g} GB/s "
-        f"link through pinned host memory)", dispatch_fake, combine_fake, world=world)
+        f"link through pinned host memory)", dispatch_fake, combine_fake,
+        moved_bytes=_moved_bytes(world), world=world)
+
+
+def _configure(world_size: int | None = None, num_experts: int | None = None,
+               top_k: int | None = None, link_gbps: float = DEFAULT_LINK_GBPS,
+               latency_us: float = 0.0, copy_gbps: Any = "auto",
+               capacity_factor: float = DEFAULT_CAPACITY_FACTOR) -> CommBackend:
+    """The backend of one emulated world, from the options of its spec
+    (:attr:`EmulatedWorld.name`); without a world (the plain name ``"emulated"``), the
+    backend that says how to get one.
+
+    Raises:
+        CommBackendError: a bad option (see :class:`EmulatedWorld`).
+    """
+    if world_size is None and num_experts is None and top_k is None:
+        return _PLAIN
+    return _make_backend(EmulatedWorld(
+        world_size=world_size, num_experts=num_experts, top_k=top_k,
+        link_gbps=float(link_gbps), latency_us=float(latency_us),
+        copy_gbps=None if copy_gbps == "auto" else float(copy_gbps),
+        capacity_factor=float(capacity_factor)))
+
+
+def _unconfigured(*args: Any, **kwargs: Any) -> Any:
+    raise CommBackendError(
+        "the plain 'emulated' backend has no world: compile with comm_backend='emulated' and "
+        "emulate_world_size=W (the compiler binds an instance), or build the model with "
+        "emulated_world_size=W")
+
+
+_PLAIN = CommBackend(NAME, _unconfigured, _unconfigured,
+                     "emulated EP-W world on one device (bound per config)")
+register_comm_backend(dataclasses.replace(_PLAIN, configure=_configure))
 
 
 def _check_combine(world: EmulatedWorld, y) -> None:
@@ -820,13 +859,8 @@ def _check_combine(world: EmulatedWorld, y) -> None:
 
 
 def register_emulated(world: EmulatedWorld) -> str:
-    """Register the instance for ``world`` (idempotent); its registry name."""
-    try:
-        existing = get_comm_backend(world.name)
-    except CommBackendError:
-        existing = None
-    if not isinstance(existing, EmulatedBackend) or existing.world != world:
-        register_comm_backend(_make_backend(world))
+    """The spec of the instance for ``world``, configured in the registry (idempotent)."""
+    get_comm_backend(world.name)
     return world.name
 
 
@@ -897,13 +931,3 @@ def bind_name(graph: fx.Graph, config: Any) -> str:
                                f"(num_experts, top_k), found {sorted(facts)}")
     (e, k), = facts
     return register_emulated(world_of_config(config, e, k))
-
-
-def _plain_dispatch(*args):
-    raise CommBackendError("the plain 'emulated' backend has no world: compile with "
-                           "comm_backend='emulated' and emulate_world_size=W (the compiler "
-                           "binds an instance), or build the model with emulated_world_size=W")
-
-
-register_comm_backend(CommBackend(NAME, _plain_dispatch, _plain_dispatch,
-                                  "emulated EP-W world on one device (bound per config)"))

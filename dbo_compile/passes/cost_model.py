@@ -37,8 +37,8 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.config import DboConfig
-from dbo_compile.ops.comm import backend_for_group, get_comm_backend
-from dbo_compile.ops.registry import bound_backend, comm_kind, is_getitem, op_info
+from dbo_compile.ops.comm import comm_backend_of
+from dbo_compile.ops.registry import comm_kind, is_getitem, op_info
 from dbo_compile.passes.meta import dbo_meta
 
 __all__ = ["CLASSES", "CostModel", "Figures", "node_class", "predict_us"]
@@ -152,18 +152,15 @@ class CostModel:
         return 0.0
 
     def comm_bytes(self, node: fx.Node) -> int:
-        """Bytes the comm node moves: its backend's ``comm_bytes`` where it declares one
-        (per direction), else its results' bytes."""
-        group = node.args[4] if comm_kind(node) == "dispatch" and len(node.args) > 4 else (
-            node.args[1] if len(node.args) > 1 else "")
-        if comm_kind(node) in ("dispatch", "combine") and isinstance(group, str):
-            try:
-                backend = get_comm_backend(backend_for_group(group, bound_backend(node)))
-            except Exception:  # noqa: BLE001 - a cost estimate never fails the compile
-                backend = None
-            hook = getattr(backend, "comm_bytes", None)
-            if hook is not None:
-                return hook(node, self._int)
+        """Bytes the comm node moves per rank: its backend's ``moved_bytes`` where it declares
+        one (DeepEP, the emulated link: the routed volume), else its results' bytes (the
+        static-capacity rank-major layout)."""
+        try:
+            backend = comm_backend_of(node)
+        except Exception:  # noqa: BLE001 - a cost estimate never fails the compile
+            backend = None
+        if backend is not None and backend.moved_bytes is not None:
+            return backend.moved_bytes(comm_kind(node), node, self._int)
         return self.nbytes(node.meta.get("val"))
 
     def node_features(self, node: fx.Node) -> tuple[str, float, float, float] | None:

@@ -47,11 +47,24 @@ from dbo_compile import lowering
 from dbo_compile.codegen import inductor
 from dbo_compile.codegen.wrapper import SplitProgram
 from dbo_compile.config import Candidate, DboConfig, candidates_of
-from dbo_compile.errors import ScheduleError, UnsplittableGraphError
+from dbo_compile.errors import (
+    CommBackendError,
+    ExpertsOpError,
+    ScheduleError,
+    UnsplittableGraphError,
+)
 from dbo_compile.ops import emulated
-from dbo_compile.ops.comm import get_comm_backend
+from dbo_compile.ops.comm import EXPERT_MAJOR, RANK_MAJOR, ep_world_size, get_comm_backend
 from dbo_compile.ops.experts import get_experts_backend
-from dbo_compile.ops.registry import bound_backend, comm_nodes, op_info
+from dbo_compile.ops.registry import (
+    backend_spec,
+    bound_backend,
+    comm_kind,
+    comm_nodes,
+    op_arg,
+    op_info,
+    set_op_arg,
+)
 from dbo_compile.passes import insert_yields, join_experts, reinplace, split_ubatch, stream_assign
 from dbo_compile.passes import token_dim
 from dbo_compile.runtime.program import DboCompiledModule
@@ -59,6 +72,9 @@ from dbo_compile.schedule import Schedule
 from dbo_compile.signature import InputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
+
+#: the MoE-layer comm ops (their backends may have a layout and a handle of their own)
+_MOE_OPS = (torch.ops.dbo.moe_dispatch.default, torch.ops.dbo.moe_combine.default)
 
 __all__ = ["CompileState", "GraphPass", "PassRunner", "bind_passes", "compile_split",
            "compile_unsplit", "lowered_passes", "resolve_device_defaults", "split_passes", "stage_compiler"]
@@ -142,45 +158,209 @@ class PassRunner:
 # -- the passes -------------------------------------------------------------------------------
 
 
-def _bind_backends(gm: fx.GraphModule, st: CompileState) -> None:
-    """Every op whose record names a backend registry gets ``backend=<the config's choice>``
-    (``"auto"``: the op's own choice, left as it is; a model that names a backend keeps it,
-    except that ``comm_backend="emulated"`` re-binds the emulated instance of a model built
-    for the emulated world to the one the config's ``emulate_*`` options describe).
+def _val(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return a.meta.get("example_value", a.meta.get("val"))
+    return a
+
+
+def _comm_facts(node: fx.Node, dispatch_of: dict[fx.Node, fx.Node]) -> dict[str, Any]:
+    """What a comm backend's ``supports`` is asked about a comm op of Dynamo's graph (a
+    combine: its dispatch's facts)."""
+    src = dispatch_of.get(node, node)
+    x, ids = _val(op_arg(src, "x")), _val(op_arg(src, "topk_ids"))
+    group = op_arg(src, "group_name", "")
+    target = node.target.default if hasattr(node.target, "default") else node.target
+    facts = {"op": "moe" if target in _MOE_OPS else "rank_major", "node": node.name,
+             "num_experts": op_arg(src, "num_experts"), "world_size": ep_world_size(group),
+             "group_name": group}
+    if isinstance(x, torch.Tensor) and x.dim() == 2:
+        facts.update(hidden=x.shape[1], dtype=x.dtype, device=x.device.type)
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        facts["top_k"] = ids.shape[1]
+    return facts
+
+
+def _dispatch_of(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Each combine of Dynamo's graph -> the dispatch whose outputs it consumes (through
+    ``getitem``s and the expert op), for the facts of the pair."""
+    out: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or comm_kind(node) != "combine":
+            continue
+        frontier, seen = list(node.all_input_nodes), set()
+        while frontier:
+            a = frontier.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            if comm_kind(a) == "dispatch":
+                out[node] = a
+                break
+            if a.op == "call_function":
+                frontier.extend(a.all_input_nodes)
+    return out
+
+
+def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) -> str | None:
+    """The comm backend spec to bind to every comm op (``None``: leave each op's own), and log
+    the choice of ``comm_backend="auto"`` and why.
 
     Raises:
-        CommBackendError / ExpertsOpError: the asked backend is unknown or cannot be loaded.
+        CommBackendError: an explicit backend is unknown, cannot be loaded, or cannot serve one
+            of the graph's comm ops (the reason and the fallback).
     """
-    chosen = {"comm": st.config.comm_backend, "experts": st.config.experts_backend}
-    check = {"comm": get_comm_backend, "experts": get_experts_backend}
-    if emulated.is_emulated(chosen["comm"]):
-        # the emulated world's instance: the config's emulate_* options and the graph's expert
-        # count and top-k; it replaces the instance a model built for that world names
-        chosen["comm"] = emulated.bind_name(gm.graph, st.config)
-    for node in gm.graph.nodes:
-        info = op_info(node.target) if node.op == "call_function" else None
-        if info is None or info.backend is None or chosen[info.backend] == "auto":
+    dispatch_of = _dispatch_of(gm)
+    facts = [_comm_facts(n, dispatch_of) for n in nodes]
+    if config.comm_backend != "auto":
+        spec = backend_spec(config.comm_backend, config.comm_backend_options)
+        backend = get_comm_backend(spec)  # loads it, or says why not
+        if backend.bind is not None:
+            spec = backend.bind(facts)
+            backend = get_comm_backend(spec)
+        for f in facts:
+            why = _comm_unsupported(backend, f)
+            if why is not None:
+                raise CommBackendError(
+                    f"comm_backend={config.comm_backend!r} cannot serve {f['node']}: {why}; "
+                    "use comm_backend='auto' (falls back to torch) or 'torch'")
+        return spec
+    if not facts:
+        return None
+    if all(f["world_size"] == 1 for f in facts):
+        log.info("dbo: comm_backend=auto -> local: one EP rank, no all-to-all")
+        return None
+    spec = backend_spec("deep_ep", config.comm_backend_options)
+    try:
+        backend = get_comm_backend(spec)
+        if backend.bind is not None:
+            spec = backend.bind(facts)
+            backend = get_comm_backend(spec)
+    except CommBackendError as e:
+        log.info("dbo: comm_backend=auto -> torch: %s", e)
+        return None
+    for f in facts:
+        why = _comm_unsupported(backend, f)
+        if why is not None:
+            log.info("dbo: comm_backend=auto -> torch: deep_ep cannot serve %s: %s",
+                     f["node"], why)
+            return None
+    log.info("dbo: comm_backend=auto -> %s (%s)", spec, backend.description)
+    return spec
+
+
+def _comm_unsupported(backend: Any, facts: dict[str, Any]) -> str | None:
+    if backend.handle and facts["op"] != "moe":
+        return (f"it has the {backend.layout} layout with a dispatch handle, which "
+                "dbo.dispatch / dbo.combine cannot carry (write the layer with dbo.moe_dispatch "
+                "/ dbo.grouped_experts / dbo.moe_combine)")
+    return backend.supports(facts) if backend.supports is not None else None
+
+
+def _experts_facts(node: fx.Node, layout: str) -> dict[str, Any]:
+    x, w13, w2 = (_val(op_arg(node, n)) for n in ("x", "w13", "w2"))
+    facts = {"node": node.name, "layout": layout,
+             "activation": op_arg(node, "activation", "silu"),
+             "bias": op_arg(node, "b13") is not None or op_arg(node, "b2") is not None}
+    if isinstance(x, torch.Tensor):
+        facts.update(dtype=x.dtype, device=x.device.type, hidden=x.shape[-1])
+    if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w2.dim() == 3:
+        facts.update(num_experts=w13.shape[0], intermediate=w2.shape[2],
+                     weight_dtype=w13.dtype)
+    return facts
+
+
+def _experts_layout(node: fx.Node, comm_spec: str | None) -> str:
+    """The layout of an experts call's rows: that of the comm backend bound to the dispatch
+    the rows come from (rank-major when they come from elsewhere)."""
+    x = op_arg(node, "x")
+    src = x.args[0] if isinstance(x, fx.Node) and x.op == "call_function" and x.args else None
+    if isinstance(src, fx.Node) and comm_kind(src) == "dispatch" and comm_spec is not None:
+        return get_comm_backend(comm_spec).layout
+    return RANK_MAJOR
+
+
+def _choose_experts(node: fx.Node, config: DboConfig, comm_spec: str | None,
+                    said: set[str]) -> str | None:
+    """The experts backend spec for one ``dbo.grouped_experts`` call (``None``: the op's own),
+    logging the choice of ``experts_backend="auto"`` once per reason.
+
+    Raises:
+        ExpertsOpError: an explicit backend is unknown, cannot be loaded or cannot serve it.
+    """
+    facts = _experts_facts(node, _experts_layout(node, comm_spec))
+    if config.experts_backend != "auto":
+        spec = backend_spec(config.experts_backend, config.experts_backend_options)
+        backend = get_experts_backend(spec)
+        why = backend.supports(facts) if backend.supports is not None else None
+        if why is not None:
+            raise ExpertsOpError(f"experts_backend={config.experts_backend!r} cannot serve "
+                                 f"{node.name}: {why}; use experts_backend='auto' or 'torch'")
+        return spec
+
+    def say(msg: str, *args: Any) -> None:
+        text = msg % args
+        if text not in said:
+            said.add(text)
+            log.info(text)
+
+    if facts["layout"] != EXPERT_MAJOR:
+        say("dbo: experts_backend=auto -> torch for the rank-major rows (torch._grouped_mm; "
+            "experts_backend='deep_gemm' runs its contiguous grouped GEMM there)")
+        return None
+    spec = backend_spec("deep_gemm", config.experts_backend_options)
+    try:
+        backend = get_experts_backend(spec)
+    except ExpertsOpError as e:
+        say("dbo: experts_backend=auto -> torch: %s", e)
+        return None
+    why = backend.supports(facts) if backend.supports is not None else None
+    if why is not None:
+        say("dbo: experts_backend=auto -> torch: deep_gemm cannot serve the experts: %s", why)
+        return None
+    say("dbo: experts_backend=auto -> %s for the expert-major rows (masked grouped GEMM)", spec)
+    return spec
+
+
+def _bind_backends(gm: fx.GraphModule, st: CompileState) -> None:
+    """Bind the config's comm and experts backends into the ``backend`` argument of every op
+    whose record names a backend registry (a model that names a backend keeps it), before
+    lowering, so that the fake shapes are the backend's. ``"auto"`` chooses and logs why
+    (:func:`_choose_comm`, :func:`_choose_experts`); on every rank the same (the packages,
+    shapes and options are).
+
+    Raises:
+        CommBackendError / ExpertsOpError: an explicit backend is unknown, cannot be loaded or
+            cannot serve an op of the graph.
+    """
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"
+             and getattr(op_info(n.target), "backend", None) is not None]
+    # comm_backend="emulated" binds the instance of the config's emulate_* options, also over
+    # the one a model built for the emulated world names (:func:`emulated.bind_name`)
+    emulate = emulated.is_emulated(st.config.comm_backend)
+    comm = [n for n in calls if op_info(n.target).backend == "comm"
+            and (not bound_backend(n) or (emulate and emulated.is_emulated(bound_backend(n))))]
+    if not comm:
+        comm_spec = None
+    elif emulate:
+        comm_spec = emulated.bind_name(gm.graph, st.config)
+    else:
+        comm_spec = _choose_comm(gm, st.config, comm)
+    for node in comm:
+        if comm_spec is not None:
+            set_op_arg(node, "backend", comm_spec)
+    said: set[str] = set()
+    for node in calls:
+        if op_info(node.target).backend != "experts" or bound_backend(node):
             continue
-        own = bound_backend(node)
-        if own and not (info.backend == "comm" and emulated.is_emulated(own)
-                        and emulated.is_emulated(chosen["comm"])):
-            continue
-        check[info.backend](chosen[info.backend])  # loads it, or says why not
-        target = node.target
-        if isinstance(target, torch._ops.OpOverloadPacket):
-            target = target.default
-        names = [a.name for a in target._schema.arguments] if hasattr(target, "_schema") else []
-        pos = names.index("backend") if "backend" in names else -1
-        if 0 <= pos < len(node.args):  # given by position: replace it there
-            node.args = node.args[:pos] + (chosen[info.backend],) + node.args[pos + 1:]
-        else:
-            node.kwargs = {**node.kwargs, "backend": chosen[info.backend]}
+        spec = _choose_experts(node, st.config, comm_spec, said)
+        if spec is not None:
+            set_op_arg(node, "backend", spec)
 
 
 def bind_passes(config: DboConfig) -> list[GraphPass]:
     """The passes on Dynamo's graph itself (the unsplit fallback runs it too)."""
     return [GraphPass("bind_backends", _bind_backends)]
-
 
 
 def _lower(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
@@ -278,6 +458,10 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     _dump_graph("input", gm)
     gm = runner.run(gm, bind_passes(config), state)
     lowered_gm = runner.run(gm, lowered_passes(config), state)
+    why = stream_assign.unsplit_pool_violation(lowered_gm.graph)
+    if why is not None:
+        raise CommBackendError(f"the model breaks its comm backend's result pool: {why}; "
+                               "copy the result (x.clone()) before the later call")
     split_gm = runner.run(lowered_gm, split_passes(config), state)
 
     graphs: dict[bool, fx.GraphModule | None] = {False: split_gm}
@@ -309,8 +493,14 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     # schedule's annotations must be the ones left on its graph (codegen reads the schedule only)
     alternatives = [(c, graph_for(c.join_experts)) for c in candidates[1:]]
     alternatives = [(c, g) for c, g in alternatives if g is not None]
+    feasible = []
     for c, g in alternatives:
-        runner.run(g, [_schedule_pass(c, schedules)], state, tag=c.name)
+        try:
+            runner.run(g, [_schedule_pass(c, schedules)], state, tag=c.name)
+            feasible.append((c, g))
+        except UnsplittableGraphError as e:  # a result pool this schedule cannot honour
+            log.info("dbo: schedule candidate %s dropped: %s", c.name, e)
+    alternatives = feasible
     primary_gm = graphs[primary.join_experts]
     runner.run(primary_gm, [_schedule_pass(primary, schedules)], state, tag=primary.name)
     for c, _ in [(primary, None)] + alternatives:
