@@ -237,3 +237,62 @@ def test_candidates_share_one_unit_graph_per_split_graph(monkeypatch):
     art = last_artifact()
     assert sum(k.startswith("stream_assign[") for k in art.compile_times) == 6  # candidates
     assert len(calls) == len(set(calls)) == 2  # the unjoined and the joined split graph
+
+
+#: step shapes that cross 0/1 in the request count or the block-table width (issue 17):
+#: (decode context lengths, prefills (context, query))
+SWEEP = [
+    ([], []),                       # no request (a DP rank without work)
+    ([5], []),                      # 1 decode, block table 1 wide
+    ([40], []),                     # 1 decode, 3 wide
+    ([], [(0, 7)]),                 # 1 prefill
+    ([3, 9], []),                   # 2 decodes, 1 wide
+    ([3, 90], []),                  # 2 decodes, 6 wide
+    ([10 + i for i in range(40)], []),  # many decodes (splits)
+    ([5, 60], [(0, 12)]),           # mixed
+    ([], [(0, 1)]),                 # a 1-token prefill
+    ([2], [(16, 9)]),               # mixed, chunked prefill
+    ([1] * 33, []),                 # many decodes, 1 wide (splits)
+    ([], [(0, 40), (0, 30)]),       # 2 prefills
+]
+
+
+@pytest.mark.parametrize("through", ["run_step", "runner"])
+def test_one_dynamo_graph_serves_every_step_shape(through):
+    """Before issue 17 this sweep compiled 5 Dynamo graphs through run_step (Dynamo
+    specialised request counts and block-table widths of 0 and 1); now 1. Through the runner
+    (its buckets pad every step to fixed shapes; a step beyond them runs run_step) it stays 1."""
+    from dbo_compile.backend import compiled_artifacts
+    from dbo_compile.models.batch import fill_kv_cache, make_step
+    from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+    from dbo_compile.runtime.engine import run_step
+    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from moe_cases import eager_then_restore
+
+    cfg = get_config("tiny", num_layers=1)
+    model = DeepseekMoEModel(cfg, seed=0)
+    model.allocate_kv_cache(320, 16)
+    compiled = torch.compile(model, backend="dbo", options={
+        "decode_token_threshold": 32, "compute_backend": "aten"})
+    runner = None
+    if through == "runner":
+        runner = CudaGraphRunner(compiled, [16, 48], max_blocks_per_req=8, block_size=16,
+                                 timing_iters=1, device="cpu")
+        runner.capture()
+    splits = 0
+    for i, (dec, pre) in enumerate(SWEEP):
+        step = make_step(cfg, decode_context_lens=dec, prefills=pre, block_size=16,
+                         num_blocks=320, seed=i)
+        fill_kv_cache(model, step, seed=i)
+        eager, _ = eager_then_restore(model, step)
+        with torch.no_grad():
+            args = (step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens)
+            out = runner(*args) if runner else run_step(compiled, *args, block_size=16)
+        assert out.shape[0] == step.num_tokens
+        if step.num_tokens:
+            torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+        splits = compiled_artifacts()[-1].stats.split_steps
+    assert len(compiled_artifacts()) == 1, [type(a).__name__ for a in compiled_artifacts()]
+    assert compiled_artifacts()[0].split_program is not None
+    if runner is None:
+        assert splits == 2  # the two decode steps of >= 32 tokens
