@@ -21,7 +21,7 @@ _COMPUTE_BACKENDS = ("auto", "aten", "inductor")
 _SCHEDULERS = ("list", "naive")
 _ON_UNSPLITTABLE = ("fallback", "raise")
 #: fields that cannot change the compiled schedule (may differ between ranks)
-_NOT_FINGERPRINTED = ("dump_dir", "check_host_mirrors")
+_NOT_FINGERPRINTED = ("dump_dir", "check_host_mirrors", "cache_dir")
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,17 @@ class DboConfig:
         launch_us: fixed cost of one compute kernel, µs.
         dump_dir: if set, each compiled schedule is written there as JSON, and the generated
             wrapper as ``.py``.
+        cache_dir: the persistent compile cache (:mod:`dbo_compile.codegen.cache`): a
+            directory (``~`` expanded) where each compiled graph's lowered graph, split
+            signature, schedules, generated wrappers and unit graphs are written, and from
+            where a later process with the same Dynamo graph, options, torch and package
+            reads them instead of compiling (measured: ``benchmarks/compile_time.py --warm``).
+            ``None`` (default): off. Off by default because an entry is pickled code run on
+            load (a directory is a trust decision, as for Inductor's cache), because the key
+            sees our package's source but not a user's own custom ops (edit one, and an entry
+            it was compiled with could be read back), and so that tests and CI compile what
+            they test; a serving host sets it, e.g. ``"~/.cache/dbo_compile"``. Not in the
+            fingerprint (ranks may use different directories).
         dp_group_name: name of the CPU (Gloo) process group that carries the DP vote; ``None``
             means the default group when torch.distributed is initialised, else no vote.
         check_host_mirrors: compare the host mirrors of the attention metadata
@@ -185,6 +196,7 @@ class DboConfig:
     comm_latency_us: float = 15.0
     launch_us: float = 4.0
     dump_dir: str | None = None
+    cache_dir: str | None = None
     dp_group_name: str | None = None
     check_host_mirrors: bool = False
 
@@ -241,7 +253,7 @@ class DboConfig:
                 isinstance(v, bool) or not isinstance(v, int) or v < 1
                 for v in self.sm_carveout_candidates)):
             raise bad("sm_carveout_candidates", "must be None or a tuple of positive ints (SMs)")
-        for name in ("dump_dir", "dp_group_name"):
+        for name in ("dump_dir", "cache_dir", "dp_group_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise bad(name, "must be None or a str")

@@ -48,7 +48,8 @@ _SIZE_SOURCE = re.compile(r"^(?P<base>.*)\.size\(\)\[(?P<dim>\d+)\]$")
 _SHAPE_LIKE = re.compile(r"\.(size|stride|numel|storage_offset|dim)\(\)")
 
 
-def _source_name(node: fx.Node) -> str:
+def source_name(node: fx.Node) -> str:
+    """The Dynamo source of a placeholder (``L['input_ids']``), ``""`` without one."""
     ga = node.meta.get("grapharg")
     if ga is None or getattr(ga, "source", None) is None:
         return ""
@@ -75,7 +76,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
         raise UnsplittableGraphError(
             f"graph has {len(placeholders)} inputs but {len(example_inputs)} example inputs"
         )
-    sources = [_source_name(n) for n in placeholders]
+    sources = [source_name(n) for n in placeholders]
     by_source = {s: i for i, s in enumerate(sources) if s}
     specs = []
     for i, (node, value, source) in enumerate(zip(placeholders, example_inputs, sources)):
@@ -374,7 +375,8 @@ class _Segment:
     outputs: list[fx.Node]
 
 
-def _layer_of(node: fx.Node) -> str | None:
+def layer_of(node: fx.Node) -> str | None:
+    """The module path of the decoder layer (ModuleList element) a Dynamo node belongs to."""
     for path, *_ in (node.meta.get("nn_module_stack") or {}).values():
         if isinstance(path, str) and _LAYER_PATH.search(path):
             return path  # the outermost ModuleList element
@@ -386,7 +388,7 @@ def _segments(gm: fx.GraphModule) -> list[_Segment]:
     runs: list[list[fx.Node]] = []
     last: Any = object()
     for n in body:
-        layer = _layer_of(n)
+        layer = layer_of(n)
         if layer != last or not runs:
             runs.append([])
             last = layer

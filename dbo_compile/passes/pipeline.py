@@ -42,7 +42,7 @@ from torch._logging import trace_structured
 
 import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.* and their records)
 from dbo_compile import lowering
-from dbo_compile.codegen import inductor
+from dbo_compile.codegen import cache, inductor
 from dbo_compile.codegen.wrapper import SplitProgram
 from dbo_compile.config import Candidate, DboConfig, candidates_of
 from dbo_compile.errors import ScheduleError, UnsplittableGraphError
@@ -231,11 +231,39 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         runner: records the passes' times (default: a new one); the caller keeps it to know
             the times of a graph that turned out unsplittable.
 
+    With ``config.cache_dir``, a graph compiled before (by this or another process) is read
+    back from the compile cache instead (:mod:`dbo_compile.codegen.cache`; passes
+    ``cache_key`` and ``cache_load`` in the times), and a graph compiled here is written to it.
+
     Raises:
         UnsplittableGraphError: the graph has no comm op or mixes tokens across the split.
     """
     config = resolve_device_defaults(config, example_inputs)
     runner = runner or PassRunner()
+    key = None
+    if config.cache_dir:
+        key = runner.time("cache_key", cache.cache_key, gm, example_inputs, config, input_kinds)
+        found = runner.time("cache_load", _from_cache, key, config, runner)
+        if found is not None:
+            found.compile_times = dict(runner.times)
+            return found
+    try:
+        compiled, programs = _compile_split(gm, example_inputs, config, input_kinds, runner)
+    except UnsplittableGraphError as e:
+        if key is not None:
+            runner.time("cache_store", cache.write_entry, config.cache_dir, key,
+                        {"kind": "unsplittable", "reason": str(e), "row_local": e.row_local})
+        raise
+    if key is not None:
+        runner.time("cache_store", _to_cache, key, compiled, programs)
+        compiled.compile_times = dict(runner.times)
+    return compiled
+
+
+def _compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
+                   input_kinds: Sequence[str] | None, runner: PassRunner
+                   ) -> tuple[DboCompiledModule, dict[str, SplitProgram]]:
+    """:func:`compile_split` without the cache; also the distinct candidate programs."""
     t0 = time.perf_counter()
     state = CompileState(config, example_inputs, input_kinds)
     _dump_graph("input", gm)
@@ -298,15 +326,8 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         if _unit_order(schedules[c.name]) not in orders:
             orders.add(_unit_order(schedules[c.name]))
             programs[c.name] = runner.time("codegen", codegen, g, schedules[c.name], tag=c.name)
-    candidate_programs: dict[str, Any] = dict(programs)
-    for sms in config.sm_carveout_candidates:  # same code and units, another carve-out
-        for name, base in programs.items():
-            candidate_programs[f"{name}+sms{sms}"] = copy.copy(base)
-            candidate_programs[f"{name}+sms{sms}"].carveout_sms = sms
-    graph_no = next(_SPLIT_GRAPHS)
-    for name, prog in programs.items():  # the primary first
-        _dump_schedule(prog.schedule, prog.code, config, graph_no,
-                       None if prog is program else name)
+    candidate_programs = _with_carveouts(programs, config)
+    _dump_schedules(programs, config)
     # the unsplit program is the lowered graph: symbolic in the token dim, so it also runs at
     # the padded token count the DP vote agrees on
     unsplit = runner.time("unsplit", compile_unsplit, lowered_gm, config)
@@ -317,6 +338,104 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
                                  candidates=candidate_programs, compile_times=runner.times)
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
+    return compiled, programs
+
+
+def _with_carveouts(programs: dict[str, SplitProgram], config: DboConfig) -> dict[str, Any]:
+    """The candidate programs: ``programs`` (the primary first), then each with every SM
+    carve-out of ``config.sm_carveout_candidates`` (same code and units)."""
+    out: dict[str, Any] = dict(programs)
+    for sms in config.sm_carveout_candidates:
+        for name, base in programs.items():
+            out[f"{name}+sms{sms}"] = copy.copy(base)
+            out[f"{name}+sms{sms}"].carveout_sms = sms
+    return out
+
+
+def _dump_schedules(programs: dict[str, SplitProgram], config: DboConfig) -> None:
+    graph_no = next(_SPLIT_GRAPHS)
+    for i, (name, prog) in enumerate(programs.items()):  # the primary first
+        _dump_schedule(prog.schedule, prog.code, config, graph_no, None if i == 0 else name)
+
+
+# -- the compile cache (codegen/cache.py) -------------------------------------------------------
+
+
+def _to_cache(key: str, compiled: DboCompiledModule, programs: dict[str, SplitProgram]) -> None:
+    """Write ``compiled``'s entry: the lowered graph, the classification, the signature, and
+    per distinct candidate program its schedule, wrapper and units (unit graphs once each)."""
+    callables: dict[int, int] = {}
+    units: list[tuple[dict, bool]] = []
+    entries = []
+    try:
+        for name, prog in programs.items():
+            index = []
+            for fn in prog.units:
+                if id(fn) not in callables:
+                    callables[id(fn)] = len(units)
+                    units.append((cache.dump_graph(getattr(fn, "gm", fn)), fn is not None
+                                  and not isinstance(fn, fx.GraphModule)))
+                index.append(callables[id(fn)])
+            entries.append((name, prog.schedule.to_dict(), index, prog.unit_io, prog.code,
+                            prog.num_events))
+        lowered = cache.dump_graph(compiled.lowered_gm)
+    except ValueError as e:
+        log.warning("dbo: compile cache: not writing this graph: %s", e)
+        return
+    cache.write_entry(compiled.config.cache_dir, key, {
+        "kind": "split", "specs": compiled.specs, "signature": compiled.signature,
+        "lowered": lowered, "units": units, "programs": entries})
+
+
+def _from_cache(key: str, config: DboConfig, runner: PassRunner) -> DboCompiledModule | None:
+    """The artifact of ``key``'s entry (``None``: no usable entry).
+
+    Raises:
+        UnsplittableGraphError: the entry says the graph is unsplittable (why, as compiled).
+    """
+    payload = cache.read_entry(config.cache_dir, key)
+    if payload is None:
+        return None
+    if payload.get("kind") == "unsplittable":
+        e = UnsplittableGraphError(f"{payload['reason']} (compile cache)")
+        e.row_local = bool(payload.get("row_local"))
+        raise e
+    try:
+        compile_stage = stage_compiler(config)
+        made: list[Callable] = []
+        for data, staged in payload["units"]:
+            made.append(cache.load_graph(data))
+        programs: dict[str, SplitProgram] = {}
+        staged_fns: dict[int, Callable] = {}
+        for name, sched, index, unit_io, code, num_events in payload["programs"]:
+            schedule = Schedule.from_dict(sched)
+            fns = []
+            for unit, i in zip(schedule.units, index):
+                fn = made[i]
+                if payload["units"][i][1] and compile_stage is not None:
+                    if i not in staged_fns:  # one stage per unit graph, as compiled
+                        staged_fns[i] = compile_stage(fn, unit)
+                    fn = staged_fns[i]
+                fns.append(fn)
+            programs[name] = SplitProgram.from_parts(schedule, fns, unit_io, code, num_events,
+                                                     carveout_sms=config.comm_sms)
+        if config.compute_backend == "aten":
+            lowered: Any = cache.DeferredGraph(payload["lowered"])
+        else:
+            lowered = cache.load_graph(payload["lowered"])
+        primary = next(iter(programs.values()))
+        compiled = DboCompiledModule(compile_unsplit(lowered, config), primary, payload["specs"],
+                                     payload["signature"], config,
+                                     candidates=_with_carveouts(programs, config),
+                                     compile_times=runner.times)
+    except Exception as e:  # noqa: BLE001 - an entry that does not rebuild is ignored
+        cache.ignore(config.cache_dir, key, e)
+        return None
+    _dump_schedules(programs, config)
+    compiled.split_gm = None  # not stored: nothing runs it
+    compiled.lowered_gm = lowered
+    log.info("dbo: compile cache: read %s's entry (%d candidate programs)", key[:16],
+             len(programs))
     return compiled
 
 
