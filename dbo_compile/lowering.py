@@ -329,8 +329,6 @@ def _only_dbo_users(node: fx.Node) -> bool:
     return True
 
 
-
-
 # -- one trace per distinct decoder layer ------------------------------------------------------
 
 
@@ -357,10 +355,6 @@ def _aot_trace(gm: fx.GraphModule, fakes: Sequence[Any]) -> fx.GraphModule:
 
 #: a module path that is an element of a ModuleList (``L['self'].layers.3``, ``...layers[3]``)
 _LAYER_PATH = re.compile(r"(\.\d+|\[\d+\])$")
-
-
-class _NotReusable(Exception):
-    """A layer of the graph cannot be lowered on its own; lower the whole graph instead."""
 
 
 @dataclass
@@ -431,13 +425,14 @@ def _structure(seg: _Segment) -> tuple:
 
 
 def _describe(value: Any) -> Any:
-    """The properties of an input value a trace depends on (symbolic sizes as expressions)."""
+    """The properties of an input value a trace depends on (symbolic sizes as expressions);
+    ``None`` for a value that is neither a tensor nor a SymInt."""
     if isinstance(value, torch.Tensor):
         return ("T", value.dtype, value.device.type, tuple(str(s) for s in value.shape),
                 tuple(str(s) for s in value.stride()), str(value.storage_offset()))
     if isinstance(value, torch.SymInt):
         return ("S", str(value.node.expr))
-    raise _NotReusable(f"a {type(value).__name__} crosses a layer boundary")
+    return None
 
 
 def _fresh(value: Any, fake_mode: FakeTensorMode) -> Any:
@@ -467,9 +462,11 @@ def _trace_by_layers(gm: fx.GraphModule, fakes: Sequence[Any],
     run may mutate only graph inputs that no other run reads (the KV cache of its own layer;
     the ``copy_`` back then sits at the run's end instead of the graph's, and
     :mod:`~dbo_compile.passes.reinplace` turns it back into the in-place write either way).
-    A run that mutates anything else, takes a non-tensor value from another run, or whose
-    traced graph does not have one placeholder per input and one output per value it hands
-    on, makes this return ``None``.
+    Anything else makes this return ``None`` (logged at INFO, the whole graph is then traced
+    once): a run that mutates another input, takes a value that is neither a tensor nor a
+    SymInt from another run, makes a new symbol (a data-dependent size, which a copy must not
+    share), whose traced graph does not have one placeholder per input and one output per
+    value it hands on, or whose trace fails (the whole graph's trace then reports it).
     """
     if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
         return None
@@ -486,19 +483,21 @@ def _trace_by_layers(gm: fx.GraphModule, fakes: Sequence[Any],
         env[ph].meta["val"] = fake
     root = torch.nn.Module()
     traced: list[tuple[tuple, tuple, fx.GraphModule]] = []  # (structure, inputs, aten graph)
-    try:
-        for k, (seg, structure) in enumerate(zip(segments, structures)):
-            values = [env[a].meta.get("val") for a in seg.inputs]
-            described = tuple(_describe(v) for v in values)
-            aten = next((g for s, d, g in traced if d == described and s == structure), None)
-            if aten is None:
-                aten = _trace_segment(gm, seg, values, fake_mode)
-                traced.append((structure, described, aten))
-            _check_mutations(aten, seg, segment_of, k)
-            _stamp(graph, root, aten, [env[a] for a in seg.inputs], seg, env, k)
-    except _NotReusable as e:
-        log.info("dbo: lowering the whole graph at once: %s", e)
-        return None
+    for k, (seg, structure) in enumerate(zip(segments, structures)):
+        values = [env[a].meta.get("val") for a in seg.inputs]
+        described = tuple(_describe(v) for v in values)
+        aten = next((g for s, d, g in traced if d == described and s == structure), None)
+        why = None
+        if None in described:
+            why = f"a value that is no tensor or SymInt enters the run at {seg.nodes[0].name}"
+        elif aten is None:
+            aten, why = _trace_segment(gm, seg, values, fake_mode)
+            traced.append((structure, described, aten))
+        why = why or _check_mutations(aten, seg, segment_of, k) or _stamp(
+            graph, root, aten, [env[a] for a in seg.inputs], seg, env, k)
+        if why:
+            log.info("dbo: lowering the whole graph at once: %s", why)
+            return None
     out = next(n for n in gm.graph.nodes if n.op == "output")
     graph.output(torch.fx.map_arg(out.args[0], lambda n: env[n]))
     log.debug("dbo: lowered %d runs of the graph with %d traces", len(segments), len(traced))
@@ -510,7 +509,8 @@ def _hashable(structure: tuple) -> int:
 
 
 def _trace_segment(gm: fx.GraphModule, seg: _Segment, values: list[Any],
-                   fake_mode: FakeTensorMode) -> fx.GraphModule:
+                   fake_mode: FakeTensorMode) -> tuple[fx.GraphModule | None, str | None]:
+    """The ATen graph of one run, or ``(None, why)`` where it cannot stand for its copies."""
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for a in seg.inputs:
@@ -521,14 +521,33 @@ def _trace_segment(gm: fx.GraphModule, seg: _Segment, values: list[Any],
     sub.output(tuple(env[o] for o in seg.outputs))
     inputs = [v if a.op == "placeholder" else _fresh(v, fake_mode)
               for a, v in zip(seg.inputs, values)]
-    aten = _aot_trace(fx.GraphModule(gm, sub), inputs)
+    where = f"the run at {seg.nodes[0].name}"
+    try:
+        aten = _aot_trace(fx.GraphModule(gm, sub), inputs)
+    except Exception as e:  # noqa: BLE001 - the whole graph's trace reports a real failure
+        return None, f"tracing {where} alone failed ({type(e).__name__}: {e})"
     phs = [n for n in aten.graph.nodes if n.op == "placeholder"]
     outs = next(n for n in aten.graph.nodes if n.op == "output").args[0]
     if len(phs) != len(seg.inputs) or len(outs) != len(seg.outputs):
-        raise _NotReusable(f"the trace of the run at {seg.nodes[0].name} has {len(phs)} inputs "
-                           f"and {len(outs)} outputs, not {len(seg.inputs)} and "
-                           f"{len(seg.outputs)}")
-    return aten
+        return None, (f"the trace of {where} has {len(phs)} inputs and {len(outs)} outputs, "
+                      f"not {len(seg.inputs)} and {len(seg.outputs)}")
+    known = set()
+    for v in inputs:
+        known |= _symbols(v)
+    if any(not _symbols(n.meta.get("val")) <= known for n in aten.graph.nodes):
+        return None, f"{where} makes a new symbol (a data-dependent size)"
+    return aten, None
+
+
+def _symbols(value: Any) -> set:
+    """The free symbols of a value's sizes and strides (a SymInt's own)."""
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_symbols(v) for v in value)) if value else set()
+    if isinstance(value, torch.SymInt):
+        return set(value.node.expr.free_symbols)
+    if isinstance(value, torch.Tensor):
+        return set().union(*(_symbols(s) for s in (*value.shape, *value.stride())))
+    return set()
 
 
 def _mutated_inputs(aten: fx.GraphModule) -> list[int]:
@@ -547,17 +566,19 @@ def _mutated_inputs(aten: fx.GraphModule) -> list[int]:
 
 
 def _check_mutations(aten: fx.GraphModule, seg: _Segment, segment_of: dict[fx.Node, int],
-                     k: int) -> None:
+                     k: int) -> str | None:
+    """Why the run's input mutations are not local to it, or ``None``."""
     for i in _mutated_inputs(aten):
         a = seg.inputs[i]
         if a.op != "placeholder" or any(segment_of.get(u, -1) != k for u in a.users):
-            raise _NotReusable(f"the run at {seg.nodes[0].name} mutates {a.name}, which "
-                               "another run reads too")
+            return f"the run at {seg.nodes[0].name} mutates {a.name}, which another run reads too"
+    return None
 
 
 def _stamp(graph: fx.Graph, root: torch.nn.Module, aten: fx.GraphModule, inputs: list[fx.Node],
-           seg: _Segment, env: dict[fx.Node, fx.Node], k: int) -> None:
-    """Copy ``aten``'s nodes into ``graph`` over ``inputs``; map ``seg``'s outputs in ``env``."""
+           seg: _Segment, env: dict[fx.Node, fx.Node], k: int) -> str | None:
+    """Copy ``aten``'s nodes into ``graph`` over ``inputs``; map ``seg``'s outputs in ``env``.
+    Returns why not, or ``None``."""
     local: dict[fx.Node, fx.Node] = {}
     phs = [n for n in aten.graph.nodes if n.op == "placeholder"]
     local.update(zip(phs, inputs))
@@ -567,7 +588,7 @@ def _stamp(graph: fx.Graph, root: torch.nn.Module, aten: fx.GraphModule, inputs:
         if n.op == "output":
             for o, v in zip(seg.outputs, n.args[0]):
                 if not isinstance(v, fx.Node):
-                    raise _NotReusable(f"the run at {seg.nodes[0].name} hands on a constant")
+                    return f"the run at {seg.nodes[0].name} hands on a constant"
                 env[o] = local[v]
             continue
         if n.op == "get_attr":  # a constant AOT lifted out of the run
@@ -577,3 +598,4 @@ def _stamp(graph: fx.Graph, root: torch.nn.Module, aten: fx.GraphModule, inputs:
             local[n].meta = dict(n.meta)
             continue
         local[n] = graph.node_copy(n, lambda x: local[x])
+    return None
