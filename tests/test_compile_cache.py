@@ -22,7 +22,8 @@ from moe_cases import MIXED_CUT, build, eager_and_compiled
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
-OPTIONS = {"split": "always", "compute_backend": "aten", "link_gbps": 0.5}
+OPTIONS = {"split": "always", "compute_backend": "aten", "link_gbps": 0.5,
+           "schedule_candidates": True}
 
 
 def _child(cache_dir: str, layers: int) -> dict:

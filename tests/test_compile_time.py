@@ -232,7 +232,8 @@ def test_candidates_share_one_unit_graph_per_split_graph(monkeypatch):
 
     monkeypatch.setattr(stream_assign, "unit_graph", counting)
     model, step = build(MIXED_CUT, layers=2)
-    eager, out, _, _ = eager_and_compiled(model, step, {"split": "always", "link_gbps": 0.5})
+    eager, out, _, _ = eager_and_compiled(model, step, {"split": "always", "link_gbps": 0.5,
+                                                        "schedule_candidates": True})
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     art = last_artifact()
     assert sum(k.startswith("stream_assign[") for k in art.compile_times) == 6  # candidates

@@ -44,7 +44,7 @@ import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.* and their recor
 from dbo_compile import lowering
 from dbo_compile.codegen import cache, inductor
 from dbo_compile.codegen.wrapper import SplitProgram
-from dbo_compile.config import Candidate, DboConfig, candidates_of
+from dbo_compile.config import Candidate, DboConfig, candidates_of, program_variants
 from dbo_compile.errors import ScheduleError, UnsplittableGraphError
 from dbo_compile.ops.registry import comm_nodes
 from dbo_compile.passes import insert_yields, join_experts, reinplace, split_ubatch, stream_assign
@@ -321,12 +321,17 @@ def _compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Db
 
     program = runner.time("codegen", codegen, primary_gm, schedule, tag=primary.name)
     programs: dict[str, SplitProgram] = {primary.name: program}
-    orders = {_unit_order(schedule)}
+    # each candidate's program: the first candidate's of the same host order
+    alias = {primary.name: primary.name}
+    orders = {_unit_order(schedule): primary.name}
     for c, g in alternatives:  # one program per distinct host order
-        if _unit_order(schedules[c.name]) not in orders:
-            orders.add(_unit_order(schedules[c.name]))
+        order = _unit_order(schedules[c.name])
+        if order not in orders:
+            orders[order] = c.name
             programs[c.name] = runner.time("codegen", codegen, g, schedules[c.name], tag=c.name)
-    candidate_programs = _with_carveouts(programs, config)
+        alias[c.name] = orders[order]
+    alias.setdefault(config.scheduler + ("+join" if config.join_experts else ""), primary.name)
+    candidate_programs = _with_carveouts(programs, alias, config)
     _dump_schedules(programs, config)
     # the unsplit program is the lowered graph: symbolic in the token dim, so it also runs at
     # the padded token count the DP vote agrees on
@@ -338,17 +343,29 @@ def _compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Db
                                  candidates=candidate_programs, compile_times=runner.times)
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
+    compiled.program_alias = alias
     return compiled, programs
 
 
-def _with_carveouts(programs: dict[str, SplitProgram], config: DboConfig) -> dict[str, Any]:
-    """The candidate programs: ``programs`` (the primary first), then each with every SM
-    carve-out of ``config.sm_carveout_candidates`` (same code and units)."""
-    out: dict[str, Any] = dict(programs)
-    for sms in config.sm_carveout_candidates:
-        for name, base in programs.items():
-            out[f"{name}+sms{sms}"] = copy.copy(base)
-            out[f"{name}+sms{sms}"].carveout_sms = sms
+def _with_carveouts(programs: dict[str, SplitProgram], alias: dict[str, str],
+                    config: DboConfig) -> dict[str, Any]:
+    """The candidate programs (:func:`~dbo_compile.config.program_variants`, the primary
+    first): ``programs[alias[candidate]]`` for a variant without a carve-out, a copy of it
+    with the carve-out (same code and units) for one with. ``alias`` maps each compiled
+    candidate to the program of its host order; a variant of a candidate not compiled (no
+    routed-expert call to join) or of a program already listed is left out."""
+    out: dict[str, Any] = {}
+    seen: set[tuple[int, int | None]] = set()
+    for name, base, sms in program_variants(config):
+        if base not in alias or (id(programs[alias[base]]), sms) in seen:
+            continue
+        prog = programs[alias[base]]
+        seen.add((id(prog), sms))
+        if sms is None:
+            out[alias[base]] = prog
+        else:
+            out[name] = copy.copy(prog)
+            out[name].carveout_sms = sms
     return out
 
 
@@ -384,7 +401,8 @@ def _to_cache(key: str, compiled: DboCompiledModule, programs: dict[str, SplitPr
         return
     cache.write_entry(compiled.config.cache_dir, key, {
         "kind": "split", "specs": compiled.specs, "signature": compiled.signature,
-        "lowered": lowered, "units": units, "programs": entries})
+        "lowered": lowered, "units": units, "programs": entries,
+        "alias": compiled.program_alias})
 
 
 def _from_cache(key: str, config: DboConfig, runner: PassRunner) -> DboCompiledModule | None:
@@ -426,8 +444,10 @@ def _from_cache(key: str, config: DboConfig, runner: PassRunner) -> DboCompiledM
         primary = next(iter(programs.values()))
         compiled = DboCompiledModule(compile_unsplit(lowered, config), primary, payload["specs"],
                                      payload["signature"], config,
-                                     candidates=_with_carveouts(programs, config),
+                                     candidates=_with_carveouts(programs, payload["alias"],
+                                                                config),
                                      compile_times=runner.times)
+        compiled.program_alias = payload["alias"]
     except Exception as e:  # noqa: BLE001 - an entry that does not rebuild is ignored
         cache.ignore(config.cache_dir, key, e)
         return None
