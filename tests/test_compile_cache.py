@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import pickle
 import subprocess
@@ -165,7 +166,15 @@ def test_graphs_round_trip_with_their_names():
     model, step = build(MIXED_CUT, layers=1)
     eager_and_compiled(model, step, OPTIONS)
     art = last_artifact()
-    for gm in {id(u): u for u in art.split_program.units}.values():
+    graphs = list({id(u): u for u in art.split_program.units}.values())
+    # and an op passed as an argument (a functionalised in-place op left functional)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    af = g.call_function(torch.ops.higher_order.auto_functionalized,
+                         (torch.ops.aten.add_.Tensor,), {"self": x, "other": x})
+    g.output((g.call_function(operator.getitem, (af, 1)),))
+    graphs.append(torch.fx.GraphModule(torch.nn.Module(), g))
+    for gm in graphs:
         back = cache.load_graph(pickle.loads(pickle.dumps(cache.dump_graph(gm))))
         assert back.code == gm.code  # so Inductor's FX-graph cache sees the same program
 

@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 __all__ = ["FORMAT", "cache_key", "dump_graph", "load_graph", "read_entry", "write_entry"]
 
 #: bump when the entry layout changes (part of the key and checked in every entry)
-FORMAT = 1
+FORMAT = 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -185,6 +185,32 @@ def _load_target(spec: tuple) -> Any:
     return getattr(operator if spec[1] == "operator" else module, spec[2])
 
 
+class _Target:
+    """An op passed as an argument (``auto_functionalized(dbo.attention, ...)``), by name."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: tuple):
+        self.spec = spec
+
+    def __reduce__(self) -> tuple:
+        return (_Target, (self.spec,))
+
+
+def _dump_arg(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return _Ref(a.name)
+    if isinstance(a, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return _Target(_dump_target(a))
+    if isinstance(a, tuple):
+        return tuple(_dump_arg(x) for x in a)
+    if isinstance(a, list):  # fx's immutable_list too
+        return [_dump_arg(x) for x in a]
+    if isinstance(a, dict):
+        return {k: _dump_arg(v) for k, v in a.items()}
+    return a
+
+
 def dump_graph(gm: fx.GraphModule) -> dict[str, Any]:
     """``gm`` as plain data (node names, ops, targets by name, arguments; the module's
     attributes that ``get_attr`` nodes read): what :func:`load_graph` rebuilds it from.
@@ -195,8 +221,8 @@ def dump_graph(gm: fx.GraphModule) -> dict[str, Any]:
     nodes = []
     attrs = {}
     for n in gm.graph.nodes:
-        args = fx.node.map_arg((n.args, n.kwargs), lambda x: _Ref(x.name))
-        nodes.append((n.op, n.name, _dump_target(n.target), args[0], args[1]))
+        nodes.append((n.op, n.name, _dump_target(n.target), _dump_arg(n.args),
+                      _dump_arg(n.kwargs)))
         if n.op == "get_attr":
             obj: Any = gm
             for part in n.target.split("."):
@@ -213,6 +239,8 @@ def load_graph(data: dict[str, Any]) -> fx.GraphModule:
     def resolve(a: Any) -> Any:
         if isinstance(a, _Ref):
             return env[a.name]
+        if isinstance(a, _Target):
+            return _load_target(a.spec)
         if isinstance(a, (list, tuple)):
             return type(a)(resolve(x) for x in a)
         if isinstance(a, dict):

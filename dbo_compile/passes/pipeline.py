@@ -382,16 +382,17 @@ def _to_cache(key: str, compiled: DboCompiledModule, programs: dict[str, SplitPr
     """Write ``compiled``'s entry: the lowered graph, the classification, the signature, and
     per distinct candidate program its schedule, wrapper and units (unit graphs once each)."""
     callables: dict[int, int] = {}
-    units: list[tuple[dict, bool]] = []
+    units: list[tuple[dict, bool, str | None]] = []
     entries = []
     try:
         for name, prog in programs.items():
             index = []
             for fn in prog.units:
-                if id(fn) not in callables:
+                if id(fn) not in callables:  # (graph, an Inductor stage?, why it runs ATen)
                     callables[id(fn)] = len(units)
-                    units.append((cache.dump_graph(getattr(fn, "gm", fn)), fn is not None
-                                  and not isinstance(fn, fx.GraphModule)))
+                    units.append((cache.dump_graph(getattr(fn, "gm", fn)),
+                                  not isinstance(fn, fx.GraphModule),
+                                  getattr(fn, "aten_reason", None)))
                 index.append(callables[id(fn)])
             entries.append((name, prog.schedule.to_dict(), index, prog.unit_io, prog.code,
                             prog.num_events))
@@ -420,9 +421,7 @@ def _from_cache(key: str, config: DboConfig, runner: PassRunner) -> DboCompiledM
         raise e
     try:
         compile_stage = stage_compiler(config)
-        made: list[Callable] = []
-        for data, staged in payload["units"]:
-            made.append(cache.load_graph(data))
+        made = [cache.load_graph(data) for data, _, _ in payload["units"]]
         programs: dict[str, SplitProgram] = {}
         staged_fns: dict[int, Callable] = {}
         for name, sched, index, unit_io, code, num_events in payload["programs"]:
@@ -430,9 +429,12 @@ def _from_cache(key: str, config: DboConfig, runner: PassRunner) -> DboCompiledM
             fns = []
             for unit, i in zip(schedule.units, index):
                 fn = made[i]
-                if payload["units"][i][1] and compile_stage is not None:
+                _, staged, aten_reason = payload["units"][i]
+                if staged and compile_stage is not None:
                     if i not in staged_fns:  # one stage per unit graph, as compiled
                         staged_fns[i] = compile_stage(fn, unit)
+                        # the rebuilt graph has no meta["val"] to find a value int in
+                        staged_fns[i].aten_reason = aten_reason or staged_fns[i].aten_reason
                     fn = staged_fns[i]
                 fns.append(fn)
             programs[name] = SplitProgram.from_parts(schedule, fns, unit_io, code, num_events,
