@@ -100,6 +100,27 @@ def test_in_process_hit_and_a_config_change_misses(tmp_path):
     assert "lower" in other.compile_times and len(_entries(tmp_path)) == 2
 
 
+def test_the_key_sees_the_bound_comm_backend(tmp_path, monkeypatch):
+    """The key is taken after the bind pass: the same options that bind another backend (what
+    ``comm_backend="auto"`` picks depends on the packages present) read no entry of the first."""
+    from dbo_compile.ops.comm import CommBackend, get_comm_backend, register_comm_backend
+    from dbo_compile.ops.registry import bound_backend, comm_kind
+    from dbo_compile.passes import pipeline
+
+    _compile(tmp_path)
+    local = get_comm_backend("local")
+    register_comm_backend(CommBackend("cache_test", local.dispatch, local.combine, "test"))
+    monkeypatch.setattr(pipeline, "_choose_comm", lambda gm, config, nodes: "cache_test")
+    torch._dynamo.reset()
+    other = _compile(tmp_path)
+    assert "lower" in other.compile_times and len(_entries(tmp_path)) == 2
+    assert {bound_backend(n) for n in other.split_gm.graph.nodes
+            if comm_kind(n) is not None} == {"cache_test"}
+    torch._dynamo.reset()
+    again = _compile(tmp_path)  # the same binding: the second entry
+    assert "cache_load" in again.compile_times and len(_entries(tmp_path)) == 2
+
+
 def _recompile(tmp_path, caplog):
     """Compile again in this process; the artifact and the cache's WARNING lines."""
     caplog.clear()

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 import dbo_compile.lowering as lowering
 from conftest import last_artifact
+from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.passes import stream_assign
 from dbo_compile.schedule import COMM, COMPUTE, Timeline, Unit, predecessors
 from moe_cases import MIXED_CUT, build, eager_and_compiled
@@ -156,9 +157,9 @@ def test_event_edges_equal_the_transitive_reduction():
         assert stream_assign.minimal_event_edges(units, deps) == _reference_event_edges(units, deps)
 
 
-def _reference_list_order(units, deps):
-    """The list scheduler as it was before issue 17: a min over the ready list of a key that
-    recomputes every start time."""
+def _reference_list_order(units, deps, plan):
+    """The list scheduler as it was before issue 17 (with issue 18's result pools): a min over
+    the ready list of a key that recomputes every start time."""
     preds = predecessors(units, deps)
     succs = {u.id: [] for u in units}
     for a, b in deps:
@@ -167,38 +168,75 @@ def _reference_list_order(units, deps):
     ready = sorted(i for i, m in missing.items() if m == 0)
     timeline = Timeline(preds)
     by_id = {u.id: u for u in units}
+    stream_assign._check_escapes(plan, by_id)
+    pools = stream_assign._PoolState(plan, by_id)
+    placed, dep_set = set(), set(deps)
     bottom = {}
     dag = nx.DiGraph(sorted(deps))
     dag.add_nodes_from(by_id)
     for i in reversed(list(nx.lexicographical_topological_sort(dag))):
-        bottom[i] = by_id[i].cost_us + max((bottom[s] for s in succs[i]), default=0.0)
+        bottom[i] = by_id[i].cost_us + by_id[i].latency_us + max(
+            (bottom[s] for s in succs[i]), default=0.0)
 
     def key(i):
         u = by_id[i]
-        return (round(timeline.start_of(u), 6), 0 if u.kind == COMM else 1, -round(bottom[i], 6),
-                -1 if u.ubatch is None else u.ubatch, i)
+        return (round(timeline.start_of(u, pools.needs(i)), 6), 0 if u.kind == COMM else 1,
+                -round(bottom[i], 6), -1 if u.ubatch is None else u.ubatch, i)
 
     order = []
     while ready:
-        best = min(ready, key=key)
+        candidates = [i for i in ready if pools.ready(i, placed)]
+        if not candidates:
+            raise UnsplittableGraphError(pools.infeasible(ready, placed, 2))
+        best = min(candidates, key=key)
         ready.remove(best)
-        timeline.place(by_id[best])
+        timeline.place(by_id[best], pools.needs(best))
+        pools.place(best, dep_set)
         order.append(best)
+        placed.add(best)
         for s in succs[best]:
             missing[s] -= 1
             if missing[s] == 0:
                 ready.append(s)
-    return order
+    return order, pools.added
+
+
+def _random_pool(rng, units, deps):
+    """A result pool over some of the comm units (limits at random; readers: their users)."""
+    plan = stream_assign.PoolPlan()
+    comms = [u.id for u in units if u.kind == COMM]
+    if comms and rng.random() < 0.7:
+        plan.pools["s|p|"] = {"live": rng.choice([None, 1, 2, 3]),
+                              "in_flight": rng.choice([None, 1, 2])}
+        for c in comms:
+            if rng.random() < 0.8:
+                plan.pool_of[c] = "s|p|"
+                plan.readers[c] = {b for a, b in deps if a == c}
+    return plan
+
+
+def _order_or_why(order, *args):
+    try:
+        return order(*args)
+    except UnsplittableGraphError as e:
+        return str(e)
 
 
 def test_list_order_equals_the_ready_list_scan():
     rng = random.Random(1)
-    for _ in range(300):
+    outcomes = collections.Counter()
+    for _ in range(600):
         units, deps = _random_units(rng, rng.randint(1, 30), rng.random() * 0.3)
         if rng.random() < 0.3:  # ties in start times
             for u in units:
                 u.cost_us = float(rng.randint(0, 2))
-        assert stream_assign._list_order(units, deps) == _reference_list_order(units, deps)
+        for u in units:  # a transfer in flight after the issue (a backend with a receive)
+            u.latency_us = rng.choice([0.0, 0.0, 3.0]) if u.kind == COMM else 0.0
+        plan = _random_pool(rng, units, deps)
+        got = _order_or_why(stream_assign._list_order, units, deps, plan, 2)
+        assert got == _order_or_why(_reference_list_order, units, deps, plan)
+        outcomes["infeasible" if isinstance(got, str) else "pool edges" if got[1] else "plain"] += 1
+    assert min(outcomes.values()) > 50, outcomes  # every kind of outcome was compared
 
 
 def test_units_computing_the_same_share_one_graph_module():

@@ -24,6 +24,7 @@ from dbo_compile.metadata import (
     int_list,
     query_lens_from,
 )
+from dbo_compile.ops.comm import abort_pending_receives
 from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision, StepStats, dp_group
 from dbo_compile.runtime.context import current_step_context, last_called, record_calls, uncounted
 from dbo_compile.runtime.padding import join_ubatch_outputs
@@ -190,6 +191,7 @@ class DboCompiledModule(CompiledArtifact):
         try:
             outs = self.split_program(*split_args)
         except Exception as e:  # noqa: BLE001 - re-raised with the ubatch context
+            abort_pending_receives()  # comm ops issued and not received (DeepEP LL hooks)
             raise UBatchExecutionError(
                 f"the split program failed in a ubatch ({type(e).__name__}: {e}); the step was "
                 "aborted, the next step runs normally"
