@@ -76,6 +76,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import moe_harness as H  # noqa: E402
 
+from dbo_compile import DboConfig  # noqa: E402
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import comm as _comm  # noqa: E402
 from dbo_compile.runtime import capture as cg_capture  # noqa: E402
@@ -112,8 +113,10 @@ def parse(argv=None):
                    help="option sm_carveout_candidates: comma-separated SM counts (e.g. 16), '' "
                         "for none, 'default' for the package default ((16,) on CUDA)")
     p.add_argument("--candidates", default="all",
-                   help="option schedule_candidates: 'all' (default), 'none', or comma-separated "
-                        "names (e.g. list+join,list@link/16): fewer graphs to capture per bucket")
+                   help="option schedule_candidates: 'all' (default: every candidate timed, the "
+                        "data the package default is chosen from), 'default' (the package "
+                        "default, DboConfig.schedule_candidates), 'none', or comma-separated "
+                        "names (e.g. list+join,list@link/16+sms16): fewer graphs per bucket")
     p.add_argument("--compute-backend", default="auto", choices=["auto", "aten", "inductor"],
                    help="option compute_backend (default: the package default, 'auto' = Inductor "
                         "on CUDA): 'inductor' compiles every stage of the split program and the "
@@ -159,7 +162,7 @@ def parse(argv=None):
     if args.profile:
         ph, tok, w = args.profile.split(":")
         args.profile_at = (ph, int(tok), int(w))
-    if args.candidates not in ("all", "none"):
+    if args.candidates not in ("all", "none", "default"):
         from dbo_compile import DboConfig, DboConfigError
 
         try:
@@ -251,7 +254,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     # default options: split="auto", schedule candidates on; the runner measures and decides
     cand = (None if args.carveout_candidates == "default"
             else tuple(int(v) for v in args.carveout_candidates.split(",") if v))
-    sched_cand = {"all": True, "none": False}.get(
+    sched_cand = {"all": True, "none": False, "default": DboConfig().schedule_candidates}.get(
         args.candidates, tuple(v for v in args.candidates.split(",") if v))
     cmodel = torch.compile(model, backend="dbo", options={"scheduler": args.scheduler,
                                                           "comm_sms": args.comm_sms,

@@ -5,6 +5,9 @@ Run (CPU: 2 Gloo ranks; on a host with 2 GPUs the same command captures CUDA gra
     python benchmarks/capture_time.py                          # this tree, buckets 32,64
     python benchmarks/capture_time.py --compare HEAD~3         # + the package at HEAD~3
     python benchmarks/capture_time.py --compare HEAD~3 --repeat 2 --compute-backend inductor
+    # one GPU, one EP rank, the bench's 8 buckets, an unpacked older tree as "before":
+    python benchmarks/capture_time.py --nproc 1 --buckets 64,128,256,512,1024,2048,4096,8192 \
+        --before ../before --compute-backend aten --timing-iters 10 --json $OUT/capture_time.json
 
 The script launches ``torchrun --nproc-per-node 2`` once per tree (with ``--compare REV``:
 first REV's package, from ``git archive`` in a temporary folder, then this tree's, one after the other
@@ -29,6 +32,13 @@ is the max over the ranks. Parts (functions timed):
   run);
 - timing: ``CudaGraphRunner._time`` (3 rounds x ``timing_iters`` replays per graph);
 - capture() other: the rest (choice, bookkeeping).
+
+Where the tree's ``CudaGraphRunner`` reports its own warm-up (``runner.stats``, issue 17:
+per bucket ``record`` / ``probe`` / ``warmup_runs`` / ``capture`` / ``timing`` / ``total``), that
+report is printed and kept in the JSON too, with each bucket's graphs and their warm-up
+timings (``times_us``); with two trees the script prints, per bucket, the graphs captured by
+each and the after / before ratio of the warm-up timing of every split candidate both have
+(the kept candidates: their times must not move beyond noise).
 
 Figures are wall-clock seconds on this machine; compare trees only within one run. Other load
 on the machine only adds time: ``--repeat N`` alternates the trees N times and keeps each part's
@@ -170,6 +180,10 @@ def measure(args) -> None:
                "total": values[-1], "buckets": buckets, "backend_compiles": len(arts),
                "candidates": candidates, "device": str(device),
                "choice": {t: b.choice for t, b in runner.graphs.items()},
+               "times_us": {t: b.times_us for t, b in runner.graphs.items()},
+               "graphs_per_bucket": {t: len(getattr(b.artifact, "candidates", {}) or {}) + 1
+                                     for t, b in runner.graphs.items()},
+               "runner_stats": getattr(runner, "stats", None),
                "inductor_runs": len(compiled), "dynamo": _dynamo_times()}
         with open(args.out, "w") as f:
             json.dump(doc, f)
@@ -203,6 +217,35 @@ def _tree(rev: str | None):
         yield path
 
 
+def _kept_candidates(runs: list[tuple[str, dict]]) -> str:
+    """Per bucket: graphs captured by each tree, and after / before of the warm-up timing of
+    every split candidate both trees timed."""
+    (_, before), (_, after) = runs
+    lines = ["| bucket | graphs before | graphs after | kept candidates: warm-up time after / "
+             "before |", "|---|---|---|---|"]
+    for t in sorted(after.get("times_us", {}), key=int):
+        tb, ta = before.get("times_us", {}).get(t, {}), after["times_us"][t]
+        common = [k for k in ta if k in tb and k != "unsplit"]
+        ratios = ", ".join(f"{k} {ta[k] / tb[k]:.3f}" for k in common) or "-"
+        lines.append(f"| {t} | {before.get('graphs_per_bucket', {}).get(t, '?')} | "
+                     f"{after.get('graphs_per_bucket', {}).get(t, '?')} | {ratios} |")
+    return "\n".join(lines)
+
+
+def _runner_report(doc: dict) -> str:
+    stats = doc.get("runner_stats")
+    if not stats:
+        return ""
+    parts = list(stats["warmup_s"])
+    lines = ["| bucket | " + " | ".join(parts) + " | graphs |",
+             "|---" * (len(parts) + 2) + "|"]
+    for t, b in stats["buckets"].items():
+        lines.append(f"| {t} | " + " | ".join(f"{b['warmup_s'].get(p, 0.0):.2f}" for p in parts)
+                     + f" | {b['graphs_captured']} |")
+    lines.append("| all | " + " | ".join(f"{stats['warmup_s'][p]:.2f}" for p in parts) + " | |")
+    return "\n".join(lines)
+
+
 def _run_tree(args, root: str, label: str) -> dict:
     out = tempfile.mktemp(suffix=".json", prefix="capture_time_")
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -216,7 +259,7 @@ def _run_tree(args, root: str, label: str) -> dict:
            "--layers", str(args.layers)] + (["--preset", args.preset] if args.preset else [])
     print(f"[capture_time] {label}: {root} ...", flush=True)
     load = os.getloadavg()[0]
-    subprocess.run(cmd, env=env, check=True, cwd=root)
+    subprocess.run(cmd, env=env, check=True, cwd=root, timeout=args.timeout_s)
     with open(out) as f:
         doc = json.load(f)
     doc["load"] = [round(load, 1), round(os.getloadavg()[0], 1)]
@@ -285,6 +328,10 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--compare", default=None, metavar="REV",
                    help="also measure the package at git revision REV, first, in this run")
+    p.add_argument("--before", default=None, metavar="DIR",
+                   help="as --compare, with the package root DIR (e.g. an unpacked git archive, "
+                        "where the machine has no git history)")
+    p.add_argument("--timeout-s", type=int, default=None, help="per tree run (torchrun)")
     p.add_argument("--warm-cache", action="store_true",
                    help="keep the Inductor cache between runs (default: a fresh one per run)")
     p.add_argument("--repeat", type=int, default=1,
@@ -299,12 +346,14 @@ def main(argv=None) -> int:
         return 0
     head = subprocess.run(["git", "-C", _ROOT, "describe", "--always", "--dirty"],
                           capture_output=True, text=True).stdout.strip()
-    label = "after" if args.compare else "this tree"
+    other = args.compare or args.before
+    label = "after" if other else "this tree"
     all_runs: dict[str, list[dict]] = {}
     with _tree(args.compare) as old:
+        old = os.path.abspath(args.before) if args.before else old
         for _ in range(args.repeat):
-            if args.compare:
-                all_runs.setdefault(f"before ({args.compare})", []).append(
+            if other:
+                all_runs.setdefault(f"before ({other})", []).append(
                     _run_tree(args, old, "before"))
             all_runs.setdefault(label, []).append(_run_tree(args, _ROOT, label))
     runs = [(name, best_of(docs)) for name, docs in all_runs.items()]
@@ -318,7 +367,16 @@ def main(argv=None) -> int:
               f"{doc['inductor_runs']}, candidates {doc.get('candidates', doc.get('variants'))}, choice {doc['choice']}, "
               f"load average before/after each run {doc['load']}, Dynamo's own figures "
               f"(last run) {doc['dynamo']}")
+    for name, doc in runs:
+        report = _runner_report(doc)
+        if report:
+            print(f"\n{name}: CudaGraphRunner's own warm-up report (runner.stats, seconds)\n")
+            print(report)
+    if len(runs) == 2:
+        print("\nper bucket: graphs captured, and the kept candidates' warm-up timing\n")
+        print(_kept_candidates(runs))
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(all_runs, f, indent=1)
     return 0

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -21,7 +22,7 @@ _COMPUTE_BACKENDS = ("auto", "aten", "inductor")
 _SCHEDULERS = ("list", "naive")
 _ON_UNSPLITTABLE = ("fallback", "raise")
 #: fields that cannot change the compiled schedule (may differ between ranks)
-_NOT_FINGERPRINTED = ("dump_dir", "check_host_mirrors")
+_NOT_FINGERPRINTED = ("dump_dir", "check_host_mirrors", "cache_dir")
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,24 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("list+join", "list", join_experts=True),
     Candidate("list@link/16+join", "list", link_divisor=16, join_experts=True),
 )
-#: the names of :data:`CANDIDATES`, valid in ``DboConfig.schedule_candidates``
+#: the names of :data:`CANDIDATES`, valid in ``DboConfig.schedule_candidates`` (also with a
+#: carve-out suffix, ``"list@link/16+sms16"``)
 SCHEDULE_CANDIDATES: tuple[str, ...] = tuple(c.name for c in CANDIDATES)
+#: ``DboConfig.schedule_candidates``'s default: the candidates that were ever the fastest
+#: split graph on 2x H200 (``benchmarks/results/latest.json``, ``t_variants_us``; the
+#: docstring of ``DboConfig.schedule_candidates`` has the data). With the primary (``list``)
+#: 4 split graphs per bucket instead of 12.
+DEFAULT_CANDIDATES: tuple[str, ...] = ("list@link/16+sms16", "list+join", "list@link/16+join")
+_CARVEOUT_SUFFIX = re.compile(r"^(?P<base>.+)\+sms(?P<sms>[1-9][0-9]*)$")
+
+
+def _split_carveout(name: str) -> tuple[str, int | None]:
+    """``("list@link/16", 16)`` for ``"list@link/16+sms16"``; ``(name, None)`` without a
+    carve-out suffix."""
+    m = _CARVEOUT_SUFFIX.match(name)
+    if m and m.group("base") in SCHEDULE_CANDIDATES:
+        return m.group("base"), int(m.group("sms"))
+    return name, None
 
 
 def primary_candidate(config: DboConfig) -> Candidate:
@@ -76,15 +93,42 @@ def primary_candidate(config: DboConfig) -> Candidate:
 
 
 def candidates_of(config: DboConfig) -> list[Candidate]:
-    """The candidates compiled for a graph, the primary first: the primary, then with
-    ``schedule_candidates`` every entry of :data:`CANDIDATES` (or of the tuple's names) whose
-    name is not the primary's. Deterministic in ``config``, so that every rank compiles the
-    same candidates."""
+    """The candidates whose schedules are compiled for a graph, the primary first: the
+    primary, then with ``schedule_candidates`` every entry of :data:`CANDIDATES` (or named in
+    the tuple, with or without a carve-out suffix) whose name is not the primary's.
+    Deterministic in ``config``, so that every rank compiles the same candidates."""
     primary = primary_candidate(config)
     out = [primary]
     keep = config.schedule_candidates
     if keep:
-        out += [c for c in CANDIDATES if c.name != primary.name and (keep is True or c.name in keep)]
+        bases = set() if keep is True else {_split_carveout(n)[0] for n in keep}
+        out += [c for c in CANDIDATES if c.name != primary.name and (keep is True or c.name in bases)]
+    return out
+
+
+def program_variants(config: DboConfig) -> list[tuple[str, str, int | None]]:
+    """The split programs a graph gets, the primary first: ``(name, schedule candidate,
+    SM carve-out or None)``, e.g. ``("list@link/16+sms16", "list@link/16", 16)``.
+
+    ``schedule_candidates`` ``True``, ``False`` or a tuple without carve-out suffixes: each
+    compiled candidate (:func:`candidates_of`), then each again with every carve-out of
+    ``sm_carveout_candidates``. A tuple with suffixes (the default): the primary and exactly
+    the entries named, a ``+smsN`` entry where ``N`` is one of the resolved
+    ``sm_carveout_candidates`` and otherwise (CPU, or ``()``) its schedule without one.
+    Call with the resolved config (``sm_carveout_candidates`` not ``None``)."""
+    compiled = [c.name for c in candidates_of(config)]
+    carveouts = tuple(config.sm_carveout_candidates or ())
+    keep = config.schedule_candidates
+    if not isinstance(keep, tuple) or all(_split_carveout(n)[1] is None for n in keep):
+        return [(n, n, None) for n in compiled] + [
+            (f"{n}+sms{sms}", n, sms) for sms in carveouts for n in compiled]
+    out = [(compiled[0], compiled[0], None)]
+    for name in keep:
+        base, sms = _split_carveout(name)
+        if sms is not None and sms not in carveouts:
+            name, sms = base, None
+        if name not in [v[0] for v in out]:
+            out.append((name, base, sms))
     return out
 
 
@@ -136,10 +180,34 @@ class DboConfig:
             the list scheduler assuming a 4x and a 16x slower link (``link_gbps / 4``, ``/ 16``:
             comm-heavy networks), the other scheduler and the joined schedules (see
             ``join_experts``). The cost model's figures are rough; measuring the candidates
-            makes the order right on the link at hand. ``False``: one schedule. A tuple of
-            names from :data:`SCHEDULE_CANDIDATES`: the primary schedule and those (fewer
-            graphs to compile, capture and time per bucket, e.g. the winners of a benchmark on
-            the link at hand).
+            makes the order right on the link at hand. ``True``: all of :data:`CANDIDATES`,
+            each also with every SM carve-out (12 split graphs per bucket on CUDA).
+            ``False``: one schedule (and its carve-outs). A tuple of names from
+            :data:`SCHEDULE_CANDIDATES`: the primary schedule and those, each with every
+            carve-out; a tuple naming carve-outs itself (``"list@link/16+sms16"``, the names
+            the runner and the benchmarks report) gets the primary and exactly those (see
+            :func:`program_variants`; where torch cannot carve SMs out, a ``+smsN`` entry is
+            its schedule alone).
+
+            Default :data:`DEFAULT_CANDIDATES`, ``("list@link/16+sms16", "list+join",
+            "list@link/16+join")``: with the primary, 4 split graphs per bucket to capture and
+            time at warm-up instead of 12. The data (``benchmarks/results/latest.json``, 2x
+            H200, DeepSeek-V2-Lite shapes, Inductor stages, all 12 candidates timed per
+            bucket, ``t_variants_us``): the fastest split graph was ``list+join`` in 11 of 16
+            buckets (every NVLink bucket, comm-heavy decode 64-256), ``list@link/16+join`` at
+            comm-heavy decode 512 and 1024 and ``list@link/16+sms16`` at comm-heavy prefill
+            2048 / 4096 / 8192 (0.79 / 0.70 / 0.67x the unsplit baseline, where the runner
+            splits). No other candidate was ever the fastest: the joined schedules with the
+            carve-out were 0.6-4.1 % slower than without in every bucket (the join pays in
+            decode, bound by weight reads, where fewer SMs for the GEMMs only cost); the
+            unjoined ones without it were 7-13 % slower at comm-heavy prefill; ``naive`` and
+            ``list@link/4`` (with it) were 2.0-4.2 % slower than ``list@link/16+sms16``
+            there (the runner's own warm-up timing preferred them at 3 buckets where the
+            benchmark timed them 0.7-3.6 % slower: that is the noise between two timings).
+            By the benchmark's timing, the fastest of the default set is the fastest of all 12
+            in all 16 buckets; in the five earlier result files (ATen stages, projection-only
+            attention, no joined or no carve-out candidates) it is at most 0.73 % slower
+            (``shm_carveout16.json``, prefill 2048: ``list@link/4+sms16``).
         sm_carveout_candidates: SM carve-outs (ints) to try as well: each schedule candidate is
             also compiled with each carve-out (``comm_sms`` semantics) and measured by the
             runner, which keeps a carve-out only in buckets where it was faster. ``None``
@@ -181,6 +249,17 @@ class DboConfig:
         launch_us: fixed cost of one compute kernel, µs.
         dump_dir: if set, each compiled schedule is written there as JSON, and the generated
             wrapper as ``.py``.
+        cache_dir: the persistent compile cache (:mod:`dbo_compile.codegen.cache`): a
+            directory (``~`` expanded) where each compiled graph's lowered graph, split
+            signature, schedules, generated wrappers and unit graphs are written, and from
+            where a later process with the same Dynamo graph, options, torch and package
+            reads them instead of compiling (measured: ``benchmarks/compile_time.py --warm``).
+            ``None`` (default): off. Off by default because an entry is pickled code run on
+            load (a directory is a trust decision, as for Inductor's cache), because the key
+            sees our package's source but not a user's own custom ops (edit one, and an entry
+            it was compiled with could be read back), and so that tests and CI compile what
+            they test; a serving host sets it, e.g. ``"~/.cache/dbo_compile"``. Not in the
+            fingerprint (ranks may use different directories).
         dp_group_name: name of the CPU (Gloo) process group that carries the DP vote; ``None``
             means the default group when torch.distributed is initialised, else no vote.
         comm_backend: the comm backend of the graph's comm ops (``dbo.moe_dispatch`` /
@@ -234,7 +313,7 @@ class DboConfig:
     prefill_token_threshold: int = 512
     split: str = "auto"
     scheduler: str = "list"
-    schedule_candidates: bool | tuple[str, ...] = True
+    schedule_candidates: bool | tuple[str, ...] = DEFAULT_CANDIDATES
     sm_carveout_candidates: tuple | None = None
     join_experts: bool = False
     compute_backend: str = "auto"
@@ -247,6 +326,7 @@ class DboConfig:
     comm_latency_us: float = 15.0
     launch_us: float = 4.0
     dump_dir: str | None = None
+    cache_dir: str | None = None
     dp_group_name: str | None = None
     comm_backend: str = "auto"
     experts_backend: str = "auto"
@@ -295,13 +375,18 @@ class DboConfig:
                 raise bad(name, "must be a bool")
         if isinstance(self.schedule_candidates, (list, tuple)):
             unknown = [c for c in self.schedule_candidates
-                       if not isinstance(c, str) or c not in SCHEDULE_CANDIDATES]
+                       if not isinstance(c, str) or _split_carveout(c)[0] not in SCHEDULE_CANDIDATES]
             if unknown:
                 raise bad("schedule_candidates",
-                          f"unknown candidate(s) {unknown}; valid: {list(SCHEDULE_CANDIDATES)}")
+                          f"unknown candidate(s) {unknown}; valid: {list(SCHEDULE_CANDIDATES)}, "
+                          "each also with an SM carve-out suffix (e.g. 'list@link/16+sms16')")
             # canonical (order and duplicates do not matter, () is False): the fingerprint the
             # DP vote compares must not depend on how a rank built the tuple
-            picked = tuple(c for c in SCHEDULE_CANDIDATES if c in self.schedule_candidates)
+            def rank(name: str) -> tuple:
+                base, sms = _split_carveout(name)
+                return SCHEDULE_CANDIDATES.index(base), sms or 0
+
+            picked = tuple(sorted(set(self.schedule_candidates), key=rank))
             object.__setattr__(self, "schedule_candidates", picked or False)
         elif not isinstance(self.schedule_candidates, bool):
             raise bad("schedule_candidates",
@@ -314,7 +399,7 @@ class DboConfig:
                 isinstance(v, bool) or not isinstance(v, int) or v < 1
                 for v in self.sm_carveout_candidates)):
             raise bad("sm_carveout_candidates", "must be None or a tuple of positive ints (SMs)")
-        for name in ("dump_dir", "dp_group_name"):
+        for name in ("dump_dir", "cache_dir", "dp_group_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise bad(name, "must be None or a str")

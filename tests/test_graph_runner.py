@@ -400,3 +400,28 @@ def test_host_mirrors_that_disagree_with_the_device_fail_the_vote():
         with torch.no_grad():  # the runner still serves the next, correct step
             runner(step.input_ids, step.positions, md, step.num_scheduled_tokens)
         assert runner.last_choice == (32, "split")
+
+
+def test_warmup_time_is_reported_per_bucket_and_part(caplog):
+    from dbo_compile.runtime.cudagraph_runner import WARMUP_PARTS
+
+    cfg, model = _model(layers=1)
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo", options={"split": "always"}),
+                             [16, 48], max_blocks_per_req=8, timing_iters=1)
+    with caplog.at_level("INFO", logger="dbo_compile.runtime.cudagraph_runner"):
+        runner.capture()
+    stats = runner.stats
+    assert sorted(stats["buckets"]) == [16, 48]
+    for tokens, b in runner.graphs.items():
+        assert set(b.warmup_s) == set(WARMUP_PARTS)
+        parts = sum(b.warmup_s[p] for p in WARMUP_PARTS if p != "total")
+        assert 0 < parts <= b.warmup_s["total"] + 1e-6
+        # every captured graph is accounted for, also those dropped after the choice
+        n = len(b.artifact.candidates) + 1
+        assert set(b.graph_s) >= set(b.graphs) and len(b.graph_s) == n
+        assert stats["buckets"][tokens]["graphs_captured"] == n
+        assert f"warm-up of bucket {tokens}: record" in caplog.text
+    # the first bucket (the largest) pays Dynamo and the backend's compile
+    assert runner.graphs[48].warmup_s["record"] > runner.graphs[16].warmup_s["record"]
+    total = runner.warmup_s()
+    assert total["total"] == pytest.approx(sum(b.warmup_s["total"] for b in runner.graphs.values()))

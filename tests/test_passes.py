@@ -194,13 +194,17 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
     from dbo_compile.config import SCHEDULE_CANDIDATES, DboConfig
     from dbo_compile.errors import DboConfigError
 
-    names = [c.name for c in candidates_of(DboConfig())]
+    names = [c.name for c in candidates_of(DboConfig(schedule_candidates=True))]
     assert names == ["list", "list@link/4", "list@link/16", "naive", "list+join",
                      "list@link/16+join"]
     assert [c.name for c in candidates_of(DboConfig(schedule_candidates=False))] == ["list"]
     assert [c.name for c in candidates_of(DboConfig(schedule_candidates=False,
                                                       join_experts=True))] == ["list+join"]
-    assert [c.name for c in candidates_of(DboConfig())] == list(SCHEDULE_CANDIDATES)
+    assert [c.name for c in candidates_of(
+        DboConfig(schedule_candidates=True))] == list(SCHEDULE_CANDIDATES)
+    # the default: the measured winners (DboConfig.schedule_candidates' docstring)
+    assert [c.name for c in candidates_of(DboConfig())] == [
+        "list", "list@link/16", "list+join", "list@link/16+join"]
     picked = DboConfig(schedule_candidates=["list@link/16+join", "naive", "naive"])
     assert picked.schedule_candidates == ("naive", "list@link/16+join")  # canonical order
     assert picked.fingerprint() == DboConfig(
@@ -247,6 +251,7 @@ def test_sm_carveout_candidates_add_a_copy_of_each_schedule():
 
     model, step = build(MIXED_CUT, layers=2)
     eager, out, _, _ = eager_and_compiled(model, step, {"split": "always",
+                                                        "schedule_candidates": True,
                                                         "sm_carveout_candidates": [16]})
     art = last_artifact()
     base = [n for n in art.candidates if "+sms" not in n]
@@ -258,6 +263,40 @@ def test_sm_carveout_candidates_add_a_copy_of_each_schedule():
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
     with pytest.raises(DboConfigError, match="sm_carveout_candidates"):
         DboConfig(sm_carveout_candidates=(0,))
+
+
+def test_default_candidates_pair_the_carveout_with_the_slow_link_schedule():
+    """The default captures 4 split graphs per bucket on CUDA (issue 17): the primary,
+    ``list@link/16`` with the carve-out, and the two joined schedules without it."""
+    from dbo_compile.config import DEFAULT_CANDIDATES, DboConfig, program_variants
+    from dbo_compile.errors import DboConfigError
+
+    cuda = DboConfig(sm_carveout_candidates=(16,))
+    assert cuda.schedule_candidates == DEFAULT_CANDIDATES
+    assert program_variants(cuda) == [
+        ("list", "list", None), ("list@link/16+sms16", "list@link/16", 16),
+        ("list+join", "list+join", None), ("list@link/16+join", "list@link/16+join", None)]
+    # no carve-out where torch cannot carve SMs out: the schedule alone
+    assert [v[0] for v in program_variants(DboConfig(sm_carveout_candidates=()))] == [
+        "list", "list@link/16", "list+join", "list@link/16+join"]
+    # a tuple without carve-out names keeps the cross product; True is every candidate
+    assert len(program_variants(DboConfig(schedule_candidates=("list+join",),
+                                          sm_carveout_candidates=(16,)))) == 4
+    assert len(program_variants(DboConfig(schedule_candidates=True,
+                                          sm_carveout_candidates=(16,)))) == 12
+    assert DboConfig(schedule_candidates=["list+join", "list@link/16+sms16", "list+join"]
+                     ).schedule_candidates == ("list@link/16+sms16", "list+join")
+    with pytest.raises(DboConfigError, match="schedule_candidates"):
+        DboConfig(schedule_candidates=("list+sms0",))
+    model, step = build(MIXED_CUT, layers=2)
+    eager, out, _, _ = eager_and_compiled(model, step, {"split": "always", "link_gbps": 2.0,
+                                                        "sm_carveout_candidates": [16]})
+    art = last_artifact()
+    assert list(art.candidates) == ["list", "list@link/16+sms16", "list+join",
+                                    "list@link/16+join"]
+    assert {n: p.carveout_sms for n, p in art.candidates.items()} == {
+        "list": None, "list@link/16+sms16": 16, "list+join": None, "list@link/16+join": None}
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------

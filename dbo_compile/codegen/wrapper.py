@@ -54,11 +54,63 @@ def _resolve(node: fx.Node) -> fx.Node:
 
 #: units already built for a split graph: ``tuple(unit.nodes)`` -> (callable, UnitIO)
 BuiltUnits = dict[tuple[str, ...], tuple[Callable, UnitIO]]
+#: unit GraphModules by what they compute (:func:`_unit_key`), shared by every split graph of
+#: one compiled artifact and its schedule candidates
+UnitModules = dict[tuple, fx.GraphModule]
+
+
+def _arg_key(a: Any, node_key: Callable[[fx.Node], Any]) -> Any:
+    """A hashable stand-in for an argument that equals another's only for the same value of
+    the same type (``1``, ``True`` and ``1.0``, or ``0.0`` and ``-0.0``, differ); a node is
+    ``node_key(node)``."""
+    if isinstance(a, fx.Node):
+        return node_key(a)
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_arg_key(x, node_key) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _arg_key(v, node_key)) for k, v in a.items()))
+    if isinstance(a, slice):
+        return ("slice",) + tuple(_arg_key(x, node_key) for x in (a.start, a.stop, a.step))
+    if isinstance(a, float):
+        return ("float", repr(a))
+    if a is None or isinstance(a, (bool, int, str, torch.dtype, torch.device, torch.layout,
+                                   torch.memory_format)):
+        return (type(a).__name__, a)
+    return ("id", id(a))  # equal only to itself
+
+
+def _unit_key(root: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node],
+              outputs: list[fx.Node]) -> tuple:
+    """What a unit's GraphModule computes, up to node names: its ops in order, each argument
+    by position (a member or an input of the unit) or by value, module attributes by
+    identity, and which members it returns. Two units with one key run the same code on
+    their own inputs (positional): the two ubatches' copies of a stage, the same stage in
+    every layer (weights are inputs)."""
+    position = {n: ("in", i) for i, n in enumerate(inputs)}
+    position.update({n: ("n", i) for i, n in enumerate(members)})
+
+    def arg(a: Any) -> Any:
+        return _arg_key(a, lambda n: position[_resolve(n)])
+
+    ops = []
+    for n in members:
+        target: Any = n.target
+        if n.op == "get_attr":
+            obj: Any = root
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            target = ("attr", id(obj))
+        elif n.op == "call_function":
+            target = ("fn", id(n.target))
+        ops.append((n.op, target, tuple(arg(a) for a in n.args),
+                    tuple((k, arg(v)) for k, v in n.kwargs.items())))
+    return len(inputs), tuple(ops), tuple(position[o] for o in outputs)
 
 
 def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
                        compile_stage: Callable[[fx.GraphModule, Any], Callable] | None = None,
-                       built: BuiltUnits | None = None) -> tuple[list[Callable], list[UnitIO]]:
+                       built: BuiltUnits | None = None,
+                       shared: UnitModules | None = None) -> tuple[list[Callable], list[UnitIO]]:
     """Extract one GraphModule per unit; its inputs are values made outside the unit.
 
     ``compile_stage(gm, unit)``, if given, turns each stage's (compute unit's) GraphModule into
@@ -67,7 +119,11 @@ def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
     GraphModule of their one comm op. ``built``, shared by the schedule candidates of one
     split graph, hands a unit with the same nodes as one built before
     the same callable (a unit's inputs, outputs and ops do not depend on the order), and
-    records the units built here.
+    records the units built here. ``shared`` (:data:`UnitModules`) hands a unit that computes
+    what one built before computes (:func:`_unit_key`) that unit's GraphModule instead of a
+    new one, where the GraphModule is the callable (comm units; every unit without
+    ``compile_stage``): building a GraphModule (Python code generation and ``compile``) was
+    most of codegen's time, once per unit and layer.
 
     Raises:
         ScheduleError: a node of the split graph belongs to no unit of ``schedule``.
@@ -109,23 +165,33 @@ def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
                         used_outside = True
             if used_outside:
                 outputs.append(n)
-        sub = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for a in inputs:
-            ph = sub.placeholder(a.name)
-            ph.meta = dict(a.meta)
-            env[a] = ph
-        for n in members:
-            new = sub.node_copy(n, lambda x: env[_resolve(x)] if _resolve(x) in env else env[x])
-            env[n] = new
-        sub.output(tuple(env[o] for o in outputs))
-        gm = fx.GraphModule(split_gm, sub, class_name=f"DboUnit{unit.id}")
         compiled = compile_stage is not None and unit.kind != COMM
+        key = None if compiled or shared is None else _unit_key(split_gm, members, inputs,
+                                                                 outputs)
+        gm = shared.get(key) if key is not None else None
+        if gm is None:
+            gm = _unit_module(split_gm, unit, members, inputs, outputs)
+            if key is not None:
+                shared[key] = gm
         built[tuple(unit.nodes)] = (compile_stage(gm, unit) if compiled else gm,
                                     UnitIO([a.name for a in inputs], [o.name for o in outputs]))
         modules.append(built[tuple(unit.nodes)][0])
         ios.append(built[tuple(unit.nodes)][1])
     return modules, ios
+
+
+def _unit_module(split_gm: fx.GraphModule, unit: Any, members: list[fx.Node],
+                 inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        ph = sub.placeholder(a.name)
+        ph.meta = dict(a.meta)
+        env[a] = ph
+    for n in members:
+        env[n] = sub.node_copy(n, lambda x: env[_resolve(x)] if _resolve(x) in env else env[x])
+    sub.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(split_gm, sub, class_name=f"DboUnit{unit.id}")
 
 
 def generate(split_gm: fx.GraphModule, schedule: Schedule, ios: list[UnitIO]) -> tuple[str, int]:
@@ -208,29 +274,56 @@ class SplitProgram:
             captured from the call keeps it), so that comm kernels find SMs; ``None``: none.
 
     The schedule candidates of one split graph pass the same ``built`` dict, so that they share
-    their units' callables (:func:`build_unit_modules`).
+    their units' callables, and every program of an artifact the same ``modules`` dict, so
+    that units computing the same thing share one GraphModule (:func:`build_unit_modules`).
     """
 
     def __init__(self, split_gm: fx.GraphModule, schedule: Schedule,
                  compile_stage: Callable[[fx.GraphModule, Any], Callable] | None = None,
-                 carveout_sms: int | None = None, built: BuiltUnits | None = None):
+                 carveout_sms: int | None = None, built: BuiltUnits | None = None,
+                 modules: UnitModules | None = None):
         self.schedule = schedule
         self.split_gm = split_gm  # the graph the schedule's units name (a cost model reads it)
         self.carveout_sms = carveout_sms
-        self.units, self.unit_io = build_unit_modules(split_gm, schedule, compile_stage, built)
-        self.code, num_events = generate(split_gm, schedule, self.unit_io)
-        self.streams = _streams.StreamSet(num_events)
-        namespace: dict[str, Any] = {
-            "use": _streams.use, "record": _streams.record, "wait": _streams.wait,
-            "keep": _streams.keep, "device_of": _streams.device_of, "operator": operator,
-            "torch": torch, "rf": torch.profiler.record_function,
-        }
-        exec(compile(self.code, "<dbo_step>", "exec"), namespace)  # noqa: S102 - our own codegen
-        self._fn = namespace["dbo_step"]
+        self.units, self.unit_io = build_unit_modules(split_gm, schedule, compile_stage, built,
+                                                      modules)
+        self.code, self.num_events = generate(split_gm, schedule, self.unit_io)
+        self._load()
+
+    @classmethod
+    def from_parts(cls, schedule: Schedule, units: list[Callable], unit_io: list[UnitIO],
+                   code: str, num_events: int, carveout_sms: int | None = None) -> SplitProgram:
+        """The program a :class:`SplitProgram` of these parts was (the compile cache,
+        :mod:`dbo_compile.codegen.cache`, stores the parts): no split graph needed."""
+        program = cls.__new__(cls)
+        program.schedule, program.carveout_sms = schedule, carveout_sms
+        program.split_gm = None  # not stored
+        program.units, program.unit_io = list(units), list(unit_io)
+        program.code, program.num_events = code, num_events
+        program._load()
+        return program
+
+    def _load(self) -> None:
+        """Streams and events; ``dbo_step`` is compiled at the first call (a candidate the
+        runner never times, or a warm start's, costs no Python compile of its code)."""
+        self.streams = _streams.StreamSet(self.num_events)
+        self._fn: Callable | None = None
         log.debug("generated dbo_step:\n%s", self.code)
 
+    def _compiled(self) -> Callable:
+        if self._fn is None:
+            namespace: dict[str, Any] = {
+                "use": _streams.use, "record": _streams.record, "wait": _streams.wait,
+                "keep": _streams.keep, "device_of": _streams.device_of, "operator": operator,
+                "torch": torch, "rf": torch.profiler.record_function,
+            }
+            exec(compile(self.code, "<dbo_step>", "exec"), namespace)  # noqa: S102 - our codegen
+            self._fn = namespace["dbo_step"]
+        return self._fn
+
     def __call__(self, *args: Any) -> tuple[Any, ...]:
+        fn = self._fn or self._compiled()
         if self.carveout_sms is None:
-            return self._fn(self, *args)
+            return fn(self, *args)
         with _streams.sm_carveout(self.carveout_sms, _streams.device_of(args)):
-            return self._fn(self, *args)
+            return fn(self, *args)

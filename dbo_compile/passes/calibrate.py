@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
+from dbo_compile.errors import DboConfigError
 from dbo_compile.passes.cost_model import CostModel, Figures, predict_us
 from dbo_compile.schedule import COMM, Schedule, simulate
 
@@ -31,6 +32,15 @@ __all__ = ["node_cost", "predict_split", "predict_unsplit", "simulate_overlapped
            "unit_features"]
 
 Feature = tuple[str, float, float, float]
+
+
+def _traced(artifact: Any) -> None:
+    """Raises DboConfigError: ``artifact`` was read from the compile cache, whose graphs
+    carry no traced shapes (``meta["val"]``) and no token symbols to compute features from."""
+    if getattr(artifact, "token_symbols", None) is None:
+        raise DboConfigError("calibration features need the traced graphs, and this artifact "
+                             "was read from the compile cache (cache_dir), which stores none: "
+                             "compile without cache_dir to calibrate")
 
 
 def _features(gm: Any, config: Any, symbols: frozenset, tokens: int, num_ubatches: int,
@@ -51,6 +61,7 @@ def unit_features(artifact: Any, candidate: str, tokens: int) -> dict[int, list[
     """Per unit id of the split candidate ``candidate`` of ``artifact`` (a compiled
     :class:`~dbo_compile.runtime.program.DboCompiledModule`), its nodes' features at
     ``tokens`` tokens per rank (``tokens / num_ubatches`` per ubatch)."""
+    _traced(artifact)
     program = artifact.candidates[candidate]
     n = artifact.config.num_ubatches
     feats = _features(program.split_gm, artifact.config, artifact.token_symbols, tokens, n)
@@ -60,6 +71,7 @@ def unit_features(artifact: Any, candidate: str, tokens: int) -> dict[int, list[
 
 def unsplit_features(artifact: Any, tokens: int) -> list[Feature]:
     """The unsplit program's nodes' features at ``tokens`` tokens, in graph order."""
+    _traced(artifact)
     feats = _features(artifact.lowered_gm, artifact.config, artifact.token_symbols, tokens, 1)
     return list(feats.values())
 

@@ -36,6 +36,7 @@ from torch.fx.passes.tools_common import legalize_graph
 
 import dbo_compile.ops  # noqa: F401  (registers the ops and their records)
 from dbo_compile.errors import ScheduleError
+from dbo_compile.lowering import graph_module
 from dbo_compile.ops.registry import comm_kind, joinable_ops
 from dbo_compile.passes.meta import dbo_meta
 
@@ -57,7 +58,7 @@ def copy_split_graph(gm: fx.GraphModule) -> fx.GraphModule:
             n.meta["dbo"] = copy.copy(n.meta["dbo"])
         if "custom" in n.meta:
             n.meta["custom"] = copy.copy(n.meta["custom"])
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    return graph_module(gm, graph, class_name=type(gm).__name__)
 
 
 def _out_of_order(graph: fx.Graph) -> bool:

@@ -44,9 +44,9 @@ from torch._logging import trace_structured
 
 import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.* and their records)
 from dbo_compile import lowering
-from dbo_compile.codegen import inductor
+from dbo_compile.codegen import cache, inductor
 from dbo_compile.codegen.wrapper import SplitProgram
-from dbo_compile.config import Candidate, DboConfig, candidates_of
+from dbo_compile.config import Candidate, DboConfig, candidates_of, program_variants
 from dbo_compile.errors import (
     CommBackendError,
     ExpertsOpError,
@@ -92,6 +92,8 @@ class CompileState:
         token_symbols: the symbols of the token and request dims (``lower``).
         comms: the issuing comm nodes of the lowered graph (``find_comm``).
         signature: how the split graph maps to the lowered one (``split_ubatch``).
+        unit_graphs: per split graph (``id`` of its ``fx.Graph``), the units its schedule
+            candidates share (``stream_assign``, found by the first candidate).
     """
 
     config: DboConfig
@@ -101,6 +103,7 @@ class CompileState:
     token_symbols: frozenset = frozenset()
     comms: list[fx.Node] = field(default_factory=list)
     signature: SplitSignature | None = None
+    unit_graphs: dict[int, stream_assign.UnitGraph] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -418,16 +421,22 @@ def split_passes(config: DboConfig) -> list[GraphPass]:
 
 
 def _join_pass(joined: list[int]) -> GraphPass:
-    def run(gm: fx.GraphModule, st: CompileState) -> None:
-        joined.append(join_experts.join_experts(gm, st.config.num_ubatches))
+    def run(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
+        copied = join_experts.copy_split_graph(gm)  # the unjoined graph is scheduled too
+        joined.append(join_experts.join_experts(copied, st.config.num_ubatches))
+        return copied
 
     return GraphPass("join_experts", run)
 
 
 def _schedule_pass(candidate: Candidate, out: dict[str, Schedule]) -> GraphPass:
     def run(gm: fx.GraphModule, st: CompileState) -> None:
+        units_of = st.unit_graphs.get(id(gm.graph))
+        if units_of is None:
+            units_of = st.unit_graphs[id(gm.graph)] = stream_assign.unit_graph(gm.graph)
         out[candidate.name] = stream_assign.stream_assign(
-            gm.graph, candidate.apply(st.config), st.token_symbols, st.config.num_ubatches)
+            gm.graph, candidate.apply(st.config), st.token_symbols, st.config.num_ubatches,
+            units_of)
 
     return GraphPass("stream_assign", run, changes_graph=False)
 
@@ -448,6 +457,13 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         runner: records the passes' times (default: a new one); the caller keeps it to know
             the times of a graph that turned out unsplittable.
 
+    With ``config.cache_dir``, a graph compiled before (by this or another process) is read
+    back from the compile cache instead (:mod:`dbo_compile.codegen.cache`; passes
+    ``cache_key`` and ``cache_load`` in the times), and a graph compiled here is written to it.
+    The key is taken after the bind pass: it sees the comm and experts backends each op is
+    bound to (what ``"auto"`` chose from the packages present, the emulated world's
+    instance), and the config fingerprint the calibration's content.
+
     Raises:
         UnsplittableGraphError: the graph has no comm op or mixes tokens across the split.
     """
@@ -457,6 +473,31 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     state = CompileState(config, example_inputs, input_kinds)
     _dump_graph("input", gm)
     gm = runner.run(gm, bind_passes(config), state)
+    key = None
+    if config.cache_dir:
+        key = runner.time("cache_key", cache.cache_key, gm, example_inputs, config, input_kinds)
+        found = runner.time("cache_load", _from_cache, key, config, runner)
+        if found is not None:
+            found.compile_times = dict(runner.times)
+            return found
+    try:
+        compiled, programs = _compile_split(gm, state, runner, t0)
+    except UnsplittableGraphError as e:
+        if key is not None:
+            runner.time("cache_store", cache.write_entry, config.cache_dir, key,
+                        {"kind": "unsplittable", "reason": str(e), "row_local": e.row_local})
+        raise
+    if key is not None:
+        runner.time("cache_store", _to_cache, key, compiled, programs)
+        compiled.compile_times = dict(runner.times)
+    return compiled
+
+
+def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassRunner, t0: float
+                   ) -> tuple[DboCompiledModule, dict[str, SplitProgram]]:
+    """:func:`compile_split` after the bind pass, without the cache; also the distinct
+    candidate programs."""
+    config = state.config
     lowered_gm = runner.run(gm, lowered_passes(config), state)
     why = stream_assign.unsplit_pool_violation(lowered_gm.graph)
     if why is not None:
@@ -470,10 +511,9 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     def graph_for(join: bool) -> fx.GraphModule | None:
         """The split graph a candidate schedules (``None``: nothing to join)."""
         if join not in graphs:
-            copied = join_experts.copy_split_graph(split_gm)
             count: list[int] = []
             try:
-                copied = runner.run(copied, [_join_pass(count)], state)
+                copied = runner.run(split_gm, [_join_pass(count)], state)
             except ScheduleError as e:
                 log.warning("dbo: routed experts not joined: %s", e)
                 count = [0]
@@ -514,27 +554,26 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     # shared by the candidates of one split graph: a unit of several candidates is built (and
     # compiled) once; the joined graph has units of the same nodes that read other inputs
     built: dict[int, dict] = {}
+    modules: dict[tuple, fx.GraphModule] = {}  # units computing the same, one GraphModule
 
     def codegen(gm: fx.GraphModule, sched: Schedule) -> SplitProgram:
         return SplitProgram(gm, sched, compile_stage, carveout_sms=_carveout_sms(config),
-                            built=built.setdefault(id(gm), {}))
+                            built=built.setdefault(id(gm), {}), modules=modules)
 
     program = runner.time("codegen", codegen, primary_gm, schedule, tag=primary.name)
     programs: dict[str, SplitProgram] = {primary.name: program}
-    orders = {_unit_order(schedule)}
+    # each candidate's program: the first candidate's of the same host order
+    alias = {primary.name: primary.name}
+    orders = {_unit_order(schedule): primary.name}
     for c, g in alternatives:  # one program per distinct host order
-        if _unit_order(schedules[c.name]) not in orders:
-            orders.add(_unit_order(schedules[c.name]))
+        order = _unit_order(schedules[c.name])
+        if order not in orders:
+            orders[order] = c.name
             programs[c.name] = runner.time("codegen", codegen, g, schedules[c.name], tag=c.name)
-    candidate_programs: dict[str, Any] = dict(programs)
-    for sms in config.sm_carveout_candidates:  # same code and units, another carve-out
-        for name, base in programs.items():
-            candidate_programs[f"{name}+sms{sms}"] = copy.copy(base)
-            candidate_programs[f"{name}+sms{sms}"].carveout_sms = sms
-    graph_no = next(_SPLIT_GRAPHS)
-    for name, prog in programs.items():  # the primary first
-        _dump_schedule(prog.schedule, prog.code, config, graph_no,
-                       None if prog is program else name)
+        alias[c.name] = orders[order]
+    alias.setdefault(config.scheduler + ("+join" if config.join_experts else ""), primary.name)
+    candidate_programs = _with_carveouts(programs, alias, config)
+    _dump_schedules(programs, config)
     # the unsplit program is the lowered graph: symbolic in the token dim, so it also runs at
     # the padded token count the DP vote agrees on
     unsplit = runner.time("unsplit", compile_unsplit, lowered_gm, config)
@@ -545,7 +584,123 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
                                  candidates=candidate_programs, compile_times=runner.times)
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
+    compiled.program_alias = alias
     compiled.token_symbols = state.token_symbols  # the cost model's (and a calibration's)
+    return compiled, programs
+
+
+def _with_carveouts(programs: dict[str, SplitProgram], alias: dict[str, str],
+                    config: DboConfig) -> dict[str, Any]:
+    """The candidate programs (:func:`~dbo_compile.config.program_variants`, the primary
+    first): ``programs[alias[candidate]]`` for a variant without a carve-out, a copy of it
+    with the carve-out (same code and units) for one with. ``alias`` maps each compiled
+    candidate to the program of its host order; a variant of a candidate not compiled (no
+    routed-expert call to join) or of a program already listed is left out."""
+    out: dict[str, Any] = {}
+    seen: set[tuple[int, int | None]] = set()
+    for name, base, sms in program_variants(config):
+        if base not in alias or (id(programs[alias[base]]), sms) in seen:
+            continue
+        prog = programs[alias[base]]
+        seen.add((id(prog), sms))
+        if sms is None:
+            out[alias[base]] = prog
+        else:
+            out[name] = copy.copy(prog)
+            out[name].carveout_sms = sms
+    return out
+
+
+def _dump_schedules(programs: dict[str, SplitProgram], config: DboConfig) -> None:
+    graph_no = next(_SPLIT_GRAPHS)
+    for i, (name, prog) in enumerate(programs.items()):  # the primary first
+        _dump_schedule(prog.schedule, prog.code, config, graph_no, None if i == 0 else name)
+
+
+# -- the compile cache (codegen/cache.py) -------------------------------------------------------
+
+
+def _to_cache(key: str, compiled: DboCompiledModule, programs: dict[str, SplitProgram]) -> None:
+    """Write ``compiled``'s entry: the lowered graph, the classification, the signature, and
+    per distinct candidate program its schedule, wrapper and units (unit graphs once each)."""
+    callables: dict[int, int] = {}
+    units: list[tuple[dict, bool, str | None]] = []
+    entries = []
+    try:
+        for name, prog in programs.items():
+            index = []
+            for fn in prog.units:
+                if id(fn) not in callables:  # (graph, an Inductor stage?, why it runs ATen)
+                    callables[id(fn)] = len(units)
+                    units.append((cache.dump_graph(getattr(fn, "gm", fn)),
+                                  not isinstance(fn, fx.GraphModule),
+                                  getattr(fn, "aten_reason", None)))
+                index.append(callables[id(fn)])
+            entries.append((name, prog.schedule.to_dict(), index, prog.unit_io, prog.code,
+                            prog.num_events))
+        lowered = cache.dump_graph(compiled.lowered_gm)
+    except ValueError as e:
+        log.warning("dbo: compile cache: not writing this graph: %s", e)
+        return
+    cache.write_entry(compiled.config.cache_dir, key, {
+        "kind": "split", "specs": compiled.specs, "signature": compiled.signature,
+        "lowered": lowered, "units": units, "programs": entries,
+        "alias": compiled.program_alias})
+
+
+def _from_cache(key: str, config: DboConfig, runner: PassRunner) -> DboCompiledModule | None:
+    """The artifact of ``key``'s entry (``None``: no usable entry).
+
+    Raises:
+        UnsplittableGraphError: the entry says the graph is unsplittable (why, as compiled).
+    """
+    payload = cache.read_entry(config.cache_dir, key)
+    if payload is None:
+        return None
+    if payload.get("kind") == "unsplittable":
+        e = UnsplittableGraphError(f"{payload['reason']} (compile cache)")
+        e.row_local = bool(payload.get("row_local"))
+        raise e
+    try:
+        compile_stage = stage_compiler(config)
+        made = [cache.load_graph(data) for data, _, _ in payload["units"]]
+        programs: dict[str, SplitProgram] = {}
+        staged_fns: dict[int, Callable] = {}
+        for name, sched, index, unit_io, code, num_events in payload["programs"]:
+            schedule = Schedule.from_dict(sched)
+            fns = []
+            for unit, i in zip(schedule.units, index):
+                fn = made[i]
+                _, staged, aten_reason = payload["units"][i]
+                if staged and compile_stage is not None:
+                    if i not in staged_fns:  # one stage per unit graph, as compiled
+                        staged_fns[i] = compile_stage(fn, unit)
+                        # the rebuilt graph has no meta["val"] to find a value int in
+                        staged_fns[i].aten_reason = aten_reason or staged_fns[i].aten_reason
+                    fn = staged_fns[i]
+                fns.append(fn)
+            programs[name] = SplitProgram.from_parts(schedule, fns, unit_io, code, num_events,
+                                                     carveout_sms=_carveout_sms(config))
+        if config.compute_backend == "aten":
+            lowered: Any = cache.DeferredGraph(payload["lowered"])
+        else:
+            lowered = cache.load_graph(payload["lowered"])
+        primary = next(iter(programs.values()))
+        compiled = DboCompiledModule(compile_unsplit(lowered, config), primary, payload["specs"],
+                                     payload["signature"], config,
+                                     candidates=_with_carveouts(programs, payload["alias"],
+                                                                config),
+                                     compile_times=runner.times)
+        compiled.program_alias = payload["alias"]
+    except Exception as e:  # noqa: BLE001 - an entry that does not rebuild is ignored
+        cache.ignore(config.cache_dir, key, e)
+        return None
+    _dump_schedules(programs, config)
+    compiled.split_gm = None  # not stored: nothing runs it
+    compiled.lowered_gm = lowered
+    compiled.token_symbols = None  # no traced graphs to read them in (calibrate.py refuses)
+    log.info("dbo: compile cache: read %s's entry (%d candidate programs)", key[:16],
+             len(programs))
     return compiled
 
 
@@ -615,14 +770,14 @@ def _dump_schedule(schedule: Schedule, code: str, config: DboConfig, graph_no: i
     """The schedule (JSON) to TORCH_TRACE, and with ``dump_dir`` the schedule and its wrapper
     to ``schedule_rank{R}_g{graph_no}_{fingerprint}[_{candidate}].json/.py`` (``candidate``:
     None for the primary, else its name, ``@``, ``/`` and ``+`` written as ``-``)."""
-    payload = schedule.to_json()
-    try:
+    try:  # the JSON is made only where someone listens (it took 0.1 s a schedule at 61 layers)
         name = "dbo_schedule" if candidate is None else f"dbo_schedule_{candidate}"
         trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "json"},
-                         payload_fn=lambda: payload)
+                         payload_fn=schedule.to_json)
     except Exception:  # noqa: BLE001
         pass
     if config.dump_dir:
+        payload = schedule.to_json()
         os.makedirs(config.dump_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0
         suffix = "" if candidate is None else "_" + re.sub(r"[^A-Za-z0-9_.]", "-", candidate)

@@ -28,6 +28,7 @@ import logging
 
 import torch.fx as fx
 
+from dbo_compile.lowering import graph_module
 from dbo_compile.passes.meta import dbo_meta
 from dbo_compile.signature import InputSpec, SplitSignature
 
@@ -113,5 +114,5 @@ def split_ubatch(gm: fx.GraphModule, specs: list[InputSpec],
             sig_outputs.append((len(outs),))
             outs.append(shared_env[arg] if isinstance(arg, fx.Node) else arg)
     graph.output(tuple(outs))
-    split = fx.GraphModule(gm, graph, class_name="DboSplitGraph")
+    split = graph_module(gm, graph, class_name="DboSplitGraph")
     return split, SplitSignature(tuple(sig_inputs), tuple(sig_outputs), num_ubatches)

@@ -45,7 +45,9 @@ runs other units.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
@@ -70,16 +72,25 @@ log = logging.getLogger(__name__)
 
 
 def _stage_keys(graph: fx.Graph) -> dict[fx.Node, tuple]:
-    """Stage key of every compute node (see step 1 of the module docstring)."""
+    """Stage key of every compute node (see step 1 of the module docstring).
+
+    The waits a node depends on are kept as a bit set (an int, bit ``i`` for the ``i``-th
+    wait node of the graph): a union per node costs a word per 64 waits, where a set of
+    them grows with the layers and made this quadratic in the depth of the model."""
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    waits: dict[fx.Node, frozenset] = {}
+    waits: dict[fx.Node, int] = {}
+    ubatch_waits: dict[Any, int] = {}  # ubatch -> bits of its own wait nodes
+    bit = 0
     for n in nodes:
-        acc = frozenset()
+        acc = 0
         for a in n.all_input_nodes:
             acc |= waits[a]
         if is_wait(n):
-            acc |= {order[n]}
+            acc |= 1 << bit
+            u = dbo_meta(n).get("ubatch")
+            ubatch_waits[u] = ubatch_waits.get(u, 0) | (1 << bit)
+            bit += 1
         waits[n] = acc
     first_comm: dict[fx.Node, int] = {}
     big = len(nodes) + 1
@@ -102,8 +113,8 @@ def _stage_keys(graph: fx.Graph) -> dict[fx.Node, tuple]:
             keys[n] = ("P",)
         else:
             # the last entry, the waits of the node's own ubatch, names the stage (labels)
-            own = sum(1 for w in waits[n] if dbo_meta(nodes[w]).get("ubatch") == u)
-            keys[n] = (u, len(waits[n]), first_comm[n], own)
+            own = (waits[n] & ubatch_waits.get(u, 0)).bit_count()
+            keys[n] = (u, waits[n].bit_count(), first_comm[n], own)
     return keys
 
 
@@ -165,10 +176,72 @@ def _readers(issue: fx.Node, node_unit: dict[fx.Node, int]) -> tuple[set[int], b
     return readers, escapes
 
 
+@dataclass
+class UnitGraph:
+    """The part of a schedule that no candidate changes, found once per split graph: the
+    units (their nodes, kinds, ubatches, labels; steps 1-2), their dependencies and the
+    hidden ones. The candidates of one graph differ only in the costs (cost-model figures)
+    and the order; :meth:`units` hands each a fresh copy of the units with its costs.
+
+    Attributes:
+        ordered: the nodes of each unit, units in graph order of their first node.
+        template: the units in that order, ``cost_us`` 0.
+        deps: ``(src, dst)`` unit dependencies, hidden ones included, sorted.
+        hidden: the dependencies that are not FX data edges (KV-cache accesses), sorted.
+        plan: the result pools of the comm units (:class:`PoolPlan`).
+        sends: the comm units whose backend has a receive unit: the issue costs its launch
+            and the transfer is its ``latency_us``.
+    """
+
+    ordered: list[list[fx.Node]]
+    template: list[Unit]
+    deps: list[tuple[int, int]]
+    hidden: list[tuple[int, int]]
+    plan: PoolPlan
+    sends: frozenset[int]
+    _compute_costs: dict[tuple, list[float]] = field(default_factory=dict)
+
+    def units(self, cost: CostModel) -> list[Unit]:
+        """Copies of the units with their costs under ``cost`` (µs; compute costs computed
+        once per set of compute figures, comm costs per call: the link figure is what the
+        candidates vary)."""
+        cfg = cost.config
+        # every figure a compute node's cost reads (the calibrated ones included)
+        key = (cfg.peak_tflops, cfg.hbm_gbps, cfg.launch_us, cfg.cost_model_tokens,
+               repr(sorted((cost.figures or {}).items())))
+        compute = self._compute_costs.get(key)
+        if compute is None:
+            compute = [0.0 if u.kind == COMM else sum(cost.node_cost_us(n) for n in ns)
+                       for u, ns in zip(self.template, self.ordered)]
+            self._compute_costs[key] = compute
+        out = []
+        for u, ns, c in zip(self.template, self.ordered, compute):
+            latency = 0.0
+            if u.phase == "receive":
+                c = cfg.launch_us
+            elif u.kind == COMM:
+                c = sum(cost.node_cost_us(n) for n in ns)
+                if u.id in self.sends:  # the transfer is in flight until the receive
+                    c, latency = cfg.launch_us, round(c, 3)
+            out.append(dataclasses.replace(u, nodes=list(u.nodes), cost_us=c,
+                                           latency_us=latency))
+        return out
+
+
 def build_units(graph: fx.Graph, cost: CostModel
                 ) -> tuple[list[Unit], list[tuple[int, int]], list[tuple[int, int]], PoolPlan]:
     """Units in graph order (not yet scheduled), their deps, the hidden deps and the result
     pools of the comm units."""
+    ug = unit_graph(graph)
+    return ug.units(cost), list(ug.deps), list(ug.hidden), ug.plan
+
+
+def unit_graph(graph: fx.Graph) -> UnitGraph:
+    """Steps 1-2 of the module docstring for ``graph`` (see :class:`UnitGraph`).
+
+    Raises:
+        ScheduleError: the unit graph has a cycle.
+    """
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     keys = _stage_keys(graph)
@@ -224,8 +297,8 @@ def build_units(graph: fx.Graph, cost: CostModel
         cycle = nx.find_cycle(g)
         raise ScheduleError(f"unit graph has a cycle: {cycle}")
     plan = _pool_plan(ordered, node_unit)
-    units = _label_units(ordered, cost, [keys.get(ns[0]) for ns in ordered])
-    return units, sorted(deps), sorted(hidden), plan
+    units, sends = _label_units(ordered, [keys.get(ns[0]) for ns in ordered])
+    return UnitGraph(ordered, units, sorted(deps), sorted(hidden), plan, sends)
 
 
 def _pool_plan(ordered: list[list[fx.Node]], node_unit: dict[fx.Node, int]) -> PoolPlan:
@@ -252,18 +325,21 @@ def _pool_plan(ordered: list[list[fx.Node]], node_unit: dict[fx.Node, int]) -> P
     return plan
 
 
-def _label_units(ordered: list[list[fx.Node]], cost: CostModel,
-                 keys: list[tuple | None]) -> list[Unit]:
+def _label_units(ordered: list[list[fx.Node]], keys: list[tuple | None]
+                 ) -> tuple[list[Unit], frozenset[int]]:
+    """The units (costs 0: :meth:`UnitGraph.units` fills them in) and the comm units whose
+    backend has a receive unit."""
     units = []
     comm_index: dict[tuple, int] = {}
     comm_layer: dict[str, int] = {}
+    unit_of_issue: dict[str, Unit] = {}
+    sends = set()
     for i, ns in enumerate(ordered):
         head = ns[0]
         meta = dbo_meta(head)
         joined = keys[i] is not None and keys[i][0] == "J"
         ubatch = None if joined else meta.get("ubatch")
         kind = comm_kind(head)
-        c = sum(cost.node_cost_us(n) for n in ns)
         if kind is not None:
             k = (ubatch, kind)
             layer = comm_index.get(k, 0)
@@ -272,21 +348,19 @@ def _label_units(ordered: list[list[fx.Node]], cost: CostModel,
             label = {"dispatch": "D", "combine": "C"}.get(kind, "X")
             backend = comm_backend_of(head)
             stream = COMPUTE if backend is not None and backend.stream == "compute" else COMM
-            latency = 0.0
             if backend is not None and backend.receive is not None:
-                # the issue launches the send; the transfer is in flight until the receive
-                c, latency = cost.config.launch_us, c
-            units.append(Unit(i, COMM, stream, ubatch, label, layer, [n.name for n in ns], c,
-                              latency_us=round(latency, 3)))
+                sends.add(i)
+            units.append(Unit(i, COMM, stream, ubatch, label, layer, [n.name for n in ns], 0.0))
+            unit_of_issue[head.name] = units[-1]
         elif is_receive(head):
-            issue = units[next(j for j, u in enumerate(units) if u.nodes == [head.args[0].name])]
+            issue = unit_of_issue[head.args[0].name]
             units.append(Unit(i, COMM, issue.stream, issue.ubatch, issue.label, issue.layer,
-                              [n.name for n in ns], cost.config.launch_us, phase="receive"))
+                              [n.name for n in ns], 0.0, phase="receive"))
         else:
             units.append(Unit(i, COMPUTE, COMPUTE, ubatch, "P" if keys[i] == ("P",) else "?",
-                              None, [n.name for n in ns], c))
+                              None, [n.name for n in ns], 0.0))
     _assign_stage_labels(units, ordered, keys)
-    return units
+    return units, frozenset(sends)
 
 
 def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
@@ -305,24 +379,13 @@ def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
     """
     comm_units = {u.nodes[0]: u for u in units if u.kind == COMM}
     num_layers = 1 + max((u.layer for u in comm_units.values()), default=0)
+    first_below = _first_comm_below(ordered[0][0].graph, comm_units) if ordered else {}
     for u, ns, key in zip(units, ordered, keys):
         if u.kind == COMM or u.label == "P":
             continue
         w = key[3] if key and len(key) == 4 else 0
-        first: Unit | None = None
-        seen: set[fx.Node] = set()
-        frontier = list(ns)
-        while frontier:
-            n = frontier.pop()
-            for user in n.users:
-                if user in seen:
-                    continue
-                seen.add(user)
-                cu = comm_units.get(user.name)
-                if cu is not None:
-                    first = cu if first is None or cu.id < first.id else first
-                else:
-                    frontier.append(user)
+        first = min((first_below[n] for n in ns if first_below[n] is not None),
+                    key=lambda cu: cu.id, default=None)
         if first is None:
             k, kind = num_layers, "D"  # the end of the step acts as dispatch of layer L
         else:
@@ -335,6 +398,24 @@ def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
             u.label, u.layer = "S", k - 1
         else:
             u.label, u.layer = "X", min(k, num_layers - 1)
+
+
+def _first_comm_below(graph: fx.Graph, comm_units: dict[str, Unit]) -> dict[fx.Node, Unit | None]:
+    """Per node, the comm unit of lowest id that a path from it reaches through compute nodes
+    only (a path stops at the first comm op). One pass in reverse graph order: the residual
+    stream of a decoder runs from every layer to the end, so a walk per stage was quadratic
+    in the depth of the model."""
+    below: dict[fx.Node, Unit | None] = {}
+    for n in reversed(graph.nodes):
+        best: Unit | None = None
+        for user in n.users:
+            cu = comm_units.get(user.name)
+            if cu is None:
+                cu = below.get(user)
+            if cu is not None and (best is None or cu.id < best.id):
+                best = cu
+        below[n] = best
+    return below
 
 
 class _PoolState:
@@ -430,25 +511,64 @@ def _list_order(units: list[Unit], deps: list[tuple[int, int]], plan: PoolPlan |
         bottom[i] = by_id[i].cost_us + by_id[i].latency_us + max(
             (bottom[s] for s in succs[i]), default=0.0)
 
-    def key(i: int) -> tuple:
-        u = by_id[i]
-        return (round(timeline.start_of(u, pools.needs(i)), 6), 0 if u.kind == COMM else 1,
-                -round(bottom[i], 6), -1 if u.ubatch is None else u.ubatch, i)
+    # The key of step 3 is (start, comm first, -bottom level, ubatch, id); only the start
+    # changes as units are placed: max(free time of the unit's stream, the time its latest
+    # predecessor's results are ready), the latter fixed once the unit is ready. So per stream,
+    # the ready units whose predecessors were ready by the stream's free time all start then
+    # (ordered by the rest of the key) and the others at their own ready time: two heaps per
+    # stream, where a min over the ready list, recomputing every start, was quadratic in the
+    # depth of the model. A unit drawing from a result pool also waits for the units the pool
+    # names, which change as the pool's calls are placed: those (a few comm units at a time)
+    # stay in a list whose starts are computed afresh at every step, as before.
+    rest = {i: (0 if by_id[i].kind == COMM else 1, -round(bottom[i], 6),
+                -1 if by_id[i].ubatch is None else by_id[i].ubatch, i) for i in by_id}
+    waiting: dict[str, list] = {COMPUTE: [], COMM: []}  # (round(ready time), rest, ready time)
+    startable: dict[str, list] = {COMPUTE: [], COMM: []}  # rest
+    pooled: list[int] = []  # ready units drawing from a pool
 
-    while ready:
-        candidates = [i for i in ready if pools.ready(i, placed)]
-        if not candidates:
-            raise UnsplittableGraphError(pools.infeasible(ready, placed, num_ubatches))
-        best = min(candidates, key=key)
-        ready.remove(best)
-        timeline.place(by_id[best], pools.needs(best))
-        pools.place(best, dep_set)
-        order.append(best)
-        placed.add(best)
-        for s in succs[best]:
+    def make_ready(i: int) -> None:
+        if i in plan.pool_of:
+            pooled.append(i)
+            return
+        t = max((timeline.ready[p] for p in preds[i]), default=0.0)
+        heapq.heappush(waiting[by_id[i].stream], (round(t, 6), rest[i], t))
+
+    for i in ready:
+        make_ready(i)
+    while any(waiting.values()) or any(startable.values()) or pooled:
+        best = None  # (round(start), rest, stream, where the unit waits)
+        for stream in (COMPUTE, COMM):
+            free = timeline.free[stream]
+            while waiting[stream] and waiting[stream][0][2] <= free:
+                heapq.heappush(startable[stream], heapq.heappop(waiting[stream])[1])
+            if startable[stream]:
+                cand = (round(free, 6), startable[stream][0], stream, "startable")
+                best = cand if best is None or cand[:2] < best[:2] else best
+            if waiting[stream]:
+                top = waiting[stream][0]
+                cand = (top[0], top[1], stream, "waiting")
+                best = cand if best is None or cand[:2] < best[:2] else best
+        for i in pooled:
+            if pools.ready(i, placed):
+                cand = (round(timeline.start_of(by_id[i], pools.needs(i)), 6), rest[i],
+                        by_id[i].stream, "pooled")
+                best = cand if best is None or cand[:2] < best[:2] else best
+        if best is None:
+            raise UnsplittableGraphError(pools.infeasible(pooled, placed, num_ubatches))
+        _, key_rest, stream, where = best
+        chosen = key_rest[-1]
+        if where == "pooled":
+            pooled.remove(chosen)
+        else:
+            heapq.heappop(startable[stream] if where == "startable" else waiting[stream])
+        timeline.place(by_id[chosen], pools.needs(chosen))
+        pools.place(chosen, dep_set)
+        order.append(chosen)
+        placed.add(chosen)
+        for s in succs[chosen]:
             missing[s] -= 1
             if missing[s] == 0:
-                ready.append(s)
+                make_ready(s)
     if len(order) != len(units):
         raise ScheduleError("list scheduler could not place every unit (cyclic deps)")
     return order, pools.added
@@ -579,18 +699,49 @@ def unsplit_pool_violation(graph: fx.Graph) -> str | None:
 
 
 def minimal_event_edges(units: list[Unit], deps: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Step 4: cross-stream edges of the transitive reduction of stream order + deps."""
-    g = nx.DiGraph()
-    g.add_nodes_from(u.id for u in units)
+    """Step 4: cross-stream edges of the transitive reduction of stream order + deps.
+
+    ``units`` are in host order, which every dep and every stream-order edge follows (a
+    topological order). A cross-stream edge ``a -> b`` is implied by another path exactly when
+    another successor ``c`` of ``a`` reaches ``b``; and since each stream is a chain, ``c``
+    reaches ``b`` exactly when ``c`` reaches some unit at or before ``b`` on ``b``'s stream.
+    So one reverse pass computes, per unit and stream, the earliest position on that stream
+    it reaches, and each edge is then tested in constant time per successor: O(units + deps),
+    where a general transitive reduction (``networkx``, a search per unit) was quadratic in
+    the depth of the model.
+    """
+    stream = {u.id: u.stream for u in units}
+    position: dict[int, int] = {}  # index on its own stream
+    succs: dict[int, set[int]] = {u.id: set() for u in units}
     last: dict[str, int] = {}
+    count: dict[str, int] = {}
     for u in units:  # host order
         if u.stream in last:
-            g.add_edge(last[u.stream], u.id)
+            succs[last[u.stream]].add(u.id)
         last[u.stream] = u.id
-    stream = {u.id: u.stream for u in units}
-    g.add_edges_from(sorted(deps))
-    reduced = nx.transitive_reduction(g)
-    return sorted((a, b) for a, b in reduced.edges if stream[a] != stream[b])
+        position[u.id] = count.get(u.stream, 0)
+        count[u.stream] = position[u.id] + 1
+    for a, b in deps:
+        succs[a].add(b)
+    streams = sorted(set(stream.values()))
+    never = len(units) + 1
+    earliest: dict[int, dict[str, int]] = {}
+    for u in reversed(units):
+        reach = {s: never for s in streams}
+        reach[u.stream] = position[u.id]
+        for c in succs[u.id]:
+            for s, p in earliest[c].items():
+                if p < reach[s]:
+                    reach[s] = p
+        earliest[u.id] = reach
+    out = set()
+    for a, b in deps:
+        if stream[a] == stream[b]:
+            continue
+        sb, pb = stream[b], position[b]
+        if not any(c != b and earliest[c][sb] <= pb for c in succs[a]):
+            out.add((a, b))
+    return sorted(out)
 
 
 def schedule_units(units: list[Unit], deps: list[tuple[int, int]], hidden: list[tuple[int, int]],
@@ -629,7 +780,7 @@ def schedule_units(units: list[Unit], deps: list[tuple[int, int]], hidden: list[
 
 
 def stream_assign(graph: fx.Graph, config: DboConfig, token_symbols: frozenset,
-                  num_ubatches: int) -> Schedule:
+                  num_ubatches: int, units_of: UnitGraph | None = None) -> Schedule:
     """Build units, schedule them and annotate nodes with ``unit`` and ``stream``.
 
     Args:
@@ -637,13 +788,16 @@ def stream_assign(graph: fx.Graph, config: DboConfig, token_symbols: frozenset,
         config: scheduler choice and cost-model figures.
         token_symbols: symbols of the token/request dims (substituted by the cost model).
         num_ubatches: number of ubatch copies in ``graph``.
+        units_of: ``unit_graph(graph)``, shared by the schedule candidates of ``graph``
+            (default: found here).
 
     Raises:
         ScheduleError: the unit graph has a cycle.
         UnsplittableGraphError: no order honours the comm backends' result pools.
     """
     cost = CostModel(config, token_symbols, num_ubatches)
-    units, deps, hidden, plan = build_units(graph, cost)
+    ug = units_of if units_of is not None else unit_graph(graph)
+    units, deps, hidden, plan = ug.units(cost), list(ug.deps), list(ug.hidden), ug.plan
     for u in units:
         u.cost_us = round(u.cost_us, 3)
     specs = sorted({s for n in graph.nodes if comm_kind(n) is not None

@@ -10,6 +10,7 @@ the DP vote) runs on the host *outside* the graph, before each replay.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -18,12 +19,18 @@ __all__ = ["capture"]
 
 
 def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
-            stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+            stream: torch.cuda.Stream | None = None,
+            times: dict[str, float] | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture ``fn()`` as one CUDA graph after ``warmup`` eager calls on a side stream.
+
+    Args:
+        times: if given, gets ``"warmup_s"`` (the eager calls, synchronised: where Inductor
+            stages compile for a new signature) and ``"capture_s"`` (the capture), seconds.
 
     Returns:
         ``(graph, static_out)``: ``graph.replay()`` rewrites ``static_out`` in place.
     """
+    t0 = time.perf_counter()
     side = stream or torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -31,8 +38,12 @@ def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
             fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    t1 = time.perf_counter()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     torch.cuda.synchronize()
+    if times is not None:
+        times["warmup_s"] = t1 - t0
+        times["capture_s"] = time.perf_counter() - t1
     return graph, out

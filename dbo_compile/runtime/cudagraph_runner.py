@@ -88,7 +88,10 @@ from dbo_compile.runtime.vote import min_split_tokens, vote_device
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BucketGraphs", "CudaGraphRunner", "GraphRunnerError"]
+__all__ = ["BucketGraphs", "CudaGraphRunner", "GraphRunnerError", "WARMUP_PARTS"]
+
+#: the parts of a bucket's warm-up time (:attr:`BucketGraphs.warmup_s`), in order
+WARMUP_PARTS = ("record", "probe", "warmup_runs", "capture", "timing", "total")
 
 
 @dataclass
@@ -112,6 +115,14 @@ class BucketGraphs:
         best_candidate: the fastest split candidate (``None``: not split), chosen or not.
         input_pos: graph-input position of each step input (``input_ids``, ``positions``,
             metadata fields) in ``args``.
+        warmup_s: seconds of this bucket's warm-up by part (:data:`WARMUP_PARTS`):
+            ``record``, the synthetic step through the compiled model (for the first bucket
+            Dynamo and the backend's compile; Inductor compiling the stages the step runs for
+            this bucket's signature); ``probe``, the prefill-shaped step; ``warmup_runs``, the
+            eager calls before each capture (where the other candidates' stages compile);
+            ``capture``, the captures themselves (CPU: the one eager run); ``timing``, the
+            timed replays; ``total``, all of it (with the choice and bookkeeping).
+        graph_s: per captured graph, its warm-up calls and capture (seconds).
     """
 
     tokens: int
@@ -124,6 +135,8 @@ class BucketGraphs:
     choice: str = "unsplit"
     best_candidate: str | None = None
     input_pos: dict[str, int] = field(default_factory=dict)
+    warmup_s: dict[str, float] = field(default_factory=dict)
+    graph_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def use_split(self) -> bool:
@@ -279,7 +292,9 @@ class CudaGraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         self._copy_plans.clear()
         for tokens in sorted(self.buckets, reverse=True):
+            t0 = time.perf_counter()
             art, args, input_pos = self._record(tokens, prefill=False)
+            t1 = time.perf_counter()
             if tokens >= 4:
                 # only which graph Dynamo picks matters: Inductor stages run their traced
                 # ATen ops for the probe's signatures, which no captured graph replays
@@ -293,12 +308,38 @@ class CudaGraphRunner:
                         "ignore that. Keep layout-dependent host values out of the model")
             self._check_artifact(art, tokens)
             bucket = BucketGraphs(tokens, art, args, input_pos=input_pos)
+            bucket.warmup_s.update(record=t1 - t0, probe=time.perf_counter() - t1)
             with torch.no_grad():
                 self._capture_bucket(bucket, cuda)
                 self._decide_bucket(bucket)
+            bucket.warmup_s["total"] = time.perf_counter() - t0
             self.graphs[tokens] = bucket
+            log.info("dbo graphs: warm-up of bucket %d: %s", tokens, _parts(bucket.warmup_s))
         log.info("dbo graphs: %s", self.describe())
+        log.info("dbo graphs: warm-up %s", _parts(self.warmup_s()))
         return self.graphs
+
+    def warmup_s(self) -> dict[str, float]:
+        """Seconds of the warm-up by part (:data:`WARMUP_PARTS`), summed over the buckets."""
+        out = dict.fromkeys(WARMUP_PARTS, 0.0)
+        for b in self.graphs.values():
+            for part, seconds in b.warmup_s.items():
+                out[part] += seconds
+        return out
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """What the runner did: ``warmup_s`` (:meth:`warmup_s`), per bucket its
+        ``warmup_s`` by part, the graphs it captured and timed and its choice
+        (``buckets``), and ``eager_steps`` (steps that fit no bucket since)."""
+        return {
+            "warmup_s": self.warmup_s(),
+            "buckets": {t: {"warmup_s": dict(b.warmup_s), "graph_s": dict(b.graph_s),
+                            "graphs_captured": len(b.graph_s), "timed": sorted(b.times_us),
+                            "choice": b.choice}
+                        for t, b in sorted(self.graphs.items())},
+            "eager_steps": self.eager_steps,
+        }
 
     @staticmethod
     def _check_artifact(art: CompiledArtifact, tokens: int) -> None:
@@ -337,14 +378,22 @@ class CudaGraphRunner:
             b.split_args = art.split_args(b.args, [1] * b.tokens)
             for name, program in art.candidates.items():
                 self._graph(b, name, _split_fn(program, b.split_args, art.signature.outputs), cuda)
+        t0 = time.perf_counter()
         b.times_us = self._time(b, _timed(b, art.config.split))
+        b.warmup_s["timing"] = time.perf_counter() - t0
 
     def _graph(self, b: BucketGraphs, name: str, fn: Callable[[], Any], cuda: bool) -> None:
-        if not cuda:
+        times = {"warmup_s": 0.0}
+        t0 = time.perf_counter()
+        if cuda:
+            b.graphs[name], b.outs[name] = capture(fn, warmup=2, pool=self.pool, times=times)
+        else:
             g = _EagerGraph(fn)
             b.graphs[name], b.outs[name] = g, g.out
-            return
-        b.graphs[name], b.outs[name] = capture(fn, warmup=2, pool=self.pool)
+            times["capture_s"] = time.perf_counter() - t0
+        b.graph_s[name] = time.perf_counter() - t0
+        for part, key in (("warmup_runs", "warmup_s"), ("capture", "capture_s")):
+            b.warmup_s[part] = b.warmup_s.get(part, 0.0) + times[key]
 
     def _time(self, b: BucketGraphs, names: Sequence[str]) -> dict[str, float]:
         """Replay time of the graphs ``names`` of ``b`` (µs): interleaved rounds, median, max
@@ -553,6 +602,10 @@ class CudaGraphRunner:
             log.warning("dbo graphs: step runs eagerly (no capture after warm-up): %s", reason)
         self.eager_steps += 1
         return run_step(self.compiled, ids, pos, md, **ctx, **self.model_kwargs)
+
+
+def _parts(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{part} {seconds[part]:.2f} s" for part in WARMUP_PARTS if part in seconds)
 
 
 def _is_int(value: Any) -> bool:

@@ -17,10 +17,12 @@ or the unsplit program and returns the logits of the real tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.fx.experimental import _config as _fx_config
 
 from dbo_compile.runtime.context import step_context
 from dbo_compile.metadata import AttentionMetadata
@@ -65,11 +67,28 @@ def run_step(compiled: Callable[..., Any], input_ids: torch.Tensor, positions: t
     torch._dynamo.maybe_mark_dynamic(attn_metadata.block_table, 1)
     num_real = input_ids.shape[0] if orig_rows is None else orig_rows
     with step_context(num_scheduled_tokens=list(num_scheduled_tokens), block_size=block_size,
-                      vetoes=tuple(vetoes), allow_split=allow_split):
+                      vetoes=tuple(vetoes), allow_split=allow_split), one_graph_for_all_sizes():
         out = compiled(input_ids, positions, attn_metadata, **model_kwargs)
     if orig_rows is not None and isinstance(out, torch.Tensor):
         out = out[:num_real]
     return out
+
+
+def one_graph_for_all_sizes() -> contextlib.AbstractContextManager:
+    """Dynamo traces the dims marked dynamic as sizes of any value, 0 and 1 included.
+
+    By default Dynamo specialises a size 0 or 1 into the graph (and gives the others a symbol
+    of range ``[2, inf)``), so steps with 0, 1 and more requests, or block tables 1 and more
+    blocks wide, each compiled their own graph: 5 graphs over a 12-step sweep (issue 17).
+    torch's size-oblivious reasoning for backed sizes (``torch.fx.experimental._config.
+    backed_size_oblivious``: range ``[0, inf)``, no 0/1 guards; vLLM's Spyre worker sets it
+    for the same reason, decode batches of 1) gives them one graph. It holds while Dynamo
+    traces, inside the compiled call; the token dim stays at >= 2 rows (padding), so only the
+    request and block-table dims rely on it. A torch without the option traces as before.
+    """
+    if not hasattr(_fx_config, "backed_size_oblivious"):
+        return contextlib.nullcontext()
+    return _fx_config.patch(backed_size_oblivious=True)
 
 
 def _pad_rows(input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,

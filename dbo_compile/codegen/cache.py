@@ -1,0 +1,358 @@
+"""The persistent compile cache (``DboConfig.cache_dir``): a warm start skips our passes.
+
+A server pays the backend's compile on every start and scale-out; with ``cache_dir`` set,
+the first process writes what the pipeline made for each Dynamo graph, and a later process
+with the same model and options reads it back instead of lowering, splitting, scheduling and
+generating code again (vLLM caches its compiled artifacts the same way; Inductor's stages hit
+Inductor's own FX-graph cache, which this leaves alone).
+
+**Key** (:func:`cache_key`): a SHA-256 of everything the compiled artifact is a function of:
+the Dynamo graph (ops by qualified name, arguments, wiring, each node's decoder layer, which
+the lowering reads), its inputs (Dynamo sources, which classify them; dtypes, devices, sizes
+and strides, symbolic where Dynamo made them dynamic, so that one entry serves every token
+count of a dynamic graph), the explicit input kinds of a graph not from Dynamo, the config
+fingerprint (:meth:`~dbo_compile.config.DboConfig.fingerprint`, resolved device defaults
+included), the torch version, and the package's version and source (a digest of its ``.py``
+files: an edited checkout never reads an entry an older one wrote). The lowering is a
+function of these, so the key determines the lowered graph the issue asks to key by, and a
+lookup needs no lowering (AOTAutograd was most of the compile time).
+
+**Entry** (one file ``<key>.pkl`` per graph, a pickle): the lowered graph (the unsplit
+program), the input classification, the split signature, and per distinct schedule
+candidate its schedule, generated wrapper and unit graphs (shared between candidates and
+between units that compute the same, as compiled), or for an unsplittable graph the reason.
+Graphs are stored node by node with their names (:func:`dump_graph`), so that a unit rebuilt
+from the cache is the same program text as the one compiled, and Inductor's FX-graph cache,
+keyed by it, hits for it too.
+
+**Trust and safety**: an entry is pickled Python, read only from the configured directory
+(as Inductor's cache is). Writes go to a temporary file renamed into place (two ranks or
+processes writing one key leave one whole file). A file that cannot be read, unpickles to
+something else, names another key or other versions, or fails to rebuild is ignored with a
+WARNING naming the file and why, and the graph is compiled as if there were no entry (the
+new entry then replaces it). A directory that cannot be written only logs a WARNING. Nothing
+is ever evicted.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import hashlib
+import importlib
+import logging
+import operator
+import os
+import pickle
+import tempfile
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+import dbo_compile
+from dbo_compile.config import DboConfig
+from dbo_compile.lowering import graph_module, layer_of, source_name
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FORMAT", "cache_key", "dump_graph", "load_graph", "read_entry", "write_entry"]
+
+#: bump when the entry layout changes (part of the key and checked in every entry)
+FORMAT = 2
+
+
+@functools.lru_cache(maxsize=1)
+def package_digest() -> str:
+    """SHA-256 (16 hex digits) of ``dbo_compile``'s version and of every ``.py`` file of the
+    package (paths and contents), computed once per process."""
+    root = os.path.dirname(os.path.abspath(dbo_compile.__file__))
+    h = hashlib.sha256(dbo_compile.__version__.encode())
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _target_name(target: Any) -> str:
+    """A name of an FX target that is the same in every process (or ``repr`` with an
+    address, which only makes the key miss)."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
+                           torch._ops.HigherOrderOperator)):
+        return f"op:{target}"
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", None)
+    if module and qualname and "<locals>" not in qualname:
+        return f"fn:{module}.{qualname}"
+    return repr(target)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return (f"T({value.dtype},{value.device},{tuple(str(s) for s in value.shape)},"
+                f"{tuple(str(s) for s in value.stride())},{value.requires_grad})")
+    if isinstance(value, torch.SymInt):
+        return f"S({value.node.expr})"
+    return f"{type(value).__name__}({value!r})"
+
+
+def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
+              input_kinds: Sequence[str] | None = None) -> str:
+    """The key of ``gm``'s entry (see the module docstring): 64 hex digits."""
+    index: dict[fx.Node, int] = {}
+    lines = [f"dbo-cache {FORMAT} torch {torch.__version__} package {package_digest()}",
+             f"config {config.fingerprint()} kinds {list(input_kinds or [])}"]
+
+    def arg(a: Any) -> Any:
+        return fx.node.map_aggregate(a, lambda x: f"%{index[x]}" if isinstance(x, fx.Node)
+                                     else (f"<tensor {_tensor_digest(x)}>"
+                                           if isinstance(x, torch.Tensor) else x))
+
+    placeholders = 0
+    for n in gm.graph.nodes:
+        index[n] = len(index)
+        if n.op == "placeholder":
+            example = n.meta.get("example_value", n.meta.get("val"))
+            if example is None and placeholders < len(example_inputs):
+                example = example_inputs[placeholders]
+            placeholders += 1
+            lines.append(f"placeholder {source_name(n)!r} {_describe(example)}")
+            continue
+        if n.op == "get_attr":
+            obj: Any = gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            target = f"attr {n.target} {_tensor_digest(obj) if isinstance(obj, torch.Tensor) else id(obj)}"
+        else:
+            target = _target_name(n.target)
+        lines.append(f"{n.op} {target} {arg(n.args)!r} {arg(n.kwargs)!r} {layer_of(n)!r}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    """A constant tensor's dtype, shape and values (a module attribute baked in the graph)."""
+    data = t.detach().cpu().contiguous()
+    return hashlib.sha256(repr((data.dtype, tuple(data.shape))).encode()
+                          + data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+# -- graphs, node by node ----------------------------------------------------------------------
+
+
+class _Ref:
+    """A node argument in a dumped graph (the name of the node it is)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self) -> tuple:
+        return (_Ref, (self.name,))
+
+
+def _dump_target(target: Any) -> tuple:
+    if isinstance(target, str):
+        return ("str", target)
+    if isinstance(target, torch._ops.OpOverload):
+        return ("op", target.namespace, target._opname, target._overloadname)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return ("hop", target.name())
+    module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
+    if module in ("_operator", "operator"):
+        return ("fn", "operator", qualname)
+    if module and "<locals>" not in qualname and "." not in qualname:
+        return ("fn", module, qualname)
+    raise ValueError(f"cannot store the FX target {target!r}")
+
+
+def _load_target(spec: tuple) -> Any:
+    kind = spec[0]
+    if kind == "str":
+        return spec[1]
+    if kind == "op":
+        return getattr(getattr(getattr(torch.ops, spec[1]), spec[2]), spec[3])
+    if kind == "hop":
+        return getattr(torch.ops.higher_order, spec[1])
+    module = importlib.import_module(spec[1]) if spec[1] != "builtins" else builtins
+    return getattr(operator if spec[1] == "operator" else module, spec[2])
+
+
+class _Target:
+    """An op passed as an argument (``auto_functionalized(dbo.attention, ...)``), by name."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: tuple):
+        self.spec = spec
+
+    def __reduce__(self) -> tuple:
+        return (_Target, (self.spec,))
+
+
+def _dump_arg(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return _Ref(a.name)
+    if isinstance(a, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return _Target(_dump_target(a))
+    if isinstance(a, tuple):
+        return tuple(_dump_arg(x) for x in a)
+    if isinstance(a, list):  # fx's immutable_list too
+        return [_dump_arg(x) for x in a]
+    if isinstance(a, dict):
+        return {k: _dump_arg(v) for k, v in a.items()}
+    return a
+
+
+def dump_graph(gm: fx.GraphModule) -> dict[str, Any]:
+    """``gm`` as plain data (node names, ops, targets by name, arguments; the module's
+    attributes that ``get_attr`` nodes read): what :func:`load_graph` rebuilds it from.
+
+    Raises:
+        ValueError: a target that cannot be named (a local function); the entry is not written.
+    """
+    nodes = []
+    attrs = {}
+    for n in gm.graph.nodes:
+        nodes.append((n.op, n.name, _dump_target(n.target), _dump_arg(n.args),
+                      _dump_arg(n.kwargs)))
+        if n.op == "get_attr":
+            obj: Any = gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            attrs[n.target] = obj
+    return {"nodes": nodes, "attrs": attrs, "class_name": type(gm).__name__}
+
+
+def load_graph(data: dict[str, Any]) -> fx.GraphModule:
+    """The GraphModule :func:`dump_graph` dumped (same node names, so the same code)."""
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+
+    def resolve(a: Any) -> Any:
+        if isinstance(a, _Ref):
+            return env[a.name]
+        if isinstance(a, _Target):
+            return _load_target(a.spec)
+        if isinstance(a, (list, tuple)):
+            return type(a)(resolve(x) for x in a)
+        if isinstance(a, dict):
+            return {k: resolve(v) for k, v in a.items()}
+        return a
+
+    for op, name, target, args, kwargs in data["nodes"]:
+        node = graph.create_node(op, _load_target(target), resolve(args), resolve(kwargs), name)
+        if node.name != name:
+            raise ValueError(f"node {name} came back as {node.name}")
+        env[name] = node
+    root = torch.nn.Module()
+    for target, value in data["attrs"].items():
+        *path, last = target.split(".")
+        owner = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        setattr(owner, last, value)
+    return graph_module(root, graph, class_name=data.get("class_name", "GraphModule"))
+
+
+class DeferredGraph:
+    """A dumped graph rebuilt at its first use (call or attribute): the lowered graph of a
+    warm start, the unsplit program, is big and often never run by an eager split step."""
+
+    def __init__(self, data: dict[str, Any]):
+        self._data = data
+        self._gm: fx.GraphModule | None = None
+
+    @property
+    def module(self) -> fx.GraphModule:
+        if self._gm is None:
+            self._gm = load_graph(self._data)
+            self._data = None
+        return self._gm
+
+    def __call__(self, *args: Any) -> Any:
+        return self.module(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+
+# -- entries -----------------------------------------------------------------------------------
+
+
+def _path(directory: str, key: str) -> str:
+    return os.path.join(os.path.expanduser(directory), f"{key}.pkl")
+
+
+def write_entry(directory: str, key: str, payload: dict[str, Any]) -> bool:
+    """Write ``payload`` as the entry of ``key`` (atomically); ``False`` (and a WARNING) where
+    the directory cannot be written or the payload pickled."""
+    path = _path(directory, key)
+    entry = {"format": FORMAT, "key": key, "torch": torch.__version__,
+             "package": package_digest(), "payload": payload}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{key[:16]}.",
+                                   suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    except Exception as e:  # noqa: BLE001 - a cache that cannot be written is only slower
+        log.warning("dbo: compile cache: could not write %s (%s: %s)", path, type(e).__name__, e)
+        return False
+    log.info("dbo: compile cache: wrote %s (%d bytes)", path, len(data))
+    return True
+
+
+def read_entry(directory: str, key: str) -> dict[str, Any] | None:
+    """The payload of ``key``'s entry, or ``None``: no entry, or one that is ignored (a
+    WARNING says which file and why: unreadable, corrupt, another key or other versions)."""
+    path = _path(directory, key)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f)
+    except Exception as e:  # noqa: BLE001 - a corrupt entry is ignored, never used
+        log.warning("dbo: compile cache: ignoring %s: cannot be read (%s: %s)", path,
+                    type(e).__name__, e)
+        return None
+    expected = {"format": FORMAT, "key": key, "torch": torch.__version__,
+                "package": package_digest()}
+    if not isinstance(entry, dict) or not isinstance(entry.get("payload"), dict):
+        log.warning("dbo: compile cache: ignoring %s: not an entry", path)
+        return None
+    stale = {k: entry.get(k) for k, v in expected.items() if entry.get(k) != v}
+    if stale:
+        log.warning("dbo: compile cache: ignoring %s: stale (%s, expected %s)", path, stale,
+                    {k: expected[k] for k in stale})
+        return None
+    return entry["payload"]
+
+
+def ignore(directory: str, key: str, why: BaseException) -> None:
+    """Log that ``key``'s entry, read but not usable, is ignored (it is then rewritten)."""
+    log.warning("dbo: compile cache: ignoring %s: it does not rebuild (%s: %s)",
+                _path(directory, key), type(why).__name__, why)
+
+
+def unit_graphs(units: Sequence[Callable]) -> list[fx.GraphModule]:
+    """The GraphModule behind each unit callable (an Inductor stage's traced graph)."""
+    return [getattr(u, "gm", u) for u in units]

@@ -1,0 +1,207 @@
+"""The persistent compile cache (``DboConfig.cache_dir``, issue 17): a second fresh process
+reads what the first compiled, gets the same programs and the same numbers; stale and corrupt
+entries are ignored with a log line. Timing is printed, never asserted
+(``benchmarks/compile_time.py --warm`` measures it)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import last_artifact
+from dbo_compile import DboConfig, DboConfigError
+from dbo_compile.codegen import cache
+from moe_cases import MIXED_CUT, build, eager_and_compiled
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+OPTIONS = {"split": "always", "compute_backend": "aten", "link_gbps": 0.5,
+           "schedule_candidates": True}
+
+
+def _child(cache_dir: str, layers: int) -> dict:
+    """One process's compile of the tiny model (run in a fresh interpreter)."""
+    import time
+
+    from dbo_compile.backend import register
+
+    register()
+    model, step = build(MIXED_CUT, layers=layers)
+    t0 = time.perf_counter()
+    eager, out, eager_caches, caches = eager_and_compiled(model, step,
+                                                          dict(OPTIONS, cache_dir=cache_dir))
+    art = last_artifact()
+    return {"times": art.compile_times, "backend_s": sum(art.compile_times.values()),
+            "first_call_s": time.perf_counter() - t0,
+            "err": (out - eager).abs().max().item(),
+            "kv_err": max((a - b).abs().max().item() for a, b in zip(caches, eager_caches)),
+            "codes": {n: p.code for n, p in art.candidates.items()},
+            "schedules": {n: p.schedule.to_json() for n, p in art.candidates.items()},
+            "split_steps": art.stats.split_steps}
+
+
+def _fresh_process(cache_dir: str, layers: int = 2) -> dict:
+    code = ("import json, sys, test_compile_cache as t; "
+            f"print('RESULT', json.dumps(t._child({cache_dir!r}, {layers})))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_ROOT, _HERE]))
+    out = subprocess.run([sys.executable, "-c", code], cwd=_HERE, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_a_second_process_reads_the_first_ones_compile(tmp_path):
+    cold = _fresh_process(str(tmp_path))
+    warm = _fresh_process(str(tmp_path))
+    # the cold process compiled and wrote; the warm one read it and ran none of the passes
+    assert "lower" in cold["times"] and "cache_store" in cold["times"]
+    assert "cache_load" in warm["times"]
+    assert not {"lower", "split_ubatch", "stream_assign[list]", "codegen[list]"} & set(warm["times"])
+    # the same programs, and the same numbers as eager
+    assert warm["codes"] == cold["codes"] and warm["schedules"] == cold["schedules"]
+    assert len(warm["codes"]) >= 3
+    for r in (cold, warm):
+        assert r["err"] == 0.0 and r["kv_err"] == 0.0 and r["split_steps"] == 1
+    print(f"\nbackend compile: cold {cold['backend_s']:.3f} s, warm {warm['backend_s']:.3f} s "
+          f"({warm['backend_s'] / cold['backend_s']:.0%}); first call: cold "
+          f"{cold['first_call_s']:.2f} s, warm {warm['first_call_s']:.2f} s")
+
+
+def _compile(tmp_path, layers=2, **options):
+    model, step = build(MIXED_CUT, layers=layers)
+    eager, out, _, _ = eager_and_compiled(model, step, dict(OPTIONS, cache_dir=str(tmp_path),
+                                                            **options))
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    return last_artifact()
+
+
+def _entries(tmp_path):
+    return sorted(p for p in os.listdir(tmp_path) if p.endswith(".pkl"))
+
+
+def test_in_process_hit_and_a_config_change_misses(tmp_path):
+    first = _compile(tmp_path)
+    torch._dynamo.reset()
+    again = _compile(tmp_path)
+    assert "cache_load" in again.compile_times and "lower" not in again.compile_times
+    assert again.code == first.code and again.split_gm is None
+    assert len(_entries(tmp_path)) == 1
+    torch._dynamo.reset()
+    other = _compile(tmp_path, scheduler="naive")  # another fingerprint: another entry
+    assert "lower" in other.compile_times and len(_entries(tmp_path)) == 2
+
+
+def test_the_key_sees_the_bound_comm_backend(tmp_path, monkeypatch):
+    """The key is taken after the bind pass: the same options that bind another backend (what
+    ``comm_backend="auto"`` picks depends on the packages present) read no entry of the first."""
+    from dbo_compile.ops.comm import CommBackend, get_comm_backend, register_comm_backend
+    from dbo_compile.ops.registry import bound_backend, comm_kind
+    from dbo_compile.passes import pipeline
+
+    _compile(tmp_path)
+    local = get_comm_backend("local")
+    register_comm_backend(CommBackend("cache_test", local.dispatch, local.combine, "test"))
+    monkeypatch.setattr(pipeline, "_choose_comm", lambda gm, config, nodes: "cache_test")
+    torch._dynamo.reset()
+    other = _compile(tmp_path)
+    assert "lower" in other.compile_times and len(_entries(tmp_path)) == 2
+    assert {bound_backend(n) for n in other.split_gm.graph.nodes
+            if comm_kind(n) is not None} == {"cache_test"}
+    torch._dynamo.reset()
+    again = _compile(tmp_path)  # the same binding: the second entry
+    assert "cache_load" in again.compile_times and len(_entries(tmp_path)) == 2
+
+
+def _recompile(tmp_path, caplog):
+    """Compile again in this process; the artifact and the cache's WARNING lines."""
+    caplog.clear()
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="dbo_compile.codegen.cache"):
+        art = _compile(tmp_path)
+    return art, caplog.text
+
+
+def test_corrupt_and_stale_entries_are_ignored_with_a_log_line(tmp_path, caplog):
+    first = _compile(tmp_path)
+    (name,) = _entries(tmp_path)
+    path = tmp_path / name
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])  # a truncated write
+    art, logged = _recompile(tmp_path, caplog)
+    assert "ignoring" in logged and "cannot be read" in logged and name in logged
+    assert "lower" in art.compile_times and art.code == first.code
+    assert path.read_bytes() != good[: len(good) // 2]  # rewritten whole
+    # an entry of another package version (an edited checkout) is stale
+    entry = pickle.loads(path.read_bytes())
+    entry["package"] = "0" * 16
+    path.write_bytes(pickle.dumps(entry))
+    art, logged = _recompile(tmp_path, caplog)
+    assert "stale" in logged and "lower" in art.compile_times
+    # an entry that unpickles but does not rebuild (a unit graph naming an op that is gone)
+    entry = pickle.loads(path.read_bytes())
+    nodes = entry["payload"]["units"][0][0]["nodes"]
+    i = next(i for i, n in enumerate(nodes) if n[2][0] == "op")
+    nodes[i] = nodes[i][:2] + (("op", "aten", "no_such_op", "default"),) + nodes[i][3:]
+    path.write_bytes(pickle.dumps(entry))
+    art, logged = _recompile(tmp_path, caplog)
+    assert "does not rebuild" in logged and "lower" in art.compile_times
+    # and the entry written then is whole again: the next compile reads it
+    art, logged = _recompile(tmp_path, caplog)
+    assert "cache_load" in art.compile_times and "lower" not in art.compile_times
+    assert not logged
+
+
+def test_an_unsplittable_verdict_is_cached(tmp_path):
+    class NoComm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return torch.relu(x @ self.w)
+
+    model, x = NoComm(), torch.randn(6, 8)
+    arts = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="dbo", options={"cache_dir": str(tmp_path)})
+        torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), torch.relu(x @ model.w))
+        arts.append(last_artifact())
+    assert arts[0].split_program is None and "lower" in arts[0].compile_times
+    assert arts[1].split_program is None and "lower" not in arts[1].compile_times
+    assert "no comm op" in arts[1].reason and "compile cache" in arts[1].reason
+
+
+def test_graphs_round_trip_with_their_names():
+    model, step = build(MIXED_CUT, layers=1)
+    eager_and_compiled(model, step, OPTIONS)
+    art = last_artifact()
+    graphs = list({id(u): u for u in art.split_program.units}.values())
+    # and an op passed as an argument (a functionalised in-place op left functional)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    af = g.call_function(torch.ops.higher_order.auto_functionalized,
+                         (torch.ops.aten.add_.Tensor,), {"self": x, "other": x})
+    g.output((g.call_function(operator.getitem, (af, 1)),))
+    graphs.append(torch.fx.GraphModule(torch.nn.Module(), g))
+    for gm in graphs:
+        back = cache.load_graph(pickle.loads(pickle.dumps(cache.dump_graph(gm))))
+        assert back.code == gm.code  # so Inductor's FX-graph cache sees the same program
+
+
+def test_cache_dir_option():
+    assert DboConfig().cache_dir is None
+    assert DboConfig(cache_dir="/x").fingerprint() == DboConfig().fingerprint()
+    with pytest.raises(DboConfigError, match="cache_dir"):
+        DboConfig(cache_dir=3)
