@@ -171,7 +171,7 @@ def measure(args) -> None:
                 for fn in getattr(s, "compiled", {}).values()}
     keys = sorted(timer.seconds)
     values = [timer.seconds[k] for k in keys] + [total]
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL reduces device tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     values = t.tolist()
     if dist.get_rank() == 0:
