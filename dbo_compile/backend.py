@@ -21,9 +21,9 @@ from dbo_compile import lowering
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.logs import drop_duplicate_handlers
-from dbo_compile.ops.registry import comm_kind
+from dbo_compile.ops.registry import comm_group_name, comm_kind
 from dbo_compile.passes import pipeline
-from dbo_compile.runtime.artifact import CompiledArtifact
+from dbo_compile.runtime.artifact import CompiledArtifact, check_groups
 from dbo_compile.runtime.program import UnsplitProgram
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,14 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         mode: ignored (accepted for compatibility with ``torch.compile(mode=...)``).
 
     Raises:
-        DboConfigError: an unknown or invalid option.
+        DboConfigError: an unknown or invalid option; ``dp_group_name`` naming no process
+            group; an EP group of the graph outside the DP vote's group.
         UnsplittableGraphError: only with ``on_unsplittable="raise"``.
     """
     # torch imports this package while parsing TORCH_LOGS and then adds its handler again
     drop_duplicate_handlers(logging.getLogger("dbo_compile"))
     config = pipeline.resolve_device_defaults(DboConfig.from_options(options), example_inputs)
+    check_groups(config, [g for n in gm.graph.nodes if (g := comm_group_name(n)) is not None])
     runner = pipeline.PassRunner()
     try:
         compiled: CompiledArtifact = pipeline.compile_split(gm, example_inputs, config,

@@ -328,10 +328,7 @@ class DeepseekMoEModel(nn.Module):
         self.group_name = ep_group_name(ep_group)
         self.ep_size = 1 if self.group_name == "" else ep_group.size()
         self.ep_rank = 0 if self.group_name == "" else ep_group.rank()
-        if config.num_experts % self.ep_size:
-            raise ModelConfigError(
-                f"num_experts={config.num_experts} is not divisible by the EP world size "
-                f"{self.ep_size}")
+        self.check_ep(config, self.ep_size)
         self.num_local_experts = config.num_experts // self.ep_size
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
@@ -345,6 +342,19 @@ class DeepseekMoEModel(nn.Module):
         self.seed = seed
         if torch.device(device).type != "meta":
             self.reset_parameters(seed)
+
+    @staticmethod
+    def check_ep(config: DeepseekConfig, ep_size: int) -> None:
+        """Check that ``config``'s experts shard over ``ep_size`` EP ranks (before any process
+        group exists: the example's argument parser calls it).
+
+        Raises:
+            ModelConfigError: ``ep_size < 1`` or ``num_experts % ep_size != 0``.
+        """
+        if ep_size < 1 or config.num_experts % ep_size:
+            raise ModelConfigError(
+                f"num_experts={config.num_experts} is not divisible by the EP world size "
+                f"{ep_size}")
 
     @property
     def local_expert_range(self) -> tuple[int, int]:

@@ -489,8 +489,12 @@ def _combine_fake(y, group_name):
 
 
 register_op(OpInfo(torch.ops.dbo.dispatch.default, comm="dispatch",
-                   token_args=((0, "x"), (1, "topk_ids"), (2, "topk_weights")), row_local=True))
-register_op(OpInfo(torch.ops.dbo.combine.default, comm="combine", row_local=True))
+                   token_args=((0, "x"), (1, "topk_ids"), (2, "topk_weights")), row_local=True,
+                   group_arg=(4, "group_name"),
+                   # null call: no token routed anywhere (id -1, weight 0)
+                   null_fill=(0.0, -1, 0.0)))
+register_op(OpInfo(torch.ops.dbo.combine.default, comm="combine", row_local=True,
+                   group_arg=(1, "group_name"), null_fill=(0.0,)))
 
 
 def ep_size_of_rows(x: fx.Node) -> int:

@@ -10,7 +10,12 @@ The passes, the cost model and the runtime ask this table, never the op modules 
 - which ops are **row-local** along the token dim (row ``i`` of each output depends only on
   row ``i`` of the token-indexed inputs), so that a graph using them can be split;
 - which ops may be **joined** across the ubatches (:mod:`dbo_compile.passes.join_experts`);
-- the **cost formula** (FLOPs) of an op the cost model cannot derive from ATen rules.
+- the **cost formula** (FLOPs) of an op the cost model cannot derive from ATen rules;
+- for a comm op, which argument names its **process group** and the **null payload** a rank
+  sends when it must issue the collective without data (a rank whose step failed drains its
+  remaining collectives with it, :mod:`dbo_compile.runtime.step_txn`);
+- for an op reading a **paged KV cache**, which argument is the cache and which of its dims
+  the block size (the prefix-read veto takes the block size from there).
 
 Each ``dbo`` op module registers its record next to its ``torch.library.custom_op``
 (:mod:`dbo_compile.ops` imports them all); users declare their own row-local custom ops with
@@ -26,9 +31,9 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["OpInfo", "comm_kind", "comm_nodes", "comm_wait", "is_c10d_wait", "is_getitem",
-           "is_wait", "joinable_ops", "op_info", "register_op", "register_row_local",
-           "registered_ops"]
+__all__ = ["OpInfo", "comm_group_name", "comm_kind", "comm_nodes", "comm_wait", "is_c10d_wait",
+           "is_getitem", "is_wait", "joinable_ops", "kv_block_sizes", "node_arg", "op_info",
+           "register_op", "register_paged_kv_op", "register_row_local", "registered_ops"]
 
 #: ``flops(node, size) -> float``: FLOPs of ``node`` with its symbolic sizes evaluated by
 #: ``size(sym_or_int) -> int`` (the cost model's reference token counts)
@@ -51,6 +56,13 @@ class OpInfo:
         joinable: the ubatch copies of one call may be joined into one call on the rows of
             all ubatches (row-local, and in decode bound by reading its weights).
         flops: the cost model's FLOP formula (:data:`FlopsFormula`), ``None``: ATen rules.
+        group_arg: ``(position, name)`` of a comm op's process-group-name argument.
+        null_fill: for a comm op, the fill value of each tensor argument (in schema order) of
+            a *null* call: the same collective with a payload that routes and adds nothing
+            (``dbo.dispatch``: ``x = 0``, ``topk_ids = -1``, ``topk_weights = 0``). ``None``:
+            the op has no null call (a failed rank cannot drain it).
+        kv_cache_arg: ``(position, name, block_dim)`` of a paged KV cache argument: the
+            block size (tokens per block) is dim ``block_dim`` of its static shape.
     """
 
     op: Any
@@ -60,6 +72,9 @@ class OpInfo:
     row_local: bool = False
     joinable: bool = False
     flops: FlopsFormula | None = None
+    group_arg: tuple[int, str] | None = None
+    null_fill: tuple[float, ...] | None = None
+    kv_cache_arg: tuple[int, str, int] | None = None
 
 
 _REGISTRY: dict[Any, OpInfo] = {}
@@ -79,6 +94,17 @@ def register_row_local(op: Any) -> None:
         op = op.default
     old = _REGISTRY.get(op)
     register_op(dataclasses.replace(old, row_local=True) if old else OpInfo(op, row_local=True))
+
+
+def register_paged_kv_op(op: Any, cache_arg: tuple[int, str], block_dim: int) -> None:
+    """Declare that ``op`` (an ``OpOverload``) reads a paged KV cache at argument
+    ``cache_arg = (position, name)`` whose dim ``block_dim`` is the block size (tokens per
+    block), so that the prefix-read veto (:mod:`dbo_compile.runtime.vetoes`) knows the block
+    size of graphs using it (``dbo.attention`` is declared: ``kv_cache``, dim 2)."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    old = _REGISTRY.get(op) or OpInfo(op)
+    register_op(dataclasses.replace(old, kv_cache_arg=(cache_arg[0], cache_arg[1], block_dim)))
 
 
 def registered_ops() -> list[OpInfo]:
@@ -126,6 +152,42 @@ def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
+def node_arg(node: fx.Node, position: int, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of an FX call, positional at ``position`` or a keyword."""
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(name, default)
+
+
+def comm_group_name(node: fx.Node) -> str | None:
+    """The process-group name a comm node's op runs over (a constant of the graph), or
+    ``None`` when the op declares no group argument or the argument is not a constant str."""
+    info = op_info(node.target) if node.op == "call_function" else None
+    if info is None or info.group_arg is None:
+        return None
+    name = node_arg(node, *info.group_arg)
+    return name if isinstance(name, str) else None
+
+
+def kv_block_sizes(graph: fx.Graph) -> tuple[int, ...] | None:
+    """The KV block sizes of every paged-KV op of ``graph`` (declared ``kv_cache_arg``), sorted,
+    without duplicates; ``()`` when the graph has no such op; ``None`` when one's cache shape
+    is not static (the block size cannot be told)."""
+    sizes: set[int] = set()
+    for n in graph.nodes:
+        info = op_info(n.target) if n.op == "call_function" else None
+        if info is None or info.kv_cache_arg is None:
+            continue
+        pos, name, dim = info.kv_cache_arg
+        cache = node_arg(n, pos, name)
+        val = cache.meta.get("val", cache.meta.get("example_value")) if isinstance(cache, fx.Node) else None
+        size = val.shape[dim] if isinstance(val, torch.Tensor) and val.dim() > dim else None
+        if not isinstance(size, int):
+            return None
+        sizes.add(int(size))
+    return tuple(sorted(sizes))
+
+
 def comm_nodes(graph: fx.Graph) -> list[fx.Node]:
     """Issuing comm nodes in graph order."""
     return [n for n in graph.nodes if comm_kind(n) is not None]
@@ -142,5 +204,6 @@ def comm_wait(value: Any) -> Any:
 
 
 register_op(OpInfo(comm_wait, wait=True, row_local=True))
-register_op(OpInfo(torch.ops._c10d_functional.all_to_all_single.default, comm="all_to_all"))
+register_op(OpInfo(torch.ops._c10d_functional.all_to_all_single.default, comm="all_to_all",
+                   group_arg=(3, "group_name")))
 register_op(OpInfo(torch.ops._c10d_functional.wait_tensor.default, wait=True))

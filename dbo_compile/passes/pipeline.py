@@ -359,6 +359,8 @@ def _dump_graph(name: str, gm: fx.GraphModule) -> None:
         log.debug("dbo graph after %s:\n%s", name, gm.graph.python_code("self").src)
 
 
+#: dump dirs already warned about (one WARNING per unwritable directory and process)
+_DUMP_WARNED: set[str] = set()
 #: split graphs compiled in this process (numbers the dumps: a model with graph breaks has
 #: several, compiled in the same order on every rank)
 _SPLIT_GRAPHS = itertools.count()
@@ -377,12 +379,18 @@ def _dump_schedule(schedule: Schedule, code: str, config: DboConfig, graph_no: i
     except Exception:  # noqa: BLE001
         pass
     if config.dump_dir:
-        os.makedirs(config.dump_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0
         suffix = "" if candidate is None else "_" + re.sub(r"[^A-Za-z0-9_.]", "-", candidate)
         base = os.path.join(config.dump_dir,
                             f"schedule_rank{rank}_g{graph_no}_{config.fingerprint()}{suffix}")
-        with open(base + ".json", "w") as f:
-            f.write(payload)
-        with open(base + ".py", "w") as f:
-            f.write(code)
+        try:
+            os.makedirs(config.dump_dir, exist_ok=True)
+            with open(base + ".json", "w") as f:
+                f.write(payload)
+            with open(base + ".py", "w") as f:
+                f.write(code)
+        except OSError as e:  # a diagnostic never fails the compile
+            if config.dump_dir not in _DUMP_WARNED:
+                _DUMP_WARNED.add(config.dump_dir)
+                log.warning("dbo: dump_dir=%r cannot be written (%s: %s); schedules are not "
+                            "dumped", config.dump_dir, type(e).__name__, e)

@@ -21,13 +21,14 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from dbo_compile.config import DboConfig
+from dbo_compile.errors import DboConfigError
 from dbo_compile.metadata import AttentionMetadata, HostCounts
 from dbo_compile.runtime.context import counting, note_call
 from dbo_compile.runtime.padding import WriteBack, pad_args, unpad
 from dbo_compile.runtime.vote import VoteResult
 from dbo_compile.signature import InputSpec, SplitSignature
 
-__all__ = ["CompiledArtifact", "StepDecision", "StepStats", "dp_group"]
+__all__ = ["CompiledArtifact", "StepDecision", "StepStats", "check_groups", "dp_group"]
 
 
 @dataclass
@@ -81,6 +82,56 @@ def dp_group(config: DboConfig) -> Any:
     if config.dp_group_name:
         return _resolve_process_group(config.dp_group_name)
     return dist.group.WORLD if dist.get_world_size() > 1 else None
+
+
+def _group_names() -> list[str]:
+    """The names of the process groups registered in this process (for messages)."""
+    try:
+        return sorted(str(n) for n in dist.distributed_c10d._world.pg_names.values())
+    except Exception:  # noqa: BLE001 - a private table; only a message depends on it
+        return []
+
+
+def check_groups(config: DboConfig, ep_group_names: Sequence[str]) -> None:
+    """Check at compile time the groups a step will use (deterministic: every rank checks
+    the same): ``dp_group_name`` names a registered group of an initialised
+    ``torch.distributed``, and every EP group the graph's comm ops run over lies inside the
+    DP vote's group (the step agreement on that group must reach every rank that can wait in
+    one of the step's collectives).
+
+    Raises:
+        DboConfigError: what was found, and the registered group names.
+    """
+    name = config.dp_group_name
+    if name is not None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise DboConfigError(
+                f"DboConfig.dp_group_name={name!r}: torch.distributed is not initialised; "
+                "initialise it before the first call, or leave dp_group_name None")
+        try:
+            _resolve_process_group(name)
+        except Exception as e:  # noqa: BLE001 - torch raises RuntimeError / KeyError / ValueError
+            raise DboConfigError(
+                f"DboConfig.dp_group_name={name!r} names no process group of this process "
+                f"({type(e).__name__}); registered: {_group_names()} (pass the group_name of "
+                "the CPU (Gloo) group that carries the DP vote)") from None
+    group = dp_group(config)
+    if group is None:
+        return
+    vote_ranks = set(dist.get_process_group_ranks(group))
+    for ep in sorted(set(ep_group_names)):
+        if not ep:
+            continue
+        try:
+            ranks = set(dist.get_process_group_ranks(_resolve_process_group(ep)))
+        except Exception:  # noqa: BLE001 - an unknown EP group fails in its op, with its message
+            continue
+        if not ranks <= vote_ranks:
+            raise DboConfigError(
+                f"EP group {ep!r} spans ranks {sorted(ranks - vote_ranks)} outside the DP vote's "
+                f"group (ranks {sorted(vote_ranks)}): a rank failing in a step could not tell "
+                "them, and they would wait in its collectives. Pass dp_group_name of a group "
+                "that contains every EP rank")
 
 
 class CompiledArtifact:
