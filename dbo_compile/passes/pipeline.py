@@ -46,7 +46,7 @@ from dbo_compile.codegen import inductor
 from dbo_compile.codegen.wrapper import SplitProgram
 from dbo_compile.config import Candidate, DboConfig, candidates_of
 from dbo_compile.errors import ScheduleError, UnsplittableGraphError
-from dbo_compile.ops.registry import comm_nodes
+from dbo_compile.ops.registry import comm_nodes, kv_block_sizes
 from dbo_compile.passes import insert_yields, join_experts, reinplace, split_ubatch, stream_assign
 from dbo_compile.passes import token_dim
 from dbo_compile.runtime.program import DboCompiledModule
@@ -305,7 +305,8 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
              "(%.2f s)", config.num_ubatches, len(state.comms), len(schedule.units),
              len(schedule.event_edges), time.perf_counter() - t0)
     compiled = DboCompiledModule(unsplit, program, state.specs, state.signature, config,
-                                 candidates=candidate_programs, compile_times=runner.times)
+                                 candidates=candidate_programs, compile_times=runner.times,
+                                 kv_block_sizes=kv_block_sizes(lowered_gm.graph))
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
     return compiled

@@ -30,7 +30,8 @@ class StepContext:
     Attributes:
         num_scheduled_tokens: tokens scheduled per request this step (host ints, request
             order); ``None``: read them from ``query_start_loc``.
-        block_size: KV-cache block size (tokens) for the prefix-read veto; ``None`` skips it.
+        block_size: KV-cache block size (tokens) for the prefix-read veto; ``None``: the block
+            size of the graph's KV caches (the veto runs on every step with metadata).
         vetoes: engine vetoes, ``(metadata, num_scheduled_tokens) -> reason | None``.
         allow_split: ``False`` vetoes the split on this rank outright.
     """

@@ -166,7 +166,8 @@ class CudaGraphRunner:
             ``compiled(input_ids, positions, attn_metadata, **model_kwargs)``.
         buckets: padded token counts to capture (tokens per rank; each ``>= 2``).
         max_blocks_per_req: block-table width (KV blocks per request) of the static buffers.
-        block_size: KV-cache block size (tokens), passed to the prefix-read veto.
+        block_size: KV-cache block size (tokens), passed to the prefix-read veto; default the
+            block size of the compiled graph's KV caches.
         timing_iters: replays per graph and timing round at warm-up (3 rounds).
         vocab_size: when given, the synthetic warm-up steps carry random token ids below it
             (seeded, the same on every rank), so that MoE routing, and hence the timings the

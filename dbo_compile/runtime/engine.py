@@ -38,7 +38,9 @@ def run_step(compiled: Callable[..., Any], input_ids: torch.Tensor, positions: t
         positions: ``[num_tokens]`` int64.
         attn_metadata: the step's metadata (validated here).
         num_scheduled_tokens: tokens per request (host ints); sums to the real token count.
-        block_size: KV-cache block size (tokens), enables the prefix-read veto.
+        block_size: KV-cache block size (tokens) for the prefix-read veto; default the block
+            size of the graph's KV caches (which the veto runs with on every step). A value
+            that disagrees with the caches raises ``DpVoteError``.
         vetoes: engine vetoes ``(metadata, num_scheduled_tokens) -> reason | None``.
         allow_split: ``False`` vetoes the split on this rank (every rank then runs unsplit).
 

@@ -103,6 +103,9 @@ class DboCompiledModule(CompiledArtifact):
             runs the primary; :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` picks one
             per bucket by measurement.
         compile_times: seconds per compile pass (:mod:`dbo_compile.passes.pipeline`).
+        kv_block_sizes: the KV block sizes of the graph's paged-KV ops
+            (:func:`~dbo_compile.ops.registry.kv_block_sizes`), which the prefix-read veto
+            uses when the caller passes no ``block_size``.
 
     Attributes:
         fingerprint: the primary schedule's
@@ -117,12 +120,17 @@ class DboCompiledModule(CompiledArtifact):
     def __init__(self, unsplit: Callable[..., Any], split_program: Any, specs: list[InputSpec],
                  signature: SplitSignature, config: DboConfig,
                  candidates: dict[str, Any] | None = None,
-                 compile_times: dict[str, float] | None = None):
+                 compile_times: dict[str, float] | None = None,
+                 kv_block_sizes: tuple[int, ...] | None = ()):
         super().__init__(unsplit=unsplit, config=config, specs=specs, reason=None,
                          row_local=True, split_program=split_program,
                          candidates=candidates or {config.scheduler: split_program},
                          signature=signature, compile_times=compile_times)
         self.fingerprint = split_program.schedule.fingerprint()
+        #: the KV block sizes of the graph's paged-KV ops (``()``: none; ``None``: not static),
+        #: which the prefix-read veto uses (set by the pipeline)
+        self.kv_block_sizes = kv_block_sizes
+        self._warned_block_size = False
 
     @property
     def code(self) -> str:
@@ -133,16 +141,49 @@ class DboCompiledModule(CompiledArtifact):
         return self.split_program.schedule
 
     # -- the guard --------------------------------------------------------------------------
-    @staticmethod
-    def _veto(md: AttentionMetadata | None, qlens: list[int],
+    def _veto(self, md: AttentionMetadata | None, qlens: list[int],
               host: HostCounts | None) -> str | None:
-        """The step's veto (``qlens``: the metadata's query lens, Python ints)."""
+        """The step's veto (``qlens``: the metadata's query lens, Python ints). The
+        prefix-read veto runs on every step with metadata, with the KV block size of the
+        graph's caches (``kv_block_sizes``), or the caller's, which must agree with them.
+
+        Raises:
+            MetadataError: the caller's ``block_size`` is not the KV cache's.
+        """
         ctx = current_step_context()
         if not ctx.allow_split:
             return "engine: allow_split=False"
-        if md is None or (ctx.block_size is None and not ctx.vetoes):
+        if md is None:
             return None
-        return check_vetoes(md, qlens, block_size=ctx.block_size, vetoes=ctx.vetoes, host=host)
+        sizes = self._veto_block_sizes(ctx.block_size)
+        if sizes == () and not ctx.vetoes:
+            return None  # no paged KV read: nothing to veto
+        return check_vetoes(md, qlens, block_size=sizes or None, vetoes=ctx.vetoes, host=host,
+                            unknown_block_size=sizes is None)
+
+    def _veto_block_sizes(self, given: int | None) -> tuple[int, ...] | None:
+        """The block sizes the prefix-read veto checks: the caller's ``given`` (checked against
+        the graph's caches), else the graph's; ``()``: the graph reads no block table;
+        ``None``: it does, through an op whose block size is unknown (warned once)."""
+        known = self.kv_block_sizes
+        if given is not None:
+            if known and given not in known:
+                raise MetadataError(
+                    f"block_size={given} passed, but the graph's KV cache{'s have' if len(known) > 1 else ' has'} "
+                    f"block size {', '.join(map(str, known))} (dim 2 of its [2, num_blocks, "
+                    "block_size, Hkv, D] shape): pass the cache's block size, or none")
+            return (given,)
+        if known:
+            return known
+        if "block_table" not in self.metadata_inputs:
+            return ()
+        if not self._warned_block_size:
+            self._warned_block_size = True
+            log.warning("dbo: the prefix-read veto needs the KV block size: the graph reads the "
+                        "block table through an op not declared with register_paged_kv_op and no "
+                        "block_size was passed; steps with cached prefixes and >= 2 requests run "
+                        "unsplit (pass block_size= or declare the op)")
+        return None
 
     def _decide(self, args: Sequence[Any], min_padded: int, metadata: AttentionMetadata | None,
                 host: HostCounts | None, pads_itself: bool) -> StepDecision:
