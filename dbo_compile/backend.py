@@ -21,8 +21,8 @@ from dbo_compile import lowering
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.logs import drop_duplicate_handlers
-from dbo_compile.ops.registry import comm_group_name, comm_kind
-from dbo_compile.passes import pipeline
+from dbo_compile.ops.registry import comm_group_name, comm_kind, comm_plan
+from dbo_compile.passes import pipeline, token_dim
 from dbo_compile.runtime.artifact import CompiledArtifact, check_groups
 from dbo_compile.runtime.program import UnsplitProgram
 
@@ -92,9 +92,21 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     has_comm = any(comm_kind(n) is not None for n in gm.graph.nodes)
     # a graph Dynamo traced with symbolic sizes runs at any token count; a static one cannot
     dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
+    token = _token_symbol(specs, example_inputs)
     return UnsplitProgram(pipeline.compile_unsplit(gm, config), reason, config, specs, has_comm,
                           fixed_num_tokens=not dynamic, row_local=row_local,
-                          compile_times=times)
+                          compile_times=times,
+                          output_specs=token_dim.output_specs(gm.graph, token),
+                          unsplit_plan=comm_plan(gm.graph, token))
+
+
+def _token_symbol(specs: list | None, example_inputs: Sequence[Any]) -> Any:
+    """The symbol of Dynamo's token dim (dim 0 of the first token input), ``None`` for a
+    static graph or no token input."""
+    spec = next((s for s in specs or [] if s.kind == "token"), None)
+    value = example_inputs[spec.index] if spec is not None else None
+    d0 = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() else None
+    return d0.node.expr if isinstance(d0, torch.SymInt) else None
 
 
 def register() -> None:

@@ -172,6 +172,12 @@ class DboConfig:
             (``query_start_loc_cpu``, ...; see :mod:`dbo_compile.metadata`) with their
             device tensors every step: a device read per mirrored field, for debugging an
             engine's mirrors. Default ``False``: mirrors are trusted (checked on the host only).
+        step_agreement: end every eager step with one all-reduce on the DP vote's group, so
+            that a rank whose step failed (an op raised in a ubatch) makes every rank raise the
+            same ``UBatchExecutionError`` after issuing its remaining collectives with null
+            payloads (:mod:`dbo_compile.runtime.step_txn`). ``False``: for an engine with its
+            own failure protocol; a failing rank then raises alone and its peers wait in its
+            collectives (a hang). CUDA-graph replays never run it.
     """
 
     num_ubatches: int = 2
@@ -194,6 +200,7 @@ class DboConfig:
     dump_dir: str | None = None
     dp_group_name: str | None = None
     check_host_mirrors: bool = False
+    step_agreement: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> DboConfigError:
@@ -233,7 +240,7 @@ class DboConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
-        for name in ("join_experts", "check_host_mirrors"):
+        for name in ("join_experts", "check_host_mirrors", "step_agreement"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         if isinstance(self.schedule_candidates, (list, tuple)):

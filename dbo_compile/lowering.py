@@ -15,7 +15,9 @@ Graph inputs are classified from Dynamo's sources (``node.meta["grapharg"].sourc
   request (``query_start_loc``, ``seq_lens``, ...): rebuilt per ubatch by the runtime;
 - ``size``: a SymInt input that is the size of another input's dim (dynamic Dynamo graphs);
 - ``scalar``: any other non-tensor input (passed through unchanged); a SymInt that is not a
-  size (a dynamic int argument) is traced as its own symbol, shared by the ubatches.
+  size (a dynamic int argument) is traced as its own symbol, shared by the ubatches;
+- ``host_mirror``: a host copy of a metadata field (``seq_lens_cpu``, ...): the runtime's
+  host decisions read it; a graph reading one is compiled unsplit (it is not cut per ubatch).
 
 Duck shaping is off (``ShapeEnv(duck_shape=False)``): in a pure-decode step the request count
 equals the token count, and the two must stay distinct symbols (``docs/design.md``).
@@ -79,9 +81,16 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
     specs = []
     for i, (node, value, source) in enumerate(zip(placeholders, example_inputs, sources)):
         field = None
+        mirror = None
         for f in FIELD_LAYOUT:
             if source.endswith(f".{f}") or (not source and node.name.endswith(f)):
                 field = f
+            if source.endswith(f".{f}_cpu"):
+                mirror = f
+        if mirror is not None and kinds is None:
+            # the runtime's host copy of a field: never cut per ubatch (_lower refuses it)
+            specs.append(InputSpec(i, node.name, source, "host_mirror", mirror))
+            continue
         if kinds is not None:
             kind = kinds[i]
             if kind == "token" and field is None:
@@ -154,6 +163,8 @@ class LoweredGraph:
         specs: per-input classification.
         token_symbols: symbols of the token and request dims.
         token_symbol: the symbol of the token dim (``num_tokens``).
+        request_symbols: the symbols of the request dims (``num_reqs``; a subset of
+            ``token_symbols``), so that messages can tell the two apart.
         shape_env: the ShapeEnv the symbols live in.
     """
 
@@ -162,6 +173,7 @@ class LoweredGraph:
     token_symbols: frozenset
     token_symbol: sympy.Symbol | None
     shape_env: ShapeEnv
+    request_symbols: frozenset = frozenset()
 
 
 def _fakeify(specs: list[InputSpec], example_inputs: Sequence[Any],
@@ -272,6 +284,7 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
         ) from e
     aten_gm = captured["gm"]
     syms = set()
+    request_syms = set()
     placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     for s in token_specs + request_specs:
         size0 = fakes[s.index].shape[0]
@@ -295,6 +308,8 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
                 "dim dynamic, or write views with -1."
             )
         syms |= expr.free_symbols
+        if s.kind == "request":
+            request_syms |= expr.free_symbols
     for s in specs:
         value = fakes[s.index]
         if s.kind == "scalar" and isinstance(value, torch.SymInt):
@@ -310,7 +325,9 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
             f"AOT lowering changed the number of inputs ({len(specs)} -> {n_in}); aliased "
             "inputs are not supported"
         )
-    return LoweredGraph(aten_gm, specs, frozenset(syms), token_symbol, shape_env)
+    token_free = {token_symbol} if token_symbol is not None else set()
+    return LoweredGraph(aten_gm, specs, frozenset(syms), token_symbol, shape_env,
+                        frozenset(request_syms - token_free))
 
 
 def _only_dbo_users(node: fx.Node) -> bool:

@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import threading
 from typing import Callable
 
 import torch
@@ -49,15 +50,17 @@ import torch.fx as fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dbo_compile.errors import CommBackendError, CommOpError
+from dbo_compile.errors import CommBackendError, CommOpError, DboError
 from dbo_compile.ops._triton import import_triton
 from dbo_compile.ops.registry import OpInfo, comm_kind, is_getitem, register_op
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "LEDGER",
     "CommBackend",
     "CommBackendError",
+    "CommLedger",
     "CommOpError",
     "available_comm_backends",
     "backend_for_group",
@@ -114,6 +117,11 @@ def backend_for_group(group_name: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class CommBackend:
     """One implementation of dispatch / combine.
+
+    A backend raises a :class:`~dbo_compile.errors.DboError` (e.g. ``CommOpError``) only
+    before it posts its collective: a rank whose step fails then issues the collective again
+    with a null payload (its peers wait in it); any other exception means the transport
+    failed (:class:`CommLedger`).
 
     Attributes:
         name: registry key (``"torch"``, ``"local"``, ``"deep_ep"``, ...).
@@ -409,6 +417,45 @@ register_lazy_comm_backend("deep_ep", "dbo_compile.ops.deep_ep")
 
 
 # --------------------------------------------------------------------------------------------
+# The ledger of posted collectives (the step transaction's)
+# --------------------------------------------------------------------------------------------
+
+
+class CommLedger(threading.local):
+    """Per thread, while a step transaction holds it open
+    (:mod:`dbo_compile.runtime.step_txn`): how many collectives this rank's ops have posted in
+    the step, and whether one failed after it may have been posted (``broken``).
+
+    Backend contract (:class:`CommBackend`): a backend raises a
+    :class:`~dbo_compile.errors.DboError` (``CommOpError``) only *before* posting its
+    collective; any other exception from it counts as a transport failure, after which the
+    step's remaining collectives cannot be completed (``broken``). Counted on the host when the
+    op runs: under CUDA-graph capture once, at capture time (no transaction is open then)."""
+
+    active: bool = False
+    posted: int = 0
+    broken: bool = False
+
+
+LEDGER = CommLedger()
+
+
+class _posting:
+    """Counts one posted collective in :data:`LEDGER` when the backend call returns."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if LEDGER.active:
+            if exc is None:
+                LEDGER.posted += 1
+            elif not isinstance(exc, DboError):
+                LEDGER.broken = True
+        return False
+
+
+# --------------------------------------------------------------------------------------------
 # Custom ops
 # --------------------------------------------------------------------------------------------
 
@@ -438,7 +485,8 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
             (CPU, ``W = 1``) or ``num_experts % W != 0``.
     """
     backend = get_comm_backend(backend_for_group(group_name))
-    return backend.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
+    with _posting():
+        return backend.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
 
 
 @dispatch.register_fake
@@ -468,7 +516,8 @@ def combine(y: torch.Tensor, group_name: str) -> torch.Tensor:
         CommOpError: ``y`` is not 2-D or its rows are not a multiple of ``W``.
     """
     backend = get_comm_backend(backend_for_group(group_name))
-    return backend.combine(y, group_name)
+    with _posting():
+        return backend.combine(y, group_name)
 
 
 def _check_combine_args(y: torch.Tensor, world_size: int) -> None:

@@ -28,10 +28,13 @@ import dataclasses
 import operator
 from typing import Any, Callable
 
+import sympy
 import torch
 import torch.fx as fx
 
-__all__ = ["OpInfo", "comm_group_name", "comm_kind", "comm_nodes", "comm_wait", "is_c10d_wait",
+from dbo_compile.schedule import COMM, CommCall, CommPlan, NullArg, Schedule
+
+__all__ = ["OpInfo", "comm_call", "comm_group_name", "comm_plan", "comm_kind", "comm_nodes", "comm_wait", "is_c10d_wait",
            "is_getitem", "is_wait", "joinable_ops", "kv_block_sizes", "node_arg", "op_info",
            "register_op", "register_paged_kv_op", "register_row_local", "registered_ops"]
 
@@ -186,6 +189,64 @@ def kv_block_sizes(graph: fx.Graph) -> tuple[int, ...] | None:
             return None
         sizes.add(int(size))
     return tuple(sorted(sizes))
+
+
+def comm_call(node: fx.Node, token_symbol: Any, ubatch: int | None, name: str
+              ) -> CommCall | None:
+    """The null call of the comm node ``node`` (:class:`~dbo_compile.schedule.CommCall`):
+    its tensor arguments as :class:`~dbo_compile.schedule.NullArg` (shapes linear in
+    ``token_symbol``, from ``meta["val"]`` or Dynamo's ``meta["example_value"]``; fills from
+    the op's ``null_fill``), the others as the constants they are. ``None`` when the op has
+    no null call, or an argument is a graph value other than a tensor, or a shape is not
+    linear in the token count."""
+    info = op_info(node.target) if node.op == "call_function" else None
+    if info is None or info.comm is None or info.null_fill is None or node.kwargs:
+        return None
+    fills = iter(info.null_fill)
+    args: list[Any] = []
+    for a in node.args:
+        if not isinstance(a, fx.Node):
+            args.append(a)
+            continue
+        val = a.meta.get("val", a.meta.get("example_value"))
+        fill = next(fills, None)
+        shape = [_linear_dim(d, token_symbol) for d in getattr(val, "shape", ())]
+        if not isinstance(val, torch.Tensor) or fill is None or None in shape:
+            return None
+        args.append(NullArg(tuple(shape), val.dtype, str(val.device), fill))
+    return CommCall(node.target, tuple(args), ubatch, name)
+
+
+def comm_plan(graph: fx.Graph, token_symbol: Any, schedule: Schedule | None = None) -> CommPlan:
+    """The collectives a program issues, in order, as null calls
+    (:data:`~dbo_compile.schedule.CommPlan`): the comm units of ``schedule`` in host order
+    (a split program), else the comm nodes of ``graph`` in graph order (an unsplit program).
+    ``None`` when one has no null call (:func:`comm_call`)."""
+    by_name = {n.name: n for n in graph.nodes}
+    if schedule is not None:
+        entries = [(by_name[u.nodes[0]], u.ubatch, u.name) for u in schedule.units
+                   if u.kind == COMM]
+    else:
+        entries = [(n, None, n.name) for n in comm_nodes(graph)]
+    calls = [comm_call(node, token_symbol, ubatch, name) for node, ubatch, name in entries]
+    return None if any(c is None for c in calls) else tuple(calls)
+
+
+def _linear_dim(d: Any, t: Any) -> tuple[int, int] | None:
+    """``(a, b)`` with ``d == a * t + b``, ``None`` if ``d`` is not linear in ``t`` alone."""
+    if isinstance(d, int):
+        return (0, d)
+    expr = sympy.expand(d.node.expr)
+    if t is None or expr.free_symbols - {t}:
+        return None
+    try:
+        poly = sympy.Poly(expr, t)
+    except sympy.PolynomialError:
+        return None
+    if poly.degree() > 1 or not all(c.is_integer for c in poly.all_coeffs()):
+        return None
+    a = int(poly.coeff_monomial(t))
+    return a, int(poly.coeff_monomial(1))
 
 
 def comm_nodes(graph: fx.Graph) -> list[fx.Node]:

@@ -12,6 +12,8 @@ Keys of ``node.meta["dbo"]`` (a dict):
 - ``comm``: ``"dispatch"`` / ``"combine"`` / ``"all_to_all"`` on communication nodes.
 - ``phase``: ``"issue"`` on a comm node, ``"wait"`` on the wait node that ends it.
 - ``comm_node``: on a wait node, the name of the issue node it waits for.
+- ``field``: on a placeholder of the lowered graph, the ``AttentionMetadata`` field it is
+  (messages name it).
 - ``mutates``: names of the placeholders an in-place op writes (after re-inplacing), e.g. the KV
   cache written by ``dbo.attention``.
 - ``unit``: id of the schedule unit (stage or comm op) the node belongs to.

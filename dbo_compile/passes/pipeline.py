@@ -46,12 +46,13 @@ from dbo_compile.codegen import inductor
 from dbo_compile.codegen.wrapper import SplitProgram
 from dbo_compile.config import Candidate, DboConfig, candidates_of
 from dbo_compile.errors import ScheduleError, UnsplittableGraphError
-from dbo_compile.ops.registry import comm_nodes, kv_block_sizes
+from dbo_compile.ops.registry import comm_nodes, comm_plan, kv_block_sizes
 from dbo_compile.passes import insert_yields, join_experts, reinplace, split_ubatch, stream_assign
 from dbo_compile.passes import token_dim
+from dbo_compile.passes.meta import dbo_meta
 from dbo_compile.runtime.program import DboCompiledModule
 from dbo_compile.schedule import Schedule
-from dbo_compile.signature import InputSpec, SplitSignature
+from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ class CompileState:
         input_kinds: explicit input kinds for graphs not from Dynamo (``None``: from sources).
         specs: the input classification (``lower``).
         token_symbols: the symbols of the token and request dims (``lower``).
+        token_symbol: the symbol of the token dim (``lower``).
+        request_symbols: the symbols of the request dims (``lower``).
+        output_specs: what each graph output is (``token_dim``).
         comms: the issuing comm nodes of the lowered graph (``find_comm``).
         signature: how the split graph maps to the lowered one (``split_ubatch``).
     """
@@ -78,6 +82,9 @@ class CompileState:
     input_kinds: Sequence[str] | None = None
     specs: list[InputSpec] = field(default_factory=list)
     token_symbols: frozenset = frozenset()
+    token_symbol: Any = None
+    request_symbols: frozenset = frozenset()
+    output_specs: tuple[OutputSpec, ...] = ()
     comms: list[fx.Node] = field(default_factory=list)
     signature: SplitSignature | None = None
 
@@ -139,10 +146,22 @@ class PassRunner:
 
 def _lower(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
     st.specs = lowering.classify_inputs(gm, st.example_inputs, st.input_kinds)
+    mirror = next((s for s in st.specs if s.kind == "host_mirror"), None)
+    if mirror is not None:
+        raise UnsplittableGraphError(
+            f"the model reads the host mirror {mirror.field}_cpu ({mirror.source}) of the "
+            "attention metadata: mirrors serve the runtime's host decisions and are not cut "
+            f"per ubatch; read the device field {mirror.field} instead")
     if not any(s.kind == "token" for s in st.specs):
         raise UnsplittableGraphError("the graph has no token-indexed tensor input")
     lowered = lowering.lower_to_aten(gm, st.example_inputs, st.specs)
     st.token_symbols = lowered.token_symbols
+    st.token_symbol = lowered.token_symbol
+    st.request_symbols = lowered.request_symbols
+    placeholders = [n for n in lowered.gm.graph.nodes if n.op == "placeholder"]
+    for spec, node in zip(st.specs, placeholders):
+        if spec.field is not None:
+            dbo_meta(node)["field"] = spec.field
     return lowered.gm
 
 
@@ -155,8 +174,8 @@ def _dead_code(gm: fx.GraphModule, st: CompileState) -> None:
 
 
 def _token_dim(gm: fx.GraphModule, st: CompileState) -> None:
-    token_dim.annotate_token_dims(gm.graph, st.token_symbols)
-    token_dim.check_outputs(gm.graph)
+    token_dim.annotate_token_dims(gm.graph, st.token_symbols, st.request_symbols)
+    st.output_specs = token_dim.check_outputs(gm.graph, st.token_symbol)
 
 
 def _find_comm(gm: fx.GraphModule, st: CompileState) -> None:
@@ -306,7 +325,11 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
              len(schedule.event_edges), time.perf_counter() - t0)
     compiled = DboCompiledModule(unsplit, program, state.specs, state.signature, config,
                                  candidates=candidate_programs, compile_times=runner.times,
-                                 kv_block_sizes=kv_block_sizes(lowered_gm.graph))
+                                 kv_block_sizes=kv_block_sizes(lowered_gm.graph),
+                                 output_specs=state.output_specs,
+                                 split_plan=comm_plan(primary_gm.graph, state.token_symbol,
+                                                      schedule),
+                                 unsplit_plan=comm_plan(lowered_gm.graph, state.token_symbol))
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
     return compiled

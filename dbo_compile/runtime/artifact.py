@@ -23,10 +23,12 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import DboConfigError
 from dbo_compile.metadata import AttentionMetadata, HostCounts
-from dbo_compile.runtime.context import counting, note_call
-from dbo_compile.runtime.padding import WriteBack, pad_args, unpad
+from dbo_compile.runtime.context import counting, current_step_context, note_call, note_outputs
+from dbo_compile.runtime.padding import WriteBack, pad_args, restore_outputs
+from dbo_compile.runtime.step_txn import run_in_transaction, ubatch_token_counts
 from dbo_compile.runtime.vote import VoteResult
-from dbo_compile.signature import InputSpec, SplitSignature
+from dbo_compile.schedule import CommPlan
+from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
 
 __all__ = ["CompiledArtifact", "StepDecision", "StepStats", "check_groups", "dp_group"]
 
@@ -34,16 +36,26 @@ __all__ = ["CompiledArtifact", "StepDecision", "StepStats", "check_groups", "dp_
 @dataclass
 class StepStats:
     """Counters tests and benchmarks read (``compiled.stats``): the steps served, not the
-    CUDA-graph runner's warm-up steps."""
+    CUDA-graph runner's warm-up steps. ``split_steps`` / ``unsplit_steps`` count steps (a
+    ``run_step`` call, or a direct call), ``calls`` every call."""
 
     split_steps: int = 0
     unsplit_steps: int = 0
     last_decision: str = ""
     reasons: dict[str, int] = field(default_factory=dict)
+    calls: int = 0
+    _last_step: int | None = field(default=None, repr=False)
 
-    def count(self, split: bool, reason: str) -> None:
+    def count(self, split: bool, reason: str, step_id: int | None = None) -> None:
+        """Count one step (``step_id``: the step context's; a graph run several times in one
+        step, after a graph break, counts one step and several ``calls``)."""
         if not counting():  # the CUDA-graph runner's warm-up steps
             return
+        self.calls += 1
+        if step_id is not None:
+            if step_id == self._last_step:
+                return
+            self._last_step = step_id
         if split:
             self.split_steps += 1
         else:
@@ -152,6 +164,12 @@ class CompiledArtifact:
         row_local: every output row depends only on the same input row, so padding rows
             cannot change the real rows' results (a split graph always is).
         compile_times: seconds per compile pass, in pipeline order (:mod:`dbo_compile.passes`).
+        output_specs: what each graph output is (:class:`~dbo_compile.signature.OutputSpec`;
+            ``None``: not classified), so that every entry returns outputs at the caller's
+            token count.
+        split_plan / unsplit_plan: the collectives the primary split program / the unsplit
+            program issue, in order (:data:`~dbo_compile.schedule.CommPlan`), which a rank
+            whose step failed issues with null payloads (:mod:`~.step_txn`).
         stats / last_vote / last_slices: what the steps did (the last step's vote and ubatch
             slices).
     """
@@ -160,8 +178,13 @@ class CompiledArtifact:
                  specs: list[InputSpec] | None, reason: str | None, row_local: bool,
                  split_program: Any = None, candidates: dict[str, Any] | None = None,
                  signature: SplitSignature | None = None,
-                 compile_times: dict[str, float] | None = None):
+                 compile_times: dict[str, float] | None = None,
+                 output_specs: Sequence[OutputSpec] | None = None,
+                 split_plan: CommPlan = None, unsplit_plan: CommPlan = None):
         self.unsplit = unsplit
+        self.output_specs = None if output_specs is None else tuple(output_specs)
+        self.split_plan = split_plan
+        self.unsplit_plan = unsplit_plan
         self.config = config
         self.specs = specs
         self.reason = reason
@@ -222,28 +245,54 @@ class CompiledArtifact:
         note_call(self)
         decision = self._decide(args, min_padded, metadata, host, pads_itself)
         self.last_vote = decision.vote
-        self.stats.count(decision.should_split, decision.reason)
+        self.stats.count(decision.should_split, decision.reason,
+                         current_step_context().step_id)
         return decision
 
     def run_decided(self, args: Sequence[Any], decision: StepDecision) -> Any:
         """Run the step as ``decision`` says: pad the token-indexed inputs to the agreed count,
-        run the split or the unsplit program, copy in-place writes back, drop the padding
-        rows of the token-indexed outputs."""
+        run the split or the unsplit program, copy in-place writes back, return the outputs
+        at this call's token count (:func:`~dbo_compile.runtime.padding.restore_outputs`).
+
+        With a vote over several ranks the run is a step transaction
+        (:mod:`~dbo_compile.runtime.step_txn`): a failure on any rank raises the same
+        ``UBatchExecutionError`` on every rank, never a hang.
+        """
         vote = decision.vote
         num_tokens = token_count(args, self.token_index)
-        if vote is None or (not self.is_split and vote.num_tokens_padded == num_tokens):
-            return self.unsplit(*args)  # an unsplit graph at its own size: nothing to pad
+        if vote is None:  # no collective across ranks: nothing to pad or agree on
+            return self._finish(self.unsplit(*args), num_tokens, num_tokens)
         padded = vote.num_tokens_padded
-        padded_args = pad_args(self.specs, args, num_tokens, padded)
-        write_back = WriteBack(args, padded_args, num_tokens)
-        if decision.should_split:
-            outs = self._run_split(padded_args, decision)
-        else:
-            outs = self.unsplit(*padded_args)
-        write_back()
-        token_out = self.token_outputs(len(outs))
-        return tuple(o if t is False else unpad(o, num_tokens, padded)
-                     for o, t in zip(outs, token_out))
+        split = decision.should_split
+
+        def run() -> tuple[Any, ...]:
+            if not split and padded == num_tokens:
+                return self.unsplit(*args)  # at its own size: nothing to pad
+            padded_args = pad_args(self.specs, args, num_tokens, padded)
+            write_back = WriteBack(args, padded_args, num_tokens)
+            outs = self._run_split(padded_args, decision) if split else self.unsplit(*padded_args)
+            write_back()
+            return outs
+
+        # step_agreement=False: an engine with its own failure protocol (a failing rank
+        # raises alone, as before; its peers wait in its collectives)
+        group = dp_group(self.config) if self.config.step_agreement else None
+        return self._finish(self._txn(run, split, padded, group), num_tokens, padded)
+
+    def _txn(self, run: Callable[[], Any], split: bool, padded: int, group: Any) -> Any:
+        plan = self.split_plan if split else self.unsplit_plan
+        counts = (ubatch_token_counts(padded, self.config.num_ubatches) if split else [padded])
+        what = "the split program" if split else "the unsplit program"
+        return run_in_transaction(run, plan=plan, token_counts=counts, group=group, what=what)
+
+    def _finish(self, outs: Any, num_tokens: int | None, padded: int | None) -> tuple[Any, ...]:
+        """The outputs at ``num_tokens`` (from a run at ``padded``), recorded for
+        :func:`~dbo_compile.runtime.engine.run_step` (:func:`~.context.note_outputs`)."""
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        if num_tokens is not None and padded is not None:
+            outs = restore_outputs(outs, self.output_specs, num_tokens, padded)
+        note_outputs(outs, self.output_specs)
+        return outs
 
     def __call__(self, *args: Any) -> Any:
         note_call(self, args)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dbo_compile.config import DboConfig
-from dbo_compile.errors import MetadataError, UBatchExecutionError
+from dbo_compile.errors import MetadataError
 from dbo_compile.metadata import (
     AttentionMetadata,
     HostCounts,
@@ -30,7 +30,8 @@ from dbo_compile.runtime.padding import join_ubatch_outputs
 from dbo_compile.runtime.ubatch import cut_step, make_ubatch_slices
 from dbo_compile.runtime.vetoes import check_vetoes
 from dbo_compile.runtime.vote import coordinate_across_dp
-from dbo_compile.signature import InputSpec, SplitSignature
+from dbo_compile.schedule import CommPlan
+from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,19 @@ class UnsplitProgram(CompiledArtifact):
         row_local: every output row depends only on the same input row (checked by the
             token-dim analysis), so padding rows cannot change the real rows' results.
         compile_times: seconds per compile pass run before the graph was found unsplittable.
+        output_specs: what each output is (``None``: not classified).
+        unsplit_plan: the collectives ``fn`` issues, in order (``None``: not drainable).
     """
 
     def __init__(self, fn: Callable[..., Any], reason: str, config: DboConfig | None = None,
                  specs: list[InputSpec] | None = None, has_comm: bool = False,
                  fixed_num_tokens: bool = True, row_local: bool = False,
-                 compile_times: dict[str, float] | None = None):
+                 compile_times: dict[str, float] | None = None,
+                 output_specs: Sequence[OutputSpec] | None = None,
+                 unsplit_plan: CommPlan = None):
         super().__init__(unsplit=fn, config=config or DboConfig(), specs=specs, reason=reason,
-                         row_local=row_local, compile_times=compile_times)
+                         row_local=row_local, compile_times=compile_times,
+                         output_specs=output_specs, unsplit_plan=unsplit_plan)
         self.has_comm = has_comm
         self.fixed_num_tokens = fixed_num_tokens
 
@@ -106,6 +112,9 @@ class DboCompiledModule(CompiledArtifact):
         kv_block_sizes: the KV block sizes of the graph's paged-KV ops
             (:func:`~dbo_compile.ops.registry.kv_block_sizes`), which the prefix-read veto
             uses when the caller passes no ``block_size``.
+        output_specs: what each graph output is.
+        split_plan / unsplit_plan: the collectives of ``split_program`` / ``unsplit`` in
+            issue order (:mod:`~dbo_compile.runtime.step_txn`).
 
     Attributes:
         fingerprint: the primary schedule's
@@ -113,19 +122,26 @@ class DboCompiledModule(CompiledArtifact):
             which the DP vote compares across ranks.
 
     Raises (per call):
-        DpVoteError: the DP ranks compiled different schedules or configs.
-        UBatchExecutionError: an op of the split program raised; the next step runs normally.
+        DpVoteError: the DP ranks compiled different schedules or configs, or one rank's
+            step failed its checks before the vote (on every rank).
+        UBatchExecutionError: an op of the program raised on some rank (on every rank: the
+            step transaction, :mod:`~dbo_compile.runtime.step_txn`); the next step runs
+            normally.
     """
 
     def __init__(self, unsplit: Callable[..., Any], split_program: Any, specs: list[InputSpec],
                  signature: SplitSignature, config: DboConfig,
                  candidates: dict[str, Any] | None = None,
                  compile_times: dict[str, float] | None = None,
-                 kv_block_sizes: tuple[int, ...] | None = ()):
+                 kv_block_sizes: tuple[int, ...] | None = (),
+                 output_specs: Sequence[OutputSpec] | None = None,
+                 split_plan: CommPlan = None, unsplit_plan: CommPlan = None):
         super().__init__(unsplit=unsplit, config=config, specs=specs, reason=None,
                          row_local=True, split_program=split_program,
                          candidates=candidates or {config.scheduler: split_program},
-                         signature=signature, compile_times=compile_times)
+                         signature=signature, compile_times=compile_times,
+                         output_specs=output_specs, split_plan=split_plan,
+                         unsplit_plan=unsplit_plan)
         self.fingerprint = split_program.schedule.fingerprint()
         #: the KV block sizes of the graph's paged-KV ops (``()``: none; ``None``: not static),
         #: which the prefix-read veto uses (set by the pipeline)
@@ -212,10 +228,15 @@ class DboCompiledModule(CompiledArtifact):
                 if sum(qlens) > num_tokens:
                     raise MetadataError(f"{sum(qlens)} scheduled tokens but only {num_tokens} rows")
             veto = self._veto(md, qlens or [], counts) if self.config.split != "never" else None
-        except MetadataError as e:
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the vote, never here
             local_error = f"{type(e).__name__}: {e}"
         if qlens is None:  # no metadata (every token its own request), or it failed its checks
-            qlens = [1] * num_tokens if given is None else int_list(given)
+            qlens = [1] * num_tokens
+            if given is not None and local_error is None:
+                try:
+                    qlens = int_list(given)
+                except Exception as e:  # noqa: BLE001 - raised on every rank by the vote
+                    local_error = f"num_scheduled_tokens: {type(e).__name__}: {e}"
         real = sum(qlens) if has_md else num_tokens
         uniform_decode = bool(qlens) and qlens.count(1) == len(qlens)
         vote = coordinate_across_dp(
@@ -228,14 +249,9 @@ class DboCompiledModule(CompiledArtifact):
     # -- the split --------------------------------------------------------------------------
     def _run_split(self, padded_args: list[Any], decision: StepDecision) -> tuple[Any, ...]:
         split_args = self.split_args(padded_args, decision.qlens)
-        try:
-            outs = self.split_program(*split_args)
-        except Exception as e:  # noqa: BLE001 - re-raised with the ubatch context
-            raise UBatchExecutionError(
-                f"the split program failed in a ubatch ({type(e).__name__}: {e}); the step was "
-                "aborted, the next step runs normally"
-            ) from e
-        return join_ubatch_outputs(outs, self.signature.outputs)
+        outs = self.split_program(*split_args)  # a failure: the step transaction's
+        return join_ubatch_outputs(outs, self.signature.outputs, self.output_specs,
+                                   int(padded_args[self.token_index].shape[0]))
 
     def split_args(self, args: Sequence[Any], qlens: list[int], *,
                    host: HostCounts | None = None, validated: bool = False) -> list[Any]:
