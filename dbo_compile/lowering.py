@@ -109,6 +109,11 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
                 # the same for every ubatch, kept symbolic so the graph serves every value
                 specs.append(InputSpec(i, node.name, source, "scalar"))
                 continue
+            if m is None and not node.users:
+                # an unused layout symbol (input_ids.stride()[0] of a strided view, a
+                # storage offset): Dynamo adds it, nothing reads it
+                specs.append(InputSpec(i, node.name, source, "scalar"))
+                continue
             if m is None or m.group("base") not in by_source:
                 raise UnsplittableGraphError(
                     f"SymInt input {node.name} (source {source!r}) is not the size of a graph "
@@ -152,6 +157,40 @@ def _check_scalars_are_not_token_counts(specs: list[InputSpec], placeholders: li
                 "gave it the token dim's symbol), but as an argument it would reach every ubatch "
                 "as the whole step's count. Derive it from the tokens (x.shape[0]) or use -1 in "
                 "views")
+
+
+def fold_tensorified_floats(gm: fx.GraphModule, example_inputs: Sequence[Any]
+                            ) -> tuple[fx.GraphModule, tuple[tuple[int, float], ...]]:
+    """``gm``, or a copy of it with each float Dynamo passed as a 0-dim float64 tensor and
+    read only by ``.item()`` (``torch.compile(dynamic=True)`` does that to module attributes
+    such as an attention scale or a norm's eps) replaced by its value, and the
+    ``(input index, value)`` pairs folded.
+
+    Re-traced, ``.item()`` would give a data-dependent ``SymFloat`` that ops taking a
+    ``float`` (``dbo.attention``'s ``scale``) refuse. Dynamo did not guard on the value, so
+    the artifact must check it every call (a host read of a CPU tensor) and run the original
+    graph when it changed (``DboCompiledModule.float_guards``).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    folds = []
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        grapharg = node.meta.get("grapharg")
+        if (isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor)
+                and value.dim() == 0 and value.dtype == torch.float64 and value.device.type == "cpu"
+                and getattr(grapharg, "pass_arg_as_tensor", False) and node.users
+                and all(u.op == "call_method" and u.target == "item" for u in node.users)):
+            folds.append((i, float(value)))
+    if not folds:
+        return gm, ()
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copied = [n for n in graph.nodes if n.op == "placeholder"]
+    for i, value in folds:
+        for user in list(copied[i].users):
+            user.replace_all_uses_with(value)
+            graph.erase_node(user)
+    folded = fx.GraphModule(gm, graph)
+    return folded, tuple(folds)
 
 
 @dataclass

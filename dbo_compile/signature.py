@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["INPUT_KINDS", "OUTPUT_KINDS", "InputSpec", "OutputSpec", "SplitSignature"]
+__all__ = ["INPUT_KINDS", "OUTPUT_KINDS", "ROW_VALID_INPUT", "InputSpec", "OutputSpec",
+           "SplitSignature"]
 
 #: the kinds of graph input (:attr:`InputSpec.kind`)
 INPUT_KINDS = ("shared", "token", "request", "size", "scalar", "host_mirror")
+#: the name of the input the backend adds to a graph whose state threads must not count padding
+#: rows (bool ``[T]``, ``True`` for real rows; :mod:`dbo_compile.passes.state_threads`); the
+#: artifact appends it to the caller's inputs
+ROW_VALID_INPUT = "dbo_row_valid"
 #: the kinds of graph output (:attr:`OutputSpec.kind`)
 OUTPUT_KINDS = ("token", "shared", "size", "const", "unknown")
 

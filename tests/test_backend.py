@@ -345,3 +345,96 @@ def test_record_calls_and_last_called_are_per_thread():
     t.join(timeout=30)
     assert len(calls) == 1 and any(a is xa for a in calls[0][1])  # this thread's call only
     assert seen["other"] is not None and last_called() is not None
+
+
+def _tiny_step(layers=2):
+    from dbo_compile.models.batch import fill_kv_cache, make_step
+    from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+
+    cfg = get_config("tiny", num_layers=layers)
+    model = DeepseekMoEModel(cfg, seed=0)
+    step = make_step(cfg, decode_context_lens=[30] * 8, prefills=[(0, 24)], block_size=16)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    fill_kv_cache(model, step, seed=1)
+    return model, step
+
+
+def _eager(model, step, *inputs):
+    saved = [c.clone() for c in model.kv_caches()]
+    with torch.no_grad():
+        ref = model(*inputs) if inputs else model(step.input_ids, step.positions,
+                                                  step.attn_metadata)
+    for c, s in zip(model.kv_caches(), saved):
+        c.copy_(s)
+    return ref
+
+
+@pytest.mark.parametrize("layout", ["strided", "offset"])
+@pytest.mark.parametrize("entry", ["run_step", "direct"])
+def test_strided_and_offset_token_inputs_split(layout, entry):
+    """x[::2] or a view at storage offset 8 gave Dynamo stride / offset symbols, which made
+    the graph unsplittable ("SymInt input s2 ... is not the size of a graph input"): DBO was
+    off, the answer right. run_step passes dense rows; unused layout symbols are passed
+    through."""
+    from dbo_compile.runtime.engine import run_step
+
+    model, step = _tiny_step()
+    ids, pos = step.input_ids, step.positions
+    if layout == "strided":
+        ids, pos = (torch.stack([t, torch.zeros_like(t)], 1).flatten()[::2] for t in (ids, pos))
+    else:
+        ids, pos = (torch.cat([torch.zeros(8, dtype=t.dtype), t])[8:] for t in (ids, pos))
+    ref = _eager(model, step)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always",
+                                                            "schedule_candidates": False})
+    with torch.no_grad():
+        if entry == "run_step":
+            out = run_step(compiled, ids, pos, step.attn_metadata, step.num_scheduled_tokens)
+        else:
+            out = compiled(ids, pos, step.attn_metadata)
+    art = last_artifact()
+    assert art.is_split and art.stats.split_steps == 1, art.reason
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+def test_dynamic_true_splits_and_guards_the_folded_floats(caplog):
+    """torch.compile(dynamic=True) passes float attributes (the attention scale, the norms'
+    eps) as 0-dim tensors read by .item(); re-traced they were SymFloats that dbo.attention
+    refused, so the package's own model ran unsplit. They are folded, and checked per call:
+    an artifact called with another value runs Dynamo's graph unsplit (right answer, a
+    WARNING)."""
+    from dbo_compile.runtime.context import record_calls
+
+    model, step = _tiny_step()
+    ref = _eager(model, step)
+    compiled = torch.compile(model, backend="dbo", dynamic=True,
+                             options={"split": "always", "schedule_candidates": False})
+    with torch.no_grad(), record_calls() as calls:
+        out = compiled(step.input_ids, step.positions, step.attn_metadata)
+    art, args = calls[0]
+    assert art.is_split and art.stats.split_steps == 1, art.reason
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    scale = next(i for i, v in art.float_guards if v == model.layers[0].self_attn.scale)
+    args = list(args)
+    args[scale] = torch.tensor(0.5, dtype=torch.float64)
+    model.layers[0].self_attn.scale = 0.5
+    ref = _eager(model, step)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        out = art(*args)[0]
+    assert art.stats.unsplit_steps == 1 and "float" in art.stats.last_decision
+    assert "changed from the value" in caplog.text
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+def test_unsplit_graph_with_collectives_says_so_at_its_first_step(caplog):
+    from dbo_compile.runtime.engine import run_step
+
+    torch.manual_seed(0)
+    model = SumsOverTokens()
+    x = torch.randn(16, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        compiled(x)
+        compiled(x)
+    assert caplog.text.count("DBO is off for this graph") == 1

@@ -15,6 +15,7 @@ from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.runtime.graphs import CudaGraphRunner
 from dbo_compile.testing import run_multirank
+from moe_cases import capture_then_serve
 
 OPTS = {"split": "always", "schedule_candidates": False}
 
@@ -109,15 +110,8 @@ def test_runner_returns_the_eager_structure(mode):
     runner = CudaGraphRunner(compiled, buckets=[16], timing_iters=1, device="cpu",
                              max_blocks_per_req=step.attn_metadata.block_table.shape[1])
 
-    def serve():
-        runner.capture()
-        for c, s in zip(model.kv_caches(), saved):
-            c.copy_(s)
-        return runner(step.input_ids, step.positions, step.attn_metadata,
-                      step.num_scheduled_tokens)
-
     saved = [c.clone() for c in model.kv_caches()]
-    ref, out = _eager_then(model, step, serve)
+    ref, out = _eager_then(model, step, lambda: capture_then_serve(runner, model, step, saved))
     assert runner.last_choice == (16, "split")
     _assert_same(out, ref)
 

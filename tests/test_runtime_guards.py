@@ -344,3 +344,41 @@ def test_unknown_block_size_vetoes_steps_with_cached_prefixes_and_warns(monkeypa
                  fresh.num_scheduled_tokens)
         assert art.stats.split_steps == 1
     assert caplog.text.count("needs the KV block size") == 1
+
+
+class _BreakingModel(DeepseekMoEModel):
+    """A graph break after every decoder layer (a print, a host read, an unsupported call)."""
+
+    def forward(self, input_ids, positions, attn_metadata):
+        import torch.nn.functional as F
+
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(x, positions, attn_metadata)
+            torch._dynamo.graph_break()
+        return F.linear(self.norm(x), self.lm_head).to(torch.float32)
+
+
+def test_graph_break_counts_steps_not_calls():
+    """The loop body after a break is one artifact called once per layer: one step of 4
+    layers counted split_steps=[4, 0]; steps count once per artifact, calls separately."""
+    from dbo_compile.backend import compiled_artifacts
+
+    cfg = get_config("tiny", num_layers=4)
+    model = _BreakingModel(cfg, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    step = make_step(cfg, decode_context_lens=[30] * 8, prefills=[(0, 24)], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    fill_kv_cache(model, step, seed=1)
+    eager, _ = eager_then_restore(model, step)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always",
+                                                            "schedule_candidates": False})
+    with torch.no_grad():
+        for _ in range(2):
+            out = run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                           step.num_scheduled_tokens)
+    stats = [a.stats for a in compiled_artifacts()]
+    print([(s.split_steps, s.unsplit_steps, s.calls) for s in stats])
+    assert all(s.split_steps + s.unsplit_steps == 2 for s in stats)
+    assert max(s.calls for s in stats) >= 6  # the layer graph ran 3-4 times per step
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)

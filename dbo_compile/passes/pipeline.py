@@ -7,6 +7,8 @@ The ordered pass lists (names as in ``artifact.compile_times`` and in the number
                     reinplace      KV-cache writes back in place (passes/reinplace.py)
                     dead_code      drop what nothing uses
                     token_dim      token dim of every node; reject token-mixing graphs
+                    state_threads  in-place updates of shared inputs from the tokens, replayed
+                                   per ubatch (passes/state_threads.py); padding rows masked
                     find_comm      the comm ops (none: unsplittable, nothing to overlap)
     split graph     split_ubatch   one copy of the body per ubatch (passes/split_ubatch.py)
                     insert_yields  comm ops -> issue + wait (passes/insert_yields.py)
@@ -47,7 +49,14 @@ from dbo_compile.codegen.wrapper import SplitProgram
 from dbo_compile.config import Candidate, DboConfig, candidates_of
 from dbo_compile.errors import ScheduleError, UnsplittableGraphError
 from dbo_compile.ops.registry import comm_nodes, comm_plan, kv_block_sizes
-from dbo_compile.passes import insert_yields, join_experts, reinplace, split_ubatch, stream_assign
+from dbo_compile.passes import (
+    insert_yields,
+    join_experts,
+    reinplace,
+    split_ubatch,
+    state_threads,
+    stream_assign,
+)
 from dbo_compile.passes import token_dim
 from dbo_compile.passes.meta import dbo_meta
 from dbo_compile.runtime.program import DboCompiledModule
@@ -73,6 +82,10 @@ class CompileState:
         token_symbol: the symbol of the token dim (``lower``).
         request_symbols: the symbols of the request dims (``lower``).
         output_specs: what each graph output is (``token_dim``).
+        threads: the state threads (in-place updates of shared inputs from the tokens) and
+            token-free writes of shared inputs (``state_threads``).
+        float_guards: ``(input index, value)`` of the floats folded into the graph
+            (``lower``: :func:`~dbo_compile.lowering.fold_tensorified_floats`).
         comms: the issuing comm nodes of the lowered graph (``find_comm``).
         signature: how the split graph maps to the lowered one (``split_ubatch``).
     """
@@ -85,6 +98,8 @@ class CompileState:
     token_symbol: Any = None
     request_symbols: frozenset = frozenset()
     output_specs: tuple[OutputSpec, ...] = ()
+    threads: list = field(default_factory=list)
+    float_guards: tuple[tuple[int, float], ...] = ()
     comms: list[fx.Node] = field(default_factory=list)
     signature: SplitSignature | None = None
 
@@ -154,6 +169,7 @@ def _lower(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
             f"per ubatch; read the device field {mirror.field} instead")
     if not any(s.kind == "token" for s in st.specs):
         raise UnsplittableGraphError("the graph has no token-indexed tensor input")
+    gm, st.float_guards = lowering.fold_tensorified_floats(gm, st.example_inputs)
     lowered = lowering.lower_to_aten(gm, st.example_inputs, st.specs)
     st.token_symbols = lowered.token_symbols
     st.token_symbol = lowered.token_symbol
@@ -178,6 +194,13 @@ def _token_dim(gm: fx.GraphModule, st: CompileState) -> None:
     st.output_specs = token_dim.check_outputs(gm.graph, st.token_symbol)
 
 
+def _state_threads(gm: fx.GraphModule, st: CompileState) -> None:
+    st.threads = state_threads.find_state_threads(gm.graph, st.specs)
+    spec = state_threads.mask_padding_rows(gm.graph, st.threads, st.specs, st.token_symbol)
+    if spec is not None:
+        st.specs = [*st.specs, spec]
+
+
 def _find_comm(gm: fx.GraphModule, st: CompileState) -> None:
     st.comms = comm_nodes(gm.graph)
     if not st.comms:
@@ -190,7 +213,8 @@ def _find_comm(gm: fx.GraphModule, st: CompileState) -> None:
 
 
 def _split_ubatch(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
-    split_gm, st.signature = split_ubatch.split_ubatch(gm, st.specs, st.config.num_ubatches)
+    split_gm, st.signature = split_ubatch.split_ubatch(gm, st.specs, st.config.num_ubatches,
+                                                       st.threads)
     return split_gm
 
 
@@ -202,7 +226,7 @@ def lowered_passes(config: DboConfig) -> list[GraphPass]:
     """The passes from Dynamo's graph to the lowered (unsplit) graph."""
     return [GraphPass("lower", _lower), GraphPass("reinplace", _reinplace),
             GraphPass("dead_code", _dead_code), GraphPass("token_dim", _token_dim, False),
-            GraphPass("find_comm", _find_comm, False)]
+            GraphPass("state_threads", _state_threads), GraphPass("find_comm", _find_comm, False)]
 
 
 def split_passes(config: DboConfig) -> list[GraphPass]:
@@ -329,7 +353,10 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
                                  output_specs=state.output_specs,
                                  split_plan=comm_plan(primary_gm.graph, state.token_symbol,
                                                       schedule),
-                                 unsplit_plan=comm_plan(lowered_gm.graph, state.token_symbol))
+                                 unsplit_plan=comm_plan(lowered_gm.graph, state.token_symbol),
+                                 float_guards=state.float_guards,
+                                 guard_fallback=compile_unsplit(gm, config)
+                                 if state.float_guards else None)
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
     return compiled

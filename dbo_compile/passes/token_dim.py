@@ -594,6 +594,16 @@ def _linear_in(expr: Any, t: sympy.Symbol | None) -> tuple[int, int] | None:
     return int(coef), int(b)
 
 
+def is_token_indexed(node: Any) -> bool:
+    """``node``'s dim 0 is the token (or request) dim (after :func:`annotate_token_dims`)."""
+    return _node_token(node)
+
+
+def per_ubatch_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that depend on a token-indexed value (after :func:`annotate_token_dims`)."""
+    return _per_ubatch_nodes(graph)
+
+
 def _per_ubatch_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Nodes that depend on a token-indexed value (their value differs per ubatch)."""
     dep: set[fx.Node] = set()

@@ -28,7 +28,7 @@ from dbo_compile.runtime.padding import WriteBack, pad_args, restore_outputs
 from dbo_compile.runtime.step_txn import run_in_transaction, ubatch_token_counts
 from dbo_compile.runtime.vote import VoteResult
 from dbo_compile.schedule import CommPlan
-from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
+from dbo_compile.signature import ROW_VALID_INPUT, InputSpec, OutputSpec, SplitSignature
 
 __all__ = ["CompiledArtifact", "StepDecision", "StepStats", "check_groups", "dp_group"]
 
@@ -74,12 +74,15 @@ class StepDecision:
         reason: ``"split"``, or why the step does not split (for logs and ``stats``).
         qlens: tokens per request (host ints) of this rank's step.
         host: the metadata's host counts when the vote read them (the split reuses them).
+        fallback: run the artifact's ``guard_fallback`` (Dynamo's graph, unsplit) instead of
+            ``unsplit``: a value compiled into the programs changed.
     """
 
     vote: VoteResult | None
     reason: str
     qlens: list[int]
     host: HostCounts | None = None
+    fallback: bool = False
 
     @property
     def should_split(self) -> bool:
@@ -185,6 +188,9 @@ class CompiledArtifact:
         self.output_specs = None if output_specs is None else tuple(output_specs)
         self.split_plan = split_plan
         self.unsplit_plan = unsplit_plan
+        #: Dynamo's graph, unsplit, for a step where a value compiled into the programs
+        #: changed (``DboCompiledModule.float_guards``)
+        self.guard_fallback: Callable[..., Any] | None = None
         self.config = config
         self.specs = specs
         self.reason = reason
@@ -200,6 +206,9 @@ class CompiledArtifact:
         #: graph-input index of each attention-metadata field the graph takes
         self.metadata_inputs: dict[str, int] = {s.field: s.index for s in specs or []
                                                 if s.field is not None}
+        #: graph-input index of the row-validity input the backend added (``None``: none)
+        self.row_valid_index = next((s.index for s in specs or []
+                                     if s.name == ROW_VALID_INPUT), None)
 
     @property
     def is_split(self) -> bool:
@@ -264,13 +273,16 @@ class CompiledArtifact:
             return self._finish(self.unsplit(*args), num_tokens, num_tokens)
         padded = vote.num_tokens_padded
         split = decision.should_split
+        unsplit = self.unsplit
+        if decision.fallback:  # Dynamo's own graph: its inputs only
+            unsplit = lambda *a: self.guard_fallback(*a[:self.row_valid_index])  # noqa: E731
 
         def run() -> tuple[Any, ...]:
             if not split and padded == num_tokens:
-                return self.unsplit(*args)  # at its own size: nothing to pad
+                return unsplit(*args)  # at its own size: nothing to pad
             padded_args = pad_args(self.specs, args, num_tokens, padded)
             write_back = WriteBack(args, padded_args, num_tokens)
-            outs = self._run_split(padded_args, decision) if split else self.unsplit(*padded_args)
+            outs = self._run_split(padded_args, decision) if split else unsplit(*padded_args)
             write_back()
             return outs
 
@@ -295,8 +307,24 @@ class CompiledArtifact:
         return outs
 
     def __call__(self, *args: Any) -> Any:
+        args = self.graph_inputs(args)
         note_call(self, args)
         return self.run_decided(args, self.decide_step(args))
+
+    def graph_inputs(self, args: Sequence[Any], real_rows: int | None = None) -> tuple[Any, ...]:
+        """Dynamo's inputs and those the backend added: ``dbo_row_valid`` (bool ``[T]``,
+        ``True`` for the first ``real_rows`` rows; default every row, but ``run_step``'s
+        padding rows, which the step context names) when the graph's state threads must not
+        count padding rows (:mod:`dbo_compile.passes.state_threads`)."""
+        index = self.row_valid_index
+        if index is None or len(args) > index:
+            return tuple(args)
+        t = args[self.token_index]
+        n = int(t.shape[0])
+        if real_rows is None:
+            ctx = current_step_context()
+            real_rows = ctx.real_rows if ctx.real_rows is not None and ctx.padded_rows == n else n
+        return (*args, torch.arange(n, device=t.device) < real_rows)
 
     # -- what the two artifacts do differently ----------------------------------------------
     def _decide(self, args: Sequence[Any], min_padded: int, metadata: AttentionMetadata | None,

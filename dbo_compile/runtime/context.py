@@ -38,6 +38,9 @@ class StepContext:
         step_id: a number unique to the step in this process (set by :func:`step_context`):
             a graph called several times in one step (graph breaks) counts one step in its
             ``stats``. ``None`` (a call outside any step context): every call is a step.
+        real_rows / padded_rows: ``run_step`` padded the step's ``real_rows`` token rows to
+            ``padded_rows`` (Dynamo specialises sizes 0 and 1): a graph called with
+            ``padded_rows`` rows then knows which are padding.
     """
 
     num_scheduled_tokens: Sequence[int] | None = None
@@ -45,6 +48,8 @@ class StepContext:
     vetoes: Sequence[Any] = field(default_factory=tuple)
     allow_split: bool = True
     step_id: int | None = None
+    real_rows: int | None = None
+    padded_rows: int | None = None
 
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(

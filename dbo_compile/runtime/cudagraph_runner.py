@@ -636,6 +636,9 @@ class CudaGraphRunner:
         named = {"input_ids": ids, "positions": pos, **md.tensors()}
         for name, i in b.input_pos.items():
             args[i] = named[name]
+        valid = b.artifact.row_valid_index
+        if valid is not None:  # every row of the step is real; the bucket's padding is not
+            args[valid] = torch.ones(int(ids.shape[0]), dtype=torch.bool, device=ids.device)
         return args
 
     def _eager(self, reason: str, ids, pos, md, ctx) -> Any:

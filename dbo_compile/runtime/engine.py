@@ -92,7 +92,8 @@ def run_step(compiled: Callable[..., Any], input_ids: torch.Tensor | None,
     call_kwargs = dict(model_kwargs)
     call_kwargs.update({k: v for k, v in tokens.items() if k not in ("input_ids", "positions")})
     with step_context(num_scheduled_tokens=list(num_scheduled_tokens), block_size=block_size,
-                      vetoes=tuple(vetoes), allow_split=allow_split):
+                      vetoes=tuple(vetoes), allow_split=allow_split,
+                      real_rows=num_rows if padded else None, padded_rows=2 if padded else None):
         out = compiled(tokens.get("input_ids", input_ids), tokens.get("positions", positions),
                        attn_metadata, **call_kwargs)
     return _real_outputs(out, num_rows, 2) if padded else out

@@ -25,7 +25,13 @@ from dbo_compile.metadata import (
     query_lens_from,
 )
 from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision, StepStats, dp_group
-from dbo_compile.runtime.context import current_step_context, last_called, record_calls, uncounted
+from dbo_compile.runtime.context import (
+    counting,
+    current_step_context,
+    last_called,
+    record_calls,
+    uncounted,
+)
 from dbo_compile.runtime.padding import join_ubatch_outputs
 from dbo_compile.runtime.ubatch import cut_step, make_ubatch_slices
 from dbo_compile.runtime.vetoes import check_vetoes
@@ -71,12 +77,17 @@ class UnsplitProgram(CompiledArtifact):
                          output_specs=output_specs, unsplit_plan=unsplit_plan)
         self.has_comm = has_comm
         self.fixed_num_tokens = fixed_num_tokens
+        self._warned = False
 
     def _decide(self, args: Sequence[Any], min_padded: int, metadata: AttentionMetadata | None,
                 host: HostCounts | None, pads_itself: bool) -> StepDecision:
         """This rank's part of the DP vote (always "no split"); no vote when the graph issues
         no collective, has no token input or runs without a group. ``pads_itself``: the
         caller pads to its own buckets, so the artifact's fixed token count does not apply."""
+        if not self._warned and self.has_comm and counting():
+            # said at compile time too, but a server's log is read by its steps
+            self._warned = True
+            log.warning("dbo: DBO is off for this graph, its steps run unsplit: %s", self.reason)
         group = dp_group(self.config)
         n = None if self.token_index is None else int(args[self.token_index].shape[0])
         if not self.has_comm or n is None or group is None:
@@ -115,6 +126,11 @@ class DboCompiledModule(CompiledArtifact):
         output_specs: what each graph output is.
         split_plan / unsplit_plan: the collectives of ``split_program`` / ``unsplit`` in
             issue order (:mod:`~dbo_compile.runtime.step_txn`).
+        float_guards: ``(input index, value)`` of the floats folded into the programs
+            (``torch.compile(dynamic=True)`` passes float attributes as 0-dim tensors, on
+            whose value Dynamo does not guard): each call compares them (host reads of CPU
+            tensors); a step where one changed runs ``guard_fallback`` (Dynamo's graph,
+            unsplit), with a WARNING the first time.
 
     Attributes:
         fingerprint: the primary schedule's
@@ -135,7 +151,9 @@ class DboCompiledModule(CompiledArtifact):
                  compile_times: dict[str, float] | None = None,
                  kv_block_sizes: tuple[int, ...] | None = (),
                  output_specs: Sequence[OutputSpec] | None = None,
-                 split_plan: CommPlan = None, unsplit_plan: CommPlan = None):
+                 split_plan: CommPlan = None, unsplit_plan: CommPlan = None,
+                 float_guards: Sequence[tuple[int, float]] = (),
+                 guard_fallback: Callable[..., Any] | None = None):
         super().__init__(unsplit=unsplit, config=config, specs=specs, reason=None,
                          row_local=True, split_program=split_program,
                          candidates=candidates or {config.scheduler: split_program},
@@ -147,6 +165,9 @@ class DboCompiledModule(CompiledArtifact):
         #: which the prefix-read veto uses (set by the pipeline)
         self.kv_block_sizes = kv_block_sizes
         self._warned_block_size = False
+        self.float_guards = tuple(float_guards)
+        self.guard_fallback = guard_fallback
+        self._warned_guard = False
 
     @property
     def code(self) -> str:
@@ -176,6 +197,15 @@ class DboCompiledModule(CompiledArtifact):
             return None  # no paged KV read: nothing to veto
         return check_vetoes(md, qlens, block_size=sizes or None, vetoes=ctx.vetoes, host=host,
                             unknown_block_size=sizes is None)
+
+    def guard_missed(self, args: Sequence[Any]) -> bool:
+        """A float folded into the programs has another value in ``args`` (``float_guards``)."""
+        missed = [(i, v, float(args[i])) for i, v in self.float_guards if float(args[i]) != v]
+        if missed and not self._warned_guard:
+            self._warned_guard = True
+            log.warning("dbo: float input(s) %s changed from the value(s) compiled into the "
+                        "split program; such steps run Dynamo's graph unsplit", missed)
+        return bool(missed)
 
     def _veto_block_sizes(self, given: int | None) -> tuple[int, ...] | None:
         """The block sizes the prefix-read veto checks: the caller's ``given`` (checked against
@@ -217,6 +247,7 @@ class DboCompiledModule(CompiledArtifact):
         local_error = None
         veto = None
         counts = None
+        fallback = False
         try:
             md = None
             if has_md:
@@ -228,6 +259,8 @@ class DboCompiledModule(CompiledArtifact):
                 if sum(qlens) > num_tokens:
                     raise MetadataError(f"{sum(qlens)} scheduled tokens but only {num_tokens} rows")
             veto = self._veto(md, qlens or [], counts) if self.config.split != "never" else None
+            if self.float_guards and self.guard_missed(args):
+                fallback, veto = True, "a float attribute folded into the program changed"
         except Exception as e:  # noqa: BLE001 - raised on every rank by the vote, never here
             local_error = f"{type(e).__name__}: {e}"
         if qlens is None:  # no metadata (every token its own request), or it failed its checks
@@ -244,7 +277,8 @@ class DboCompiledModule(CompiledArtifact):
             group=dp_group(self.config), fingerprint=self.fingerprint,
             num_tokens_padded=max(num_tokens, real, min_padded), local_error=local_error)
         reason = "split" if vote.should_split else (veto or vote.reason or "not split")
-        return StepDecision(vote, reason, qlens, counts if metadata is not None else None)
+        return StepDecision(vote, reason, qlens, counts if metadata is not None else None,
+                            fallback=fallback)
 
     # -- the split --------------------------------------------------------------------------
     def _run_split(self, padded_args: list[Any], decision: StepDecision) -> tuple[Any, ...]:
