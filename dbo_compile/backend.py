@@ -92,7 +92,7 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     has_comm = any(comm_kind(n) is not None for n in gm.graph.nodes)
     # a graph Dynamo traced with symbolic sizes runs at any token count; a static one cannot
     dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
-    token = _token_symbol(specs, example_inputs)
+    token = _token_symbol(specs, gm)
     return UnsplitProgram(pipeline.compile_unsplit(gm, config), reason, config, specs, has_comm,
                           fixed_num_tokens=not dynamic, row_local=row_local,
                           compile_times=times,
@@ -100,11 +100,15 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
                           unsplit_plan=comm_plan(gm.graph, token))
 
 
-def _token_symbol(specs: list | None, example_inputs: Sequence[Any]) -> Any:
-    """The symbol of Dynamo's token dim (dim 0 of the first token input), ``None`` for a
-    static graph or no token input."""
+def _token_symbol(specs: list | None, gm: fx.GraphModule) -> Any:
+    """The symbol of Dynamo's token dim (dim 0 of the first token input's example value, in
+    the ShapeEnv of the graph's other values), ``None`` for a static graph or no token
+    input."""
     spec = next((s for s in specs or [] if s.kind == "token"), None)
-    value = example_inputs[spec.index] if spec is not None else None
+    if spec is None:
+        return None
+    node = [n for n in gm.graph.nodes if n.op == "placeholder"][spec.index]
+    value = node.meta.get("example_value")
     d0 = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() else None
     return d0.node.expr if isinstance(d0, torch.SymInt) else None
 

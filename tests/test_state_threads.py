@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import last_artifact
 from moe_cases import capture_then_serve
@@ -18,19 +17,13 @@ from dbo_compile.runtime.engine import run_step
 from dbo_compile.testing import run_multirank
 
 
-def _routing(moe, x):
-    logits = F.linear(x, moe.gate).to(torch.float32)
-    topk_w, topk_ids = torch.topk(torch.softmax(logits, dim=-1), moe.top_k, dim=-1)
-    return topk_w / topk_w.sum(dim=-1, keepdim=True), topk_ids
-
-
 class _StateMoE(MoE):
     """Records expert load as ``kind`` says, then the usual dispatch / experts / combine."""
 
     kind = "counter"
 
     def forward(self, x):
-        topk_w, topk_ids = _routing(self, x)
+        topk_w, topk_ids = self.route(x)
         flat = topk_ids.flatten()
         ones = torch.ones_like(flat, dtype=torch.float32)
         if self.kind == "counter":  # EPLB: one [E] buffer for every layer
@@ -51,6 +44,9 @@ class _StateMoE(MoE):
             topk_w = topk_w * (1.0 + self.load[topk_ids] * 0)
         recv_x, recv_ids, recv_w = torch.ops.dbo.dispatch(
             x, topk_ids, topk_w, self.num_experts, self.group_name)
+        if self.kind == "received":  # this rank's experts' load, from the received rows
+            self.load.index_add_(0, recv_ids.clamp(min=0).flatten(),
+                                 (recv_ids >= 0).flatten().to(torch.float32))
         out = torch.ops.dbo.combine(self.experts(recv_x, recv_ids, recv_w), self.group_name)
         return out + self.shared_experts(x)
 
@@ -187,15 +183,25 @@ def _dp_body(rank, world_size):
         out = run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
                        step.num_scheduled_tokens)
     vote = last_called().last_vote
+    # a fold over the rows received from both ranks: their padding rows cannot be told apart
+    _, received, _ = _build("received", group=dist.group.WORLD)
+    decode = make_step(cfg, decode_context_lens=[30] * 20, prefills=[], block_size=16)
+    received.allocate_kv_cache(decode.num_blocks, decode.block_size)
+    with torch.no_grad():
+        run_step(torch.compile(received, backend="dbo", options={"split": "always"}),
+                 decode.input_ids, decode.positions, decode.attn_metadata,
+                 decode.num_scheduled_tokens)
     return (vote.should_split, vote.num_tokens_padded, torch.equal(state["load"], ref_state["load"]),
-            (out - eager).abs().max().item())
+            (out - eager).abs().max().item(), last_called().reason)
 
 
 @pytest.mark.multirank
 def test_dp_padding_rows_are_not_counted_on_any_rank():
     """Two ranks of 20 and 33 tokens: both pad to 34 and split; each rank's counter equals its
-    eager one."""
+    eager one. A fold over the rows a dispatch received (other ranks' padding among them) is
+    refused: padding could not be kept out of it."""
     results = run_multirank(_dp_body, 2, timeout_s=300)
     print(results)
-    for split, padded, same, err in results:
+    for split, padded, same, err, reason in results:
         assert split and padded == 34 and same and err <= 1e-5
+        assert "not this rank's tokens grouped in order" in reason

@@ -167,3 +167,32 @@ def test_runner_load_failure_on_one_rank_replays_padding_and_the_peer_is_right()
     assert results[0][0] == "UBatchExecutionError" and "replayed with padding" in results[0][1]
     assert results[1][0] == "ok" and results[1][1] <= 1e-5
     assert results[0][2] == results[1][2] == (16, "split")
+
+
+def test_unsplit_graphs_know_the_collectives_to_drain():
+    """A graph compiled unsplit (it mixes tokens) still issues collectives: its plan of null
+    calls comes from Dynamo's graph, sized by Dynamo's token symbol (here a dynamic graph,
+    through run_step), so that a failing rank can complete its peers' collectives."""
+    from conftest import last_artifact
+    from dbo_compile.models.batch import make_step
+    from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+    from dbo_compile.runtime.engine import run_step
+    from dbo_compile.schedule import NullArg
+
+    class MixesTokens(DeepseekMoEModel):
+        def forward(self, input_ids, positions, attn_metadata):
+            out = super().forward(input_ids, positions, attn_metadata)
+            return out - out.amax(dim=0, keepdim=True)
+
+    cfg = get_config("tiny", num_layers=2)
+    model = MixesTokens(cfg, seed=0)
+    step = make_step(cfg, decode_context_lens=[30] * 12, prefills=[], block_size=16)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    with torch.no_grad():
+        run_step(torch.compile(model, backend="dbo"), step.input_ids, step.positions,
+                 step.attn_metadata, step.num_scheduled_tokens)
+    art = last_artifact()
+    assert not art.is_split and art.unsplit_plan is not None
+    assert [c.name for c in art.unsplit_plan][:1] and len(art.unsplit_plan) == 4
+    x = art.unsplit_plan[0].args[0]
+    assert isinstance(x, NullArg) and x.dims(10) == [10, cfg.hidden_size]

@@ -263,12 +263,19 @@ class MoE(nn.Module):
         (-1 = not here), ``recv_w [N, K]`` fp32 -> ``[N, H]`` of ``recv_x.dtype`` (weighted)."""
         return torch.ops.dbo.grouped_experts(recv_x, recv_ids, recv_w, self.w13, self.w2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax gate and top-k: ``x [T, H]`` -> ``(topk_w [T, K] fp32, topk_ids [T, K]
+        int64)`` (global expert ids). Subclasses may observe the routing here (an EPLB-style
+        load counter)."""
         logits = F.linear(x, self.gate).to(torch.float32)  # [T, E]
         probs = torch.softmax(logits, dim=-1)
         topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        return topk_w, topk_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_w, topk_ids = self.route(x)
         recv_x, recv_ids, recv_w = torch.ops.dbo.dispatch(
             x, topk_ids, topk_w, self.num_experts, self.group_name)
         y = self.experts(recv_x, recv_ids, recv_w)

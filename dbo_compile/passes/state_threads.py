@@ -306,10 +306,12 @@ def _redirect(graph: fx.Graph, fold: fx.Node, valid: fx.Node, t: Any) -> list[fx
         raise UnsplittableGraphError(f"fold {fold.name} ({fold.target}) has no index tensor")
     rows = index.meta["val"].shape[0]
     coef = _rows_per_token(rows, t)
-    if coef is None:
+    if coef is None or not _grouped_by_token(index, t):
         raise UnsplittableGraphError(
-            f"fold {fold.name} ({fold.target}) folds {rows} index rows, not a multiple of the "
-            "token count: padding rows could not be kept out of it")
+            f"fold {fold.name} ({fold.target}) folds {rows} index rows that are not this "
+            "rank's tokens grouped in order (e.g. rows received from other ranks by a "
+            "dispatch): the padding rows of a padded step could not be kept out of it. Fold "
+            "the tokens' own routing (topk_ids before the dispatch)")
     size = dest_val.shape[dim]
     scratch_shape = [1 if d == dim else s for d, s in enumerate(dest_val.shape)]
 
@@ -353,6 +355,26 @@ def _redirect(graph: fx.Graph, fold: fx.Node, valid: fx.Node, t: Any) -> list[fx
             [x.meta["val"] if isinstance(x, fx.Node) else x for x in a]
             if isinstance(a, (list, tuple)) else a for a in fold.args], **fold.kwargs)
     return [scratch, widened, fold, cut]
+
+
+#: ops that keep each token's rows together and in order (dim 0 stays outermost)
+_GROUPING = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+             aten.clone.default, aten._to_copy.default, aten.alias.default,
+             aten.unsqueeze.default, aten.flatten.using_ints, aten.contiguous.default}
+
+
+def _grouped_by_token(node: fx.Node, t: Any) -> bool:
+    """``node``'s rows come, through row-order-keeping views and copies, from a tensor whose
+    dim 0 is the token dim ``t`` itself: row ``i`` belongs to token ``i // c``."""
+    while isinstance(node, fx.Node):
+        val = node.meta.get("val")
+        d0 = val.shape[0] if isinstance(val, torch.Tensor) and val.dim() else None
+        if isinstance(d0, torch.SymInt) and sympy.simplify(d0.node.expr - t) == 0:
+            return True
+        if node.op != "call_function" or node.target not in _GROUPING:
+            return False
+        node = node.args[0]
+    return False
 
 
 def _rows_per_token(rows: Any, t: Any) -> int | None:
