@@ -46,8 +46,11 @@ def arm(site: str, call: int = 0) -> None:
     _ARMED.site, _ARMED.call, _ARMED.seen = SITES.index(site), call, 0
 
 
-def disarm() -> None:
+def disarm() -> bool:
+    """Disarm; whether the armed failure was still pending (it never ran)."""
+    pending = _ARMED.site is not None
     _ARMED.site = None
+    return pending
 
 
 @torch.library.custom_op("dbo_test::fault", mutates_args=())
@@ -70,6 +73,13 @@ register_row_local(torch.ops.dbo_test.fault.default)
 
 
 class _FaultyMoE(MoE):
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        topk_w, topk_ids = super().route(x)
+        if self.expert_load is not None:  # EPLB-style: every layer counts into one buffer
+            flat = topk_ids.flatten()
+            self.expert_load.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        return topk_w, topk_ids
+
     def experts(self, recv_x: torch.Tensor, recv_ids: torch.Tensor,
                 recv_w: torch.Tensor) -> torch.Tensor:
         recv_x = torch.ops.dbo_test.fault(recv_x, SITES.index("experts"))
@@ -78,13 +88,23 @@ class _FaultyMoE(MoE):
 
 class FaultyMoEModel(DeepseekMoEModel):
     """:class:`~dbo_compile.models.deepseek.DeepseekMoEModel` with ``fault`` at the three
-    :data:`SITES` (the same function when nothing is armed)."""
+    :data:`SITES` (the same function when nothing is armed).
 
-    def __init__(self, *args, **kwargs) -> None:
+    Args:
+        count_load: every MoE layer adds its routing (one per token and top-k slot) into one
+            shared buffer ``expert_load`` ``[num_experts]`` float32, in place, as an EPLB
+            balancer records load.
+        (the rest as :class:`~dbo_compile.models.deepseek.DeepseekMoEModel`)
+    """
+
+    def __init__(self, *args, count_load: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        load = torch.zeros(self.config.num_experts) if count_load else None
+        self.expert_load = load
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.__class__ = _FaultyMoE
+                layer.mlp.register_buffer("expert_load", load, persistent=False)
 
     def forward(self, input_ids, positions, attn_metadata):
         x = F.embedding(input_ids, self.embed_tokens)
