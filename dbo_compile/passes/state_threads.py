@@ -54,6 +54,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.passes.meta import dbo_meta
@@ -315,46 +316,44 @@ def _redirect(graph: fx.Graph, fold: fx.Node, valid: fx.Node, t: Any) -> list[fx
     size = dest_val.shape[dim]
     scratch_shape = [1 if d == dim else s for d, s in enumerate(dest_val.shape)]
 
-    def call(target: Any, *args: Any) -> fx.Node:
+    def call(target: Any, *args: Any, token: bool = False) -> fx.Node:
         node = graph.call_function(target, args)
-        vals = [a.meta["val"] if isinstance(a, fx.Node) else
-                [x.meta["val"] if isinstance(x, fx.Node) else x for x in a]
-                if isinstance(a, (list, tuple)) else a for a in args]
-        with dest_val.fake_mode:
-            node.meta["val"] = target(*vals)
+        node.meta["val"] = _fake_value(node)
         dbo_meta(node).update(dbo_meta(fold))
-        dbo_meta(node)["token_dim"] = 0 if target in (aten.repeat_interleave.self_int,
-                                                       aten.view.default,
-                                                       aten.where.ScalarOther) else None
+        dbo_meta(node)["token_dim"] = 0 if token else None
         return node
 
     with graph.inserting_before(fold):
-        mask = valid if coef == 1 else call(aten.repeat_interleave.self_int, valid, coef)
+        mask = valid if coef == 1 else call(aten.repeat_interleave.self_int, valid, coef,
+                                            token=True)
         idx_dims = index.meta["val"].dim()
         if idx_dims > 1:
-            mask = call(aten.view.default, mask, [-1] + [1] * (idx_dims - 1))
-        redirected = call(aten.where.ScalarOther, mask, index, size)
+            mask = call(aten.view.default, mask, [-1] + [1] * (idx_dims - 1), token=True)
+        redirected = call(aten.where.ScalarOther, mask, index, size, token=True)
         scratch = call(aten.new_zeros.default, dest, scratch_shape)
         widened = call(aten.cat.default, [dest, scratch], dim)
     args = list(fold.args)
     args[0] = widened
-    if dim_pos is None:
-        args[index_pos] = [redirected, *indices[1:]]
-    else:
-        args[index_pos] = redirected
+    args[index_pos] = [redirected, *indices[1:]] if dim_pos is None else redirected
     fold.args = tuple(args)
-    old = fold.meta["val"]
     with graph.inserting_after(fold):
         cut = graph.call_function(aten.slice.Tensor, (fold, dim, 0, size))
     fold.replace_all_uses_with(cut, delete_user_cb=lambda u: u is not cut)
-    cut.meta["val"] = old
+    cut.meta["val"] = fold.meta["val"]
     dbo_meta(cut).update(dbo_meta(fold))
-    with dest_val.fake_mode:
-        fold.meta["val"] = fold.target(*[
-            a.meta["val"] if isinstance(a, fx.Node) else
-            [x.meta["val"] if isinstance(x, fx.Node) else x for x in a]
-            if isinstance(a, (list, tuple)) else a for a in fold.args], **fold.kwargs)
+    fold.meta["val"] = _fake_value(fold)
     return [scratch, widened, fold, cut]
+
+
+def _fake_value(node: fx.Node) -> Any:
+    """``node``'s value run on its inputs' fake values (``meta["val"]``)."""
+    def val(a: Any) -> Any:
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+
+    args = [[val(x) for x in a] if isinstance(a, (list, tuple)) else val(a) for a in node.args]
+    mode = next(v.fake_mode for v in pytree.tree_leaves(args) if isinstance(v, torch.Tensor))
+    with mode:
+        return node.target(*args, **node.kwargs)
 
 
 #: ops that keep each token's rows together and in order (dim 0 stays outermost)
