@@ -18,7 +18,8 @@ the rank's real rows: no padding, no collective): the outputs, the expert-load c
 project error on every rank (type and message, less the failing rank's own
 ``"; this rank: ..."``), caused on the failing rank by the injected failure. The ranks'
 decisions (split, padded count) must agree. A hang is a rank still running past the limit
-(a per-step watchdog also dumps every thread's stack to stderr).
+(a per-step watchdog, ``step_timeout_s``, dumps every thread's stack to stderr and
+ends the rank: a hang is found within that time, whatever the job's own limit).
 
 :func:`run_soak` runs it and returns the counts; ``benchmarks/soak.py`` is its command line.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import faulthandler
 import hashlib
 import random
+import sys
 import time
 from typing import Any
 
@@ -120,9 +122,15 @@ def soak_rank(rank: int, world_size: int, steps: int, seed: int, max_tokens: int
     compiled = torch.compile(model, backend="dbo", options=SOAK_OPTIONS)
     records = []
     t0 = time.perf_counter()
+    t_first = 0.0
     for i in range(steps):
-        faulthandler.dump_traceback_later(step_timeout_s, exit=True)
+        # the watchdog: a step that does not end dumps every thread's stack and exits (the
+        # first step compiles: ten times the limit)
+        faulthandler.dump_traceback_later(step_timeout_s * (10 if i == 0 else 1), exit=True)
         t_step = time.perf_counter()
+        if rank == 0 and i and i % 100 == 0:
+            print(f"soak W={world_size}: step {i}/{steps}, "
+                  f"{(t_step - t0 - t_first) / (i - 1):.2f} s/step", file=sys.stderr, flush=True)
         group_rng = random.Random(seed * 1_000_003 + i)  # the same on every rank
         rng = random.Random((seed * 1_000_003 + i) * 64 + rank)  # this rank's own
         fail = group_rng.random() < p_fail
@@ -184,7 +192,9 @@ def run_soak(world_size: int, steps: int, seed: int = 0, max_tokens: int = 96,
     ``steps, splits, unsplit, vetoes (engine), prefix_shared, injected_failures,
     agreed_failures, hangs, divergences, wrong_outputs, foreign_errors``, the unsplit steps'
     reasons, and ``seconds``."""
-    timeout_s = timeout_s or 120.0 + steps * (1.0 + 0.5 * world_size)
+    # hangs are the per-step watchdog's to find (a rank exits with code 1 and its stacks);
+    # the job's limit only bounds a run on a machine much slower than expected
+    timeout_s = timeout_s or 10 * step_timeout_s + steps * 10.0 * world_size
     counts: dict[str, Any] = dict(world_size=world_size, steps=steps, seed=seed, splits=0,
                                   unsplit=0, vetoes=0, prefix_shared=0, injected_failures=0,
                                   agreed_failures=0, hangs=0, divergences=0, wrong_outputs=0,
@@ -194,7 +204,8 @@ def run_soak(world_size: int, steps: int, seed: int = 0, max_tokens: int = 96,
         results = run_multirank(soak_rank, world_size, timeout_s=timeout_s, args=(
             steps, seed, max_tokens, p_fail, p_veto, p_share, step_timeout_s))
     except MultirankError as e:
-        counts["hangs"] = 1 if "still running" in str(e) else 0
+        text = str(e)
+        counts["hangs"] = int("still running" in text or "exit code 1)" in text)
         counts["error"] = str(e)[:2000]
         counts["seconds"] = round(time.perf_counter() - t0, 1)
         return counts
