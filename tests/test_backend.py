@@ -390,8 +390,12 @@ def test_strided_and_offset_token_inputs_split(layout, entry):
     with torch.no_grad():
         if entry == "run_step":
             out = run_step(compiled, ids, pos, step.attn_metadata, step.num_scheduled_tokens)
-        else:
-            out = compiled(ids, pos, step.attn_metadata)
+        else:  # a dynamic graph, as a server's: Dynamo then adds the layout symbols
+            md = step.attn_metadata
+            for t in (ids, pos, md.slot_mapping, md.query_start_loc, md.seq_lens,
+                      md.num_computed_tokens, md.block_table):
+                torch._dynamo.mark_dynamic(t, 0)
+            out = compiled(ids, pos, md)
     art = last_artifact()
     assert art.is_split and art.stats.split_steps == 1, art.reason
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
