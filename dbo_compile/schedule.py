@@ -174,7 +174,7 @@ class NullArg:
 @dataclass(frozen=True)
 class CommCall:
     """One collective a program issues, as a rank whose step failed issues it again (its
-    peers wait in it): ``op(*args)`` with each :class:`NullArg` made at run time.
+    peers wait in it): ``op(*args, **kwargs)`` with each :class:`NullArg` made at run time.
 
     Attributes:
         op: the comm op (``torch.ops.dbo.dispatch.default``, ...).
@@ -182,12 +182,14 @@ class CommCall:
             (expert count, group name).
         ubatch: the ubatch whose token count sizes it (``None``: the step's, unsplit).
         name: the unit's name (``L0.D1``) or the node's, for messages.
+        kwargs: its keyword arguments, constants (e.g. a bound backend's name).
     """
 
     op: Any
     args: tuple[Any, ...]
     ubatch: int | None
     name: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 #: the collectives of one program in issue order (the split program's host order, the

@@ -200,8 +200,10 @@ def comm_call(node: fx.Node, token_symbol: Any, ubatch: int | None, name: str
     no null call, or an argument is a graph value other than a tensor, or a shape is not
     linear in the token count."""
     info = op_info(node.target) if node.op == "call_function" else None
-    if info is None or info.comm is None or info.null_fill is None or node.kwargs:
+    if info is None or info.comm is None or info.null_fill is None:
         return None
+    if any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+        return None  # keyword arguments must be constants (a bound backend's name)
     fills = iter(info.null_fill)
     args: list[Any] = []
     for a in node.args:
@@ -214,7 +216,7 @@ def comm_call(node: fx.Node, token_symbol: Any, ubatch: int | None, name: str
         if not isinstance(val, torch.Tensor) or fill is None or None in shape:
             return None
         args.append(NullArg(tuple(shape), val.dtype, str(val.device), fill))
-    return CommCall(node.target, tuple(args), ubatch, name)
+    return CommCall(node.target, tuple(args), ubatch, name, tuple(sorted(node.kwargs.items())))
 
 
 def comm_plan(graph: fx.Graph, token_symbol: Any, schedule: Schedule | None = None) -> CommPlan:
@@ -223,9 +225,9 @@ def comm_plan(graph: fx.Graph, token_symbol: Any, schedule: Schedule | None = No
     (a split program), else the comm nodes of ``graph`` in graph order (an unsplit program).
     ``None`` when one has no null call (:func:`comm_call`)."""
     by_name = {n.name: n for n in graph.nodes}
-    if schedule is not None:
+    if schedule is not None:  # the units that issue a collective (not a receive phase)
         entries = [(by_name[u.nodes[0]], u.ubatch, u.name) for u in schedule.units
-                   if u.kind == COMM]
+                   if u.kind == COMM and comm_kind(by_name[u.nodes[0]]) is not None]
     else:
         entries = [(n, None, n.name) for n in comm_nodes(graph)]
     calls = [comm_call(node, token_symbol, ubatch, name) for node, ubatch, name in entries]

@@ -109,7 +109,7 @@ def _drain(plan: CommPlan, posted: int, token_counts: Sequence[int], broken: boo
             tokens = token_counts[0 if call.ubatch is None else call.ubatch]
             args = [torch.full(a.dims(tokens), a.fill, dtype=a.dtype, device=a.device)
                     if isinstance(a, NullArg) else a for a in call.args]
-            call.op(*args)
+            call.op(*args, **dict(call.kwargs))
     except Exception as e:  # noqa: BLE001 - reported as the reason the drain failed
         log.error("dbo: draining the step's remaining collectives failed (%s: %s)",
                   type(e).__name__, e)

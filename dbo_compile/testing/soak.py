@@ -175,7 +175,7 @@ def soak_rank(rank: int, world_size: int, steps: int, seed: int, max_tokens: int
         for a, b in zip(model.kv_caches(), ref.kv_caches()):
             a.copy_(b)  # a failed step's writes are undefined: every step starts alike
         records.append((bool(vote.should_split), int(vote.num_tokens_padded),
-                        (last_called().stats.last_decision or "")[:40], err, msg, cause,
+                        (last_called().stats.last_decision or "")[:80], err, msg, cause,
                         injected, vetoed, shared, ok_out, ok_load, ok_kv))
         if i == 0:
             t_first = time.perf_counter() - t_step
@@ -183,6 +183,17 @@ def soak_rank(rank: int, world_size: int, steps: int, seed: int, max_tokens: int
     total = time.perf_counter() - t0
     return {"records": records, "seconds": total,
             "per_step_ms": 1e3 * (total - t_first) / max(steps - 1, 1)}
+
+
+def _reason_kind(reason: str) -> str:
+    """Rank 0's reason for an unsplit step, as a category."""
+    for needle, kind in (("prefix_read", "prefix-read veto"), ("soak_veto", "engine veto"),
+                         ("vetoed on ranks", "a veto on another rank"),
+                         ("below the", "below a threshold"),
+                         ("fewer than num_ubatches", "fewer tokens than ubatches")):
+        if needle in reason:
+            return kind
+    return reason[:40] or "?"
 
 
 def run_soak(world_size: int, steps: int, seed: int = 0, max_tokens: int = 96,
@@ -228,7 +239,7 @@ def run_soak(world_size: int, steps: int, seed: int = 0, max_tokens: int = 96,
             counts["wrong_outputs"] += sum(not (p[9] and p[10] and p[11]) for p in per_rank)
             counts["wrong_outputs"] += any(p[6] for p in per_rank)  # fired, yet no error
             if not split:
-                key = reason.split(":")[0] if reason else "?"
+                key = _reason_kind(reason)
                 counts["unsplit_reasons"][key] = counts["unsplit_reasons"].get(key, 0) + 1
         if (not agreed or counts["wrong_outputs"]) and len(counts["examples"]) < 5:
             counts["examples"].append({"step": i, "ranks": per_rank})
