@@ -5,6 +5,11 @@ Run (2 GPUs; the link regime is the environment's, label it with --link)::
     torchrun --nproc-per-node 2 benchmarks/bench_moe.py --link nvlink
     NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/bench_moe.py --link shm --append
 
+One GPU as rank 0 of an emulated EP-W world (``--emulate-ep W --link-gbps X``, no torchrun;
+``benchmarks/bench_emulated.py`` says what it measures)::
+
+    python benchmarks/bench_moe.py --emulate-ep 8,16,32,64,8@25 --link-gbps 50
+
 On a machine without CUDA it runs on CPU over Gloo (a smoke test: tiny preset, no graphs).
 
 Per bucket (phase, tokens/rank), every figure the median of ``--iters`` timed calls (CUDA events),
@@ -74,9 +79,8 @@ import moe_harness as H  # noqa: E402
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import comm as _comm  # noqa: E402
 from dbo_compile.runtime import capture as cg_capture  # noqa: E402
-from dbo_compile.testing import measure as cg  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
-from dbo_compile.runtime.graphs import CudaGraphRunner, _split_fn  # noqa: E402
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, _split_fn  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,10 +125,40 @@ def parse(argv=None):
                         "the host every step (the runs up to 2026-11-30)")
     p.add_argument("--inductor", action="store_true",
                    help="also time the unsplit model compiled by Inductor, in a CUDA graph")
+    e = p.add_argument_group("emulated EP world on one GPU (benchmarks/bench_emulated.py)")
+    e.add_argument("--emulate-ep", default=None, metavar="W[@GBPS],...",
+                   help="run as rank 0 of an emulated EP-W world on one GPU (no torchrun): "
+                        "comma-separated world sizes, each optionally @link GB/s, e.g. "
+                        "8,16,32,64,8@25")
+    e.add_argument("--link-gbps", type=float, default=50.0,
+                   help="emulated link bandwidth per direction, GB/s (default 50: one 400 Gb/s NIC)")
+    e.add_argument("--latency-us", type=float, default=0.0, help="added per dispatch / combine")
+    e.add_argument("--cost-link-gbps", type=float, default=44.0,
+                   help="the cost model's link figure is min(link, this): the hardware's duplex "
+                        "copy rate (measured 42-45 GB/s per direction on one H200)")
+    e.add_argument("--cost-latency-us", type=float, default=10.0)
+    e.add_argument("--timing-iters", type=int, default=5,
+                   help="CudaGraphRunner's replays per graph and round at warm-up")
+    e.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip the numerics against the one-device reference (which holds all "
+                        "E experts: 22 GB per layer for DeepSeek-V3)")
+    e.add_argument("--no-eager", dest="eager", action="store_false",
+                   help="skip the eager unsplit / DBO timings (host-bound)")
+    e.add_argument("--no-calib", dest="calib", action="store_false",
+                   help="skip the unit timings and features benchmarks/calibrate.py fits")
+    e.add_argument("--unit-reps", type=int, default=3)
+    e.add_argument("--calibration", default=None, help="option calibration (a JSON file)")
+    e.add_argument("--profile", default=None, metavar="PHASE:TOKENS:W",
+                   help="write a profiler trace of the DBO graph of that bucket (and its "
+                        "schedule) beside --json")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
     p.add_argument("--md", default=None, help="markdown table path (default: json with .md)")
     p.add_argument("--append", action="store_true", help="add rows to an existing --json")
     args = p.parse_args(argv)
+    args.profile_at = None
+    if args.profile:
+        ph, tok, w = args.profile.split(":")
+        args.profile_at = (ph, int(tok), int(w))
     if args.candidates not in ("all", "none"):
         from dbo_compile import DboConfig, DboConfigError
 
@@ -263,14 +297,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
             row[f"num_{name}_vs_unsplit"] = H.rel_err(b.outs[name][0][:tokens], ref)
         program = art.candidates[b.best_candidate]
         split_fn = _split_fn(program, b.split_args, art.signature.outputs)
-
-        def serial():
-            with cg.serial_comm(program):
-                return split_fn()
-
-        def nocomm():
-            with H.no_comm(), cg.serial_comm(program):
-                return split_fn()
+        serial, nocomm = H.serial_and_nocomm(program, split_fn)
 
         def nocomm_streams():
             with H.no_comm():
@@ -375,6 +402,10 @@ def markdown(doc: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.emulate_ep:
+        import bench_emulated
+
+        return bench_emulated.main(args)
     cuda = torch.cuda.is_available()
     device = H.init_distributed()
     dbo_backend.register()

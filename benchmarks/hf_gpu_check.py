@@ -43,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _comm_ops(gm) -> int:
-    targets = (torch.ops.dbo.dispatch.default, torch.ops.dbo.combine.default)
+    targets = (torch.ops.dbo.dispatch.default, torch.ops.dbo.combine.default,
+               torch.ops.dbo.moe_dispatch.default, torch.ops.dbo.moe_combine.default)
     return sum(1 for n in gm.graph.nodes if n.target in targets) if gm is not None else 0
 
 

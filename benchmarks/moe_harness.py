@@ -27,6 +27,12 @@ import torch
 import dbo_compile.ops  # noqa: F401
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops import comm as _comm
+from dbo_compile.testing import measure
+
+try:  # (the harness also measures trees before the emulated backend: the split price's "before")
+    from dbo_compile.ops import emulated as _emulated
+except ImportError:
+    _emulated = None
 
 _STATE: dict[str, Any] = {"attention": "ref"}
 
@@ -96,14 +102,30 @@ def _nocomm_combine(y, group_name):
 
 @contextlib.contextmanager
 def no_comm():
-    """Within the block, ``dbo.dispatch``/``combine`` over a process group move no data."""
-    old = _comm._BACKENDS["torch"]
-    _comm._BACKENDS["torch"] = _comm.CommBackend("torch", _nocomm_dispatch, _nocomm_combine,
-                                                 "benchmark stand-in: no collective")
+    """Within the block, ``dbo.dispatch``/``combine`` over a process group move no data, and
+    the emulated world's link copies nothing (``dbo_compile.ops.emulated.without_link``)."""
+    old = _comm.get_comm_backend("torch")
+    _comm.register_comm_backend(_comm.CommBackend(
+        "torch", _nocomm_dispatch, _nocomm_combine, "benchmark stand-in: no collective"))
     try:
-        yield
+        with _emulated.without_link() if _emulated else contextlib.nullcontext():
+            yield
     finally:
-        _comm._BACKENDS["torch"] = old
+        _comm.register_comm_backend(old)
+
+
+def serial_and_nocomm(program, split_fn):
+    """``(split serial, split without comm)``: ``split_fn`` (the split ``program`` over static
+    inputs) with its comm on the compute stream, and the same without moving data."""
+    def serial():
+        with measure.serial_comm(program):
+            return split_fn()
+
+    def nocomm():
+        with no_comm(), measure.serial_comm(program):
+            return split_fn()
+
+    return serial, nocomm
 
 
 # ----------------------------------------------------------------------------- process group
@@ -127,14 +149,18 @@ def init_distributed() -> torch.device:
 
 # ----------------------------------------------------------------------------- model, steps
 def build_model(preset: str, layers: int, group: Any, device: str, dtype=torch.bfloat16,
-                seed: int = 0, **overrides: Any) -> DeepseekMoEModel:
+                seed: int = 0, emulated_world_size: int | None = None,
+                **overrides: Any) -> DeepseekMoEModel:
     """The preset with ``layers`` layers, initialised on ``device`` (fast, no CPU randn).
 
     Non-expert weights are identical on every rank (same seed, same draw order); each rank's
     local experts are drawn from the same stream too (the benchmark does not need distinct ones).
+    ``emulated_world_size``: rank 0 of an emulated EP world of that size on one device (no
+    ``group``).
     """
     cfg = get_config(preset, num_layers=layers, **overrides)
-    model = DeepseekMoEModel(cfg, ep_group=group, dtype=dtype, device="meta")
+    emulated = {} if emulated_world_size is None else {"emulated_world_size": emulated_world_size}
+    model = DeepseekMoEModel(cfg, ep_group=group, dtype=dtype, device="meta", **emulated)
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

@@ -93,6 +93,28 @@ def candidates_of(config: DboConfig) -> list[Candidate]:
     return out
 
 
+def _canonical_options(value: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
+    """A backend's options as sorted ``(key, value)`` pairs (hashable, and the same on every
+    rank however the dict was built: they enter the fingerprint)."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise bad("must be a dict of option name -> value") from None
+    for k, v in pairs:
+        if not isinstance(k, str) or not k or any(c in k for c in ":,="):
+            raise bad(f"option name {k!r} must be a non-empty str without ':', ',' or '='")
+        if not isinstance(v, (bool, int, float, str)) or (isinstance(v, str) and
+                                                          any(c in v for c in ":,=")):
+            raise bad(f"option {k}={v!r} must be a bool, int, float or str (without ':', ',', "
+                      "'=')")
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise bad("an option is given twice")
+    return tuple(sorted(pairs))
+
+
 @dataclass(frozen=True)
 class DboConfig:
     """Options of the ``dbo`` backend.
@@ -168,10 +190,50 @@ class DboConfig:
             wrapper as ``.py``.
         dp_group_name: name of the CPU (Gloo) process group that carries the DP vote; ``None``
             means the default group when torch.distributed is initialised, else no vote.
+        comm_backend: the comm backend of the graph's comm ops (``dbo.moe_dispatch`` /
+            ``dbo.moe_combine``, ``dbo.dispatch`` / ``dbo.combine``), bound into the graph
+            before lowering: ``"auto"`` (default): DeepEP (``"deep_ep"``) where it imports
+            and serves every comm op of the graph (the MoE-layer ops, an EP group of 2, 4 or 8
+            ranks: its normal mode; see ``dbo_compile.ops.deep_ep``), else each op's own
+            (``"local"`` for an EP group of one rank, ``"torch"`` otherwise), logging what it
+            chose and why; any other value is the name of a registered comm backend
+            (``dbo_compile.ops.available_comm_backends()``). An unknown or unloadable one, or
+            one that cannot serve an op of the graph, raises ``CommBackendError`` at compile
+            time, naming what is missing and the fallback.
+        comm_backend_options: options of the comm backend (a dict; ``deep_ep``:
+            ``mode`` ``"auto"`` / ``"low_latency"`` / ``"normal"``, ``max_tokens``, ...), bound
+            with its name; an unknown option raises ``CommBackendError`` at compile time.
+        experts_backend: the backend of ``dbo.grouped_experts``: ``"auto"`` (default):
+            DeepGEMM (``"deep_gemm"``) for the calls it serves best where it imports (the
+            expert-major layout of DeepEP low-latency: its masked grouped GEMM), else the op's
+            own (``"torch"``), logging what it chose; else a registered experts backend
+            (``dbo_compile.ops.experts.available_experts_backends()``).
+        experts_backend_options: options of the experts backend (``deep_gemm``: ``fp8``).
         check_host_mirrors: compare the host mirrors of the attention metadata
             (``query_start_loc_cpu``, ...; see :mod:`dbo_compile.metadata`) with their
             device tensors every step: a device read per mirrored field, for debugging an
             engine's mirrors. Default ``False``: mirrors are trusted (checked on the host only).
+        emulate_world_size: with ``comm_backend="emulated"`` (required there, refused
+            elsewhere): this device is rank 0 of an emulated EP world of that many ranks
+            (:mod:`dbo_compile.ops.emulated`: identical batches, expert weights repeating every
+            ``E / W`` experts, the remote share of every dispatch / combine through pinned host
+            memory and back). The model must hold ``E / W`` experts (``DeepseekMoEModel(...,
+            emulated_world_size=W)``).
+        emulate_link_gbps: the emulated link's bandwidth per direction, GB/s (``None``: 50,
+            one 400 Gb/s NIC). Below the hardware's copy rate the copies are throttled to it;
+            above, the hardware's rate is what runs.
+        emulate_latency_us: added per dispatch / combine, µs (``None``: 0, the copies' own).
+        emulate_copy_gbps: the hardware's copy bandwidth per direction with both directions
+            busy, GB/s, which throttling divides by (``None``: measured at the first call).
+        emulate_capacity_factor: static link capacity over the expected remote rows under
+            uniform routing (``None``: 1.1); rows past it stay on the device (exact, counted).
+        emulate_comm_sms: SMs carved out of compute while the split program runs, the cost of
+            comm kernels that hold SMs (DeepEP reserves 20–24; the copy engines hold none);
+            ``None``/0: none. ``comm_sms`` wins where both are given.
+        calibration: path of a calibration JSON (``benchmarks/calibrate.py`` writes one, with
+            the machine it was measured on): the cost model's figures per op class fitted to
+            measured stage and comm times (:mod:`dbo_compile.passes.cost_model`). Its content
+            is part of the fingerprint. ``None``: the roofline figures above.
         step_agreement: end every eager step with one all-reduce on the DP vote's group, so
             that a rank whose step failed (an op raised in a ubatch) makes every rank raise the
             same ``UBatchExecutionError`` after issuing its remaining collectives with null
@@ -199,7 +261,18 @@ class DboConfig:
     launch_us: float = 4.0
     dump_dir: str | None = None
     dp_group_name: str | None = None
+    comm_backend: str = "auto"
+    experts_backend: str = "auto"
+    comm_backend_options: Any = ()
+    experts_backend_options: Any = ()
     check_host_mirrors: bool = False
+    emulate_world_size: int | None = None
+    emulate_link_gbps: float | None = None
+    emulate_latency_us: float | None = None
+    emulate_copy_gbps: float | None = None
+    emulate_capacity_factor: float | None = None
+    emulate_comm_sms: int | None = None
+    calibration: str | None = None
     step_agreement: bool = True
 
     def __post_init__(self) -> None:
@@ -268,6 +341,12 @@ class DboConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise bad(name, "must be None or a str")
+        for name in ("comm_backend", "experts_backend"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise bad(name, "must be 'auto' or the name of a registered backend")
+        for name in ("comm_backend_options", "experts_backend_options"):
+            object.__setattr__(self, name, _canonical_options(getattr(self, name),
+                                                              lambda why, n=name: bad(n, why)))
         if not isinstance(self.cost_model_tokens, int) or self.cost_model_tokens < self.num_ubatches:
             raise bad("cost_model_tokens", f"must be an int >= num_ubatches ({self.num_ubatches})")
         for name in ("peak_tflops", "hbm_gbps", "link_gbps"):
@@ -276,6 +355,55 @@ class DboConfig:
         for name in ("comm_latency_us", "launch_us"):
             if not getattr(self, name) >= 0:
                 raise bad(name, "must be >= 0")
+        self._check_emulated(bad)
+        if self.calibration is not None:
+            if not isinstance(self.calibration, str):
+                raise bad("calibration", "must be None or the path of a calibration JSON")
+            try:
+                with open(self.calibration) as f:
+                    cal = json.load(f)
+            except (OSError, ValueError) as e:
+                raise bad("calibration", f"cannot be read as JSON ({e}); write one with "
+                          "benchmarks/calibrate.py") from None
+            if not isinstance(cal, dict) or not isinstance(cal.get("figures"), dict):
+                raise bad("calibration", "has no 'figures' object (not a calibration file "
+                          "written by benchmarks/calibrate.py)")
+            object.__setattr__(self, "_calibration", cal)
+
+    def _check_emulated(self, bad) -> None:
+        """The ``emulate_*`` options: only with ``comm_backend="emulated"``, which needs
+        ``emulate_world_size``."""
+        names = ("emulate_world_size", "emulate_link_gbps", "emulate_latency_us",
+                 "emulate_copy_gbps", "emulate_capacity_factor", "emulate_comm_sms")
+        given = [n for n in names if getattr(self, n) is not None]
+        if self.comm_backend != "emulated":
+            if given:
+                raise bad(given[0], "applies only with comm_backend='emulated' (the emulated "
+                          f"EP world on one device); comm_backend is {self.comm_backend!r}")
+            return
+        if self.emulate_world_size is None:
+            raise bad("emulate_world_size", "comm_backend='emulated' needs the emulated EP "
+                      "world size (an int >= 1, e.g. 8)")
+        for name in ("emulate_world_size", "emulate_comm_sms"):
+            v = getattr(self, name)
+            low = 1 if name == "emulate_world_size" else 0
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise bad(name, f"must be an int >= {low}")
+        for name, low, strict in (("emulate_link_gbps", 0.0, True),
+                                  ("emulate_copy_gbps", 0.0, True),
+                                  ("emulate_latency_us", 0.0, False),
+                                  ("emulate_capacity_factor", 1.0, False)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "must be a finite number")
+            if (v <= low) if strict else (v < low):
+                raise bad(name, f"must be {'>' if strict else '>='} {low:g}")
+
+    def calibration_data(self) -> dict[str, Any] | None:
+        """The calibration file's content (read once, when the config was made)."""
+        return self.__dict__.get("_calibration")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -313,6 +441,8 @@ class DboConfig:
         cached = self.__dict__.get("_fingerprint")
         if cached is None:
             data = {n: getattr(self, n) for n in self.field_names() if n not in _NOT_FINGERPRINTED}
+            if self.calibration is not None:  # what the file says, not where it lies
+                data["calibration"] = self.calibration_data()
             cached = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
             object.__setattr__(self, "_fingerprint", cached)
         return cached

@@ -60,6 +60,13 @@ class Unit:
         nodes: names of the split-graph nodes it runs, in graph order.
         cost_us: estimated duration (µs).
         start_us / end_us: predicted start/end on its stream (µs from step start).
+        phase: ``"issue"``, or ``"receive"`` for the receive phase of a comm op whose backend
+            has one (DeepEP low-latency: its receive hook), a unit of its own.
+        pool: the result pool a comm unit draws from (``"<backend spec>|<pool>|<group>"``,
+            :class:`Schedule` ``pools``), ``None`` if none.
+        latency_us: time after the unit ends before what depends on it may start (µs): the
+            transfer of an issue whose receive is a unit of its own, in flight while its
+            stream runs other units.
     """
 
     id: int
@@ -72,12 +79,16 @@ class Unit:
     cost_us: float
     start_us: float = 0.0
     end_us: float = 0.0
+    phase: str = "issue"
+    pool: str | None = None
+    latency_us: float = 0.0
 
     @property
     def name(self) -> str:
         sub = "" if self.ubatch is None else str(self.ubatch)
         layer = "" if self.layer is None else f"L{self.layer}."
-        return f"{layer}{self.label}{sub}"
+        phase = "r" if self.phase == "receive" else ""
+        return f"{layer}{phase}{self.label}{sub}"
 
 
 @dataclass
@@ -94,6 +105,10 @@ class Schedule:
         predicted_step_us: makespan of the simulated two-stream timeline (µs).
         serial_us: sum of all unit costs (everything on one stream), µs.
         meta: facts about how it was made (comm ops per ubatch, joined experts, candidate).
+        pools: per result pool the comm units draw from (their ``pool``), its declaration
+            (``live``, ``in_flight``: ``dbo_compile.ops.comm.ResultPool``), which the schedule
+            honours (``hidden_deps`` holds the edges it added).
+        comm_backends: the comm backend specs the graph's comm ops are bound to, sorted.
     """
 
     units: list[Unit]
@@ -106,6 +121,8 @@ class Schedule:
     predicted_step_us: float = 0.0
     serial_us: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    pools: dict[str, dict[str, Any]] = field(default_factory=dict)
+    comm_backends: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -134,6 +151,8 @@ class Schedule:
             predicted_step_us=d.get("predicted_step_us", 0.0),
             serial_us=d.get("serial_us", 0.0),
             meta=d.get("meta", {}),
+            pools=d.get("pools", {}),
+            comm_backends=d.get("comm_backends", []),
         )
 
     def unit_of_node(self) -> dict[str, int]:
@@ -141,12 +160,18 @@ class Schedule:
 
     def fingerprint(self) -> str:
         """16 hex digits of SHA-256 over the order of collectives this schedule issues
-        (``(ubatch, label, layer)`` of each comm unit, and the ubatch count): what every DP
-        rank must issue identically (``docs/design.md``, invariant 2), compared by the DP
-        vote. Not the code itself: ranks that saw different token counts may hold a static
-        and a dynamic Dynamo graph with the same collective order."""
-        order = [(u.ubatch, u.label, u.layer) for u in self.units if u.kind == COMM]
-        return hashlib.sha256(repr((self.num_ubatches, order)).encode()).hexdigest()[:16]
+        (``(ubatch, label, layer, phase)`` of each comm unit, and the ubatch count), the comm
+        backends and the pool declarations they honour: what every DP rank must issue
+        identically (``docs/design.md``, invariant 2), compared by the DP vote. Not the code
+        itself: ranks that saw different token counts may hold a static and a dynamic Dynamo
+        graph with the same collective order."""
+        order = [(u.ubatch, u.label, u.layer) + (() if u.phase == "issue" else (u.phase,))
+                 for u in self.units if u.kind == COMM]
+        what: tuple = (self.num_ubatches, order)
+        if self.pools or self.comm_backends:
+            what += (sorted(self.comm_backends), sorted((k, sorted(v.items()))
+                                                        for k, v in self.pools.items()))
+        return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -217,22 +242,27 @@ class Timeline:
         self.preds = preds
         self.free = {COMPUTE: 0.0, COMM: 0.0}
         self.end: dict[int, float] = {}
+        #: when a placed unit's dependents may start (its end plus its ``latency_us``)
+        self.ready: dict[int, float] = {}
 
-    def start_of(self, unit: Unit) -> float:
-        """When ``unit`` would start if placed next (its dependencies must be placed)."""
-        return max([self.free[unit.stream]] + [self.end[p] for p in self.preds[unit.id]])
+    def start_of(self, unit: Unit, extra: Iterable[int] = ()) -> float:
+        """When ``unit`` would start if placed next (its dependencies, and the units
+        ``extra`` it would also wait for, must be placed)."""
+        preds = list(self.preds[unit.id]) + list(extra)
+        return max([self.free[unit.stream]] + [self.ready[p] for p in preds])
 
-    def place(self, unit: Unit) -> tuple[float, float]:
-        """Place ``unit`` next on its stream; its ``(start, end)`` in µs."""
-        start = self.start_of(unit)
+    def place(self, unit: Unit, extra: Iterable[int] = ()) -> tuple[float, float]:
+        """Place ``unit`` next on its stream (after ``extra`` too); its ``(start, end)`` in µs."""
+        start = self.start_of(unit, extra)
         end = start + unit.cost_us
         self.end[unit.id] = end
+        self.ready[unit.id] = end + unit.latency_us
         self.free[unit.stream] = end
         return start, end
 
     @property
     def makespan(self) -> float:
-        return max(self.end.values(), default=0.0)
+        return max(self.ready.values(), default=0.0)
 
 
 def predecessors(units: Iterable[Unit], deps: Iterable[tuple[int, int]]) -> dict[int, list[int]]:

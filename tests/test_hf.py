@@ -30,7 +30,8 @@ BATCH, SEQ, MAX_CACHE = 5, 6, 16  # batch 5: ubatches of 2 and 3 requests; batch
 
 
 def _comm_ops(gm: torch.fx.GraphModule) -> int:
-    targets = (torch.ops.dbo.dispatch.default, torch.ops.dbo.combine.default)
+    targets = (torch.ops.dbo.dispatch.default, torch.ops.dbo.combine.default,
+               torch.ops.dbo.moe_dispatch.default, torch.ops.dbo.moe_combine.default)
     return sum(1 for n in gm.graph.nodes if n.target in targets)
 
 

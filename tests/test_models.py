@@ -124,8 +124,8 @@ def test_traces_with_symbolic_token_dim():
     assert isinstance(tokens, torch.SymInt) and not tokens.node.is_constant()
     assert out_val.shape[1] == cfg.vocab_size
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.dbo.dispatch.default) == cfg.num_moe_layers
-    assert targets.count(torch.ops.dbo.combine.default) == cfg.num_moe_layers
+    assert targets.count(torch.ops.dbo.moe_dispatch.default) == cfg.num_moe_layers
+    assert targets.count(torch.ops.dbo.moe_combine.default) == cfg.num_moe_layers
     assert targets.count(torch.ops.dbo.attention.default) == cfg.num_layers
 
 

@@ -58,7 +58,9 @@ def _fake_experts(recv_x, recv_ids, recv_w):
 
 def test_comm_op_registry():
     assert COMM_KIND == {torch.ops.dbo.dispatch.default: "dispatch",
-                         torch.ops.dbo.combine.default: "combine"}
+                         torch.ops.dbo.combine.default: "combine",
+                         torch.ops.dbo.moe_dispatch.default: "dispatch",
+                         torch.ops.dbo.moe_combine.default: "combine"}
     assert COMM_OPS == set(COMM_KIND)
     assert torch.ops.dbo.attention.default not in COMM_OPS
     assert get_comm_backend("local").name == "local"

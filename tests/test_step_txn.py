@@ -58,6 +58,7 @@ def _body(rank, world_size, cases):
         return torch_backend.dispatch(*args)
 
     comm.register_comm_backend(dataclasses.replace(torch_backend, dispatch=refusing_dispatch))
+    comm.clear_configured_comm_backends()
     compiled = torch.compile(model, backend="dbo", options={"split": "always",
                                                             "schedule_candidates": False})
 

@@ -270,6 +270,38 @@ def test_profile_kernel_order(schedule):
     assert "kernel-order" in render_text(schedule, measured=m)
 
 
+def test_profile_kernel_order_deals_emulated_comm_ops_at_their_first_kernel(schedule):
+    """A CUDA-graph replay of the emulated backend: its dispatches launch 4 kernels, its
+    combines 3, on whichever streams the graph runs its branches (here: two, alternating);
+    each op runs from its first named kernel (route / flag) to its last."""
+    comm = [u for u in schedule.units if u.stream == COMM]
+    tr = synthetic_trace(schedule, None)
+    evs = [e for e in tr["traceEvents"] if "nccl" not in e.get("name", "")]
+    names = {"D": ["emulated_dispatch_route", "cumsum", "emulated_dispatch_pack",
+                   "emulated_dispatch_unpack"],
+             "C": ["emulated_combine_flag", "cumsum", "emulated_combine_sum"]}
+    for u in comm:
+        ks = names[u.label]
+        s, e = u.start_us * 1.5 + 1000, u.end_us * 1.5 + 1000
+        for i, name in enumerate(ks):
+            sid = 20 + (u.id + i) % 2
+            evs.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": sid,
+                        "ts": s + (e - s) * i / len(ks), "dur": (e - s) / len(ks) * 0.9,
+                        "args": {"stream": sid}})
+    m = match_profile(schedule, {"traceEvents": evs})
+    assert m.method == "kernel-names" and set(m.units) == {u.id for u in comm}
+    lo = min(u.start_us for u in schedule.units if u.end_us > u.start_us) * 1.5
+    for u in comm:
+        assert m.units[u.id][0] == pytest.approx(u.start_us * 1.5 - lo, abs=1e-6)
+        assert m.units[u.id][1] - m.units[u.id][0] == pytest.approx(
+            (u.end_us - u.start_us) * 1.5 * (1 - 0.1 / len(names[u.label])), rel=1e-6)
+    assert m.overlap.hidden_us[comm[0].id] > 0
+    swapped = [dict(e, name="emulated_combine_flag") if e.get("name") == "emulated_dispatch_route"
+               else e for e in evs]
+    with pytest.raises(VizInputError, match="not the schedule's"):
+        match_profile(schedule, {"traceEvents": swapped})
+
+
 def test_profile_errors(schedule):
     with pytest.raises(VizInputError, match="no GPU kernels"):
         match_profile(schedule, {"traceEvents": []})

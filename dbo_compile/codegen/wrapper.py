@@ -3,14 +3,19 @@
 For every unit, in host order, the generated function
 
 1. waits on its stream for the events of its incoming event edges,
-2. calls the unit (a GraphModule holding the stage's ATen ops, or the one comm op) — comm
-   units inside ``with use(s_comm):``,
+2. calls the unit (a GraphModule holding the stage's ATen ops, the one comm op, or the receive
+   phase of a comm op whose backend has one) — units on the comm stream inside
+   ``with use(s_comm):`` (a comm backend may place its units on the compute stream: DeepEP
+   low-latency sends on the current stream and receives on the send's stream),
 3. ``record_stream``s every input made on the other stream (allocator safety, invariant 4),
 4. records its event if a unit on the other stream waits for it,
 5. drops values after their last use, as eager execution would.
 
 At the end the compute stream joins the comm stream (required for CUDA-graph capture: every
-forked stream must rejoin the origin stream). No thread, no host synchronisation.
+forked stream must rejoin the origin stream), where a unit ran on it: a schedule whose units
+all run on the compute stream (DeepEP low-latency's comm units) never forks the comm stream,
+and waiting on an event recorded there would depend on work outside the capture
+(``cudaErrorStreamCaptureIsolation``). No thread, no host synchronisation.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.errors import ScheduleError
-from dbo_compile.ops.registry import is_wait
+from dbo_compile.ops.registry import is_receive, is_wait
 from dbo_compile.runtime import streams as _streams
 from dbo_compile.schedule import COMM, Schedule, range_name
 
@@ -40,8 +45,9 @@ class UnitIO:
 
 
 def _resolve(node: fx.Node) -> fx.Node:
-    """A wait node stands for its issue node's value."""
-    while is_wait(node):
+    """A wait node stands for its issue node's value (a receive is a unit of its own: its
+    value is its own)."""
+    while is_wait(node) and not is_receive(node):
         node = node.args[0]
     return node
 
@@ -71,7 +77,7 @@ def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
     unit_of = schedule.unit_of_node()
     out_node = next(n for n in graph.nodes if n.op == "output")
     for n in graph.nodes:
-        if n.op in ("placeholder", "output") or is_wait(n):
+        if n.op in ("placeholder", "output") or (is_wait(n) and not is_receive(n)):
             continue
         if n.name not in unit_of:
             raise ScheduleError(f"node {n.name} belongs to no schedule unit")
@@ -96,7 +102,8 @@ def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
         for n in members:
             used_outside = False
             for user in n.users:
-                targets = [user] if not is_wait(user) else list(user.users)
+                plain_wait = is_wait(user) and not is_receive(user)
+                targets = [user] if not plain_wait else list(user.users)
                 for t in targets:
                     if t is out_node or (t not in member_set):
                         used_outside = True
@@ -113,7 +120,7 @@ def build_unit_modules(split_gm: fx.GraphModule, schedule: Schedule,
             env[n] = new
         sub.output(tuple(env[o] for o in outputs))
         gm = fx.GraphModule(split_gm, sub, class_name=f"DboUnit{unit.id}")
-        compiled = compile_stage is not None and unit.stream != COMM
+        compiled = compile_stage is not None and unit.kind != COMM
         built[tuple(unit.nodes)] = (compile_stage(gm, unit) if compiled else gm,
                                     UnitIO([a.name for a in inputs], [o.name for o in outputs]))
         modules.append(built[tuple(unit.nodes)][0])
@@ -179,9 +186,12 @@ def generate(split_gm: fx.GraphModule, schedule: Schedule, ios: list[UnitIO]) ->
         dead = [n for n in io.inputs if last_use.get(n) == unit.id and n not in keep_alive]
         if dead:
             lines.append(f"{indent}del {', '.join(dead)}")
-    lines.append("    # join: the compute stream waits for the comm stream's last op")
-    lines.append(f"    record(ev[{join_event}], s_comm)")
-    lines.append(f"    wait(s_compute, ev[{join_event}])")
+    if any(u.stream == COMM for u in schedule.units):
+        lines.append("    # join: the compute stream waits for the comm stream's last op")
+        lines.append(f"    record(ev[{join_event}], s_comm)")
+        lines.append(f"    wait(s_compute, ev[{join_event}])")
+    else:
+        lines.append("    # no unit ran on the comm stream: nothing to join (not forked)")
     lines.append("    return (" + "".join(f"{o}, " for o in outputs) + ")")
     return "\n".join(lines) + "\n", num_events
 
@@ -192,6 +202,7 @@ class SplitProgram:
     Attributes:
         code: the generated Python source (also logged at DEBUG under ``dbo_compile``).
         schedule: the :class:`~dbo_compile.schedule.Schedule` it runs.
+        split_gm: the split graph (joined, for a joined candidate) whose nodes the units run.
         carveout_sms: on CUDA, SMs kept free of compute GEMMs while the program runs
             (``torch._C._set_sm_carveout_experimental``, where torch has it; a CUDA graph
             captured from the call keeps it), so that comm kernels find SMs; ``None``: none.
@@ -204,6 +215,7 @@ class SplitProgram:
                  compile_stage: Callable[[fx.GraphModule, Any], Callable] | None = None,
                  carveout_sms: int | None = None, built: BuiltUnits | None = None):
         self.schedule = schedule
+        self.split_gm = split_gm  # the graph the schedule's units name (a cost model reads it)
         self.carveout_sms = carveout_sms
         self.units, self.unit_io = build_unit_modules(split_gm, schedule, compile_stage, built)
         self.code, num_events = generate(split_gm, schedule, self.unit_io)

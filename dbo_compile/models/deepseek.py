@@ -1,8 +1,11 @@
 """Reference DeepSeek-style MoE decoder in the flattened-token layout ``[num_tokens, hidden]``.
 
 Each layer: RMSNorm -> attention (q/k/v projections, RoPE, ``dbo.attention`` over a paged KV
-cache, o_proj) -> residual -> RMSNorm -> MoE (softmax gate, top-k, ``dbo.dispatch``, local
-experts, ``dbo.combine``, plus shared experts on the same input) -> residual. The first
+cache, o_proj) -> residual -> RMSNorm -> MoE (softmax gate, top-k, ``dbo.moe_dispatch``, local
+experts as ``dbo.grouped_experts`` on the dispatch's receive layout, ``dbo.moe_combine``, plus
+shared experts on the same input) -> residual: the MoE-layer contract of
+:mod:`dbo_compile.ops.comm`, so that any comm backend (torch, DeepEP) and experts backend
+(torch, DeepGEMM) can run it. The first
 ``first_k_dense_replace`` layers use a dense SwiGLU MLP instead of MoE, as in DeepSeek-V2/V3.
 (Attention is plain GQA, not MLA: what matters here is the MoE all-to-all.)
 
@@ -42,6 +45,7 @@ from torch import nn
 import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.*)
 from dbo_compile.errors import ModelConfigError
 from dbo_compile.ops.comm import ep_group_name
+from dbo_compile.ops.emulated import EmulatedWorld, register_emulated
 from dbo_compile.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -240,12 +244,13 @@ class MoE(nn.Module):
     """
 
     def __init__(self, cfg: DeepseekConfig, ep_rank: int, ep_size: int, group_name: str,
-                 dtype: torch.dtype, device: Any) -> None:
+                 dtype: torch.dtype, device: Any, comm_backend: str = "") -> None:
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.ep_rank, self.ep_size, self.group_name = ep_rank, ep_size, group_name
+        self.comm_backend = comm_backend
         self.num_local_experts = cfg.num_experts // ep_size
         h, i, el = cfg.hidden_size, cfg.moe_intermediate_size, self.num_local_experts
         self.gate = nn.Parameter(torch.empty(cfg.num_experts, h, dtype=dtype, device=device))
@@ -258,9 +263,11 @@ class MoE(nn.Module):
 
     def experts(self, recv_x: torch.Tensor, recv_ids: torch.Tensor,
                 recv_w: torch.Tensor) -> torch.Tensor:
-        """Local experts, row-local (``dbo.grouped_experts``: grouped GEMM on CUDA, the
-        reference loop elsewhere). ``recv_x [N, H]``, ``recv_ids [N, K]`` int64 local ids
-        (-1 = not here), ``recv_w [N, K]`` fp32 -> ``[N, H]`` of ``recv_x.dtype`` (weighted)."""
+        """Local experts on the dispatch's receive layout (``dbo.grouped_experts``: grouped
+        GEMM on CUDA, the reference loop elsewhere): rank-major ``recv_x [N, H]``, ``recv_ids
+        [N, K]`` int64 local ids (-1 = not here), ``recv_w [N, K]`` fp32 -> ``[N, H]``
+        weighted; expert-major ``recv_x [E_local, M, H]``, ``recv_ids [E_local]`` int32 valid
+        rows -> ``[E_local, M, H]`` unweighted (:mod:`dbo_compile.ops.comm`)."""
         return torch.ops.dbo.grouped_experts(recv_x, recv_ids, recv_w, self.w13, self.w2)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,10 +283,13 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_w, topk_ids = self.route(x)
-        recv_x, recv_ids, recv_w = torch.ops.dbo.dispatch(
-            x, topk_ids, topk_w, self.num_experts, self.group_name)
+        # an emulated world names its backend instance (ops.emulated); else the op's own
+        backend = {"backend": self.comm_backend} if self.comm_backend else {}
+        recv_x, recv_ids, recv_w, handle = torch.ops.dbo.moe_dispatch(
+            x, topk_ids, topk_w, self.num_experts, self.group_name, **backend)
         y = self.experts(recv_x, recv_ids, recv_w)
-        out = torch.ops.dbo.combine(y, self.group_name)
+        out = torch.ops.dbo.moe_combine(y, topk_ids, topk_w, recv_ids, recv_w, handle,
+                                        self.group_name, **backend)
         if self.routed_scaling_factor != 1.0:
             out = out * self.routed_scaling_factor
         if self.shared_experts is not None:
@@ -289,7 +299,7 @@ class MoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DeepseekConfig, layer_idx: int, ep_rank: int, ep_size: int,
-                 group_name: str, dtype: torch.dtype, device: Any) -> None:
+                 group_name: str, dtype: torch.dtype, device: Any, comm_backend: str = "") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype, device)
         self.self_attn = Attention(cfg, dtype, device)
@@ -297,7 +307,7 @@ class DecoderLayer(nn.Module):
         if layer_idx < cfg.first_k_dense_replace:
             self.mlp: nn.Module = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         else:
-            self.mlp = MoE(cfg, ep_rank, ep_size, group_name, dtype, device)
+            self.mlp = MoE(cfg, ep_rank, ep_size, group_name, dtype, device, comm_backend)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, md)
@@ -320,14 +330,20 @@ class DeepseekMoEModel(nn.Module):
         device: where parameters live; ``"meta"`` builds without allocating or initialising.
         seed: parameters are a deterministic function of ``seed`` and their names, independent
             of the EP rank.
+        emulated_world_size: this model is rank 0 of an emulated EP world of that many ranks
+            on one device (:mod:`dbo_compile.ops.emulated`; no ``ep_group``): it holds the
+            ``E / W`` experts of rank 0 and its comm ops name the emulated backend's instance
+            for ``W`` (default link figures; ``comm_backend="emulated"`` re-binds the config's).
+            The whole step equals :meth:`emulated_reference` run unsplit.
 
     Raises:
-        ModelConfigError: ``config.num_experts`` is not divisible by the EP world size.
+        ModelConfigError: ``config.num_experts`` is not divisible by the EP world size, or
+            both ``ep_group`` and ``emulated_world_size`` are given.
     """
 
     def __init__(self, config: DeepseekConfig, ep_group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 seed: int = 0) -> None:
+                 seed: int = 0, emulated_world_size: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -335,12 +351,27 @@ class DeepseekMoEModel(nn.Module):
         self.group_name = ep_group_name(ep_group)
         self.ep_size = 1 if self.group_name == "" else ep_group.size()
         self.ep_rank = 0 if self.group_name == "" else ep_group.rank()
+        self.emulated_world_size = emulated_world_size
+        backend = ""
+        if emulated_world_size is not None:
+            if self.group_name != "":
+                raise ModelConfigError("emulated_world_size emulates an EP world on one "
+                                       "device: pass no ep_group with it")
+            if (not isinstance(emulated_world_size, int) or emulated_world_size < 1
+                    or config.num_experts % emulated_world_size):
+                raise ModelConfigError(
+                    f"emulated_world_size={emulated_world_size!r} must be an int >= 1 that "
+                    f"divides num_experts={config.num_experts}")
+            self.ep_size = emulated_world_size
+            backend = register_emulated(EmulatedWorld(emulated_world_size, config.num_experts,
+                                                      config.top_k))
         self.check_ep(config, self.ep_size)
         self.num_local_experts = config.num_experts // self.ep_size
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         self.layers = nn.ModuleList([
-            DecoderLayer(config, i, self.ep_rank, self.ep_size, self.group_name, dtype, device)
+            DecoderLayer(config, i, self.ep_rank, self.ep_size, self.group_name, dtype, device,
+                         backend)
             for i in range(config.num_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, config.rms_eps, dtype, device)
@@ -409,6 +440,35 @@ class DeepseekMoEModel(nn.Module):
             if name.endswith("mlp.w13") or name.endswith("mlp.w2"):
                 w = w[start:stop]
             p.copy_(w.to(device=p.device, dtype=p.dtype))
+
+    @torch.no_grad()
+    def emulated_reference(self) -> DeepseekMoEModel:
+        """The one-device model an emulated-world model (``emulated_world_size=W``) equals: all
+        ``E`` experts, expert ``e`` with the weights of this model's local expert
+        ``e mod (E / W)``, every other weight the same, the ``local`` backend (its KV caches,
+        if allocated, are copies).
+
+        Raises:
+            ModelConfigError: this model is not built for an emulated world.
+        """
+        if self.emulated_world_size is None:
+            raise ModelConfigError("emulated_reference: the model was not built with "
+                                   "emulated_world_size")
+        ref = DeepseekMoEModel(self.config, None, dtype=self.dtype, device="meta", seed=self.seed)
+        ref.to_empty(device=self.embed_tokens.device)
+        ref.eval()
+        src = dict(self.named_parameters())
+        for name, p in ref.named_parameters():
+            w = src[name]
+            if name.endswith("mlp.w13") or name.endswith("mlp.w2"):
+                w = w.repeat(self.emulated_world_size, 1, 1)
+            p.copy_(w)
+        for mine, theirs in zip(self.layers, ref.layers):
+            mine_attn, ref_attn = mine.self_attn, theirs.self_attn
+            ref_attn.inv_freq = mine_attn.inv_freq.clone()
+            if mine_attn.kv_cache is not None:
+                ref_attn.kv_cache = mine_attn.kv_cache.clone()
+        return ref
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           device: torch.device | str | None = None) -> None:

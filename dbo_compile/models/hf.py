@@ -7,10 +7,13 @@ sparse-MoE block in place by an :class:`EPMoEBlock` that
 1. routes with the block's own router module (the same object: its weights, its softmax /
    sigmoid / top-k / normalisation code, and the ``router_logits`` output recording keep
    working),
-2. moves tokens with ``torch.ops.dbo.dispatch`` / ``torch.ops.dbo.combine``,
-3. computes this rank's share of the experts row-locally on the received rows (a per-expert
-   weight mask, as :class:`~dbo_compile.models.deepseek.MoE` does), with the family's own
-   activation code,
+2. moves tokens with ``torch.ops.dbo.moe_dispatch`` / ``torch.ops.dbo.moe_combine`` (the
+   MoE-layer contract of :mod:`dbo_compile.ops.comm`: any comm backend, DeepEP included),
+3. computes this rank's share of the experts as one ``torch.ops.dbo.grouped_experts`` call on
+   the received rows (torch's grouped GEMM or DeepGEMM, ``DboConfig.experts_backend``), on the
+   family's own expert tensors (views, no copy): SwiGLU for Qwen3-MoE / Mixtral / DeepSeek-V3,
+   GPT-OSS's clamped GLU with biases (``activation="gpt_oss"``); an activation the op does not
+   know runs the dense masked loop over the local experts with the family's own code,
 4. adds the shared experts (DeepSeek-V3) on the local tokens, and returns what the decoder
    layer expects (GPT-OSS: ``(hidden, router_scores)``).
 
@@ -76,6 +79,27 @@ __all__ = [
 ]
 
 
+def _is_silu(act: Any) -> bool:
+    return act is F.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def _swiglu_grouped(experts: nn.Module) -> dict[str, Any] | None:
+    """``dbo.grouped_experts`` arguments of a SwiGLU family's experts (``gate_up_proj [E, 2I,
+    H]``, ``down_proj [E, H, I]``: the op's layout), ``None`` for an activation it lacks."""
+    if not _is_silu(experts.act_fn):
+        return None
+    return {"w13": experts.gate_up_proj, "w2": experts.down_proj}
+
+
+def _gpt_oss_grouped(experts: nn.Module) -> dict[str, Any]:
+    """GPT-OSS's experts as ``dbo.grouped_experts`` arguments: transposed views of its weights
+    (``[E, H, 2I]`` -> ``[E, 2I, H]``), its biases, its clamped GLU over interleaved columns."""
+    return {"w13": experts.gate_up_proj.transpose(1, 2), "w2": experts.down_proj.transpose(1, 2),
+            "activation": "gpt_oss", "b13": experts.gate_up_proj_bias,
+            "b2": experts.down_proj_bias, "alpha": float(experts.alpha),
+            "limit": float(experts.limit)}
+
+
 def _swiglu_rows(experts: nn.Module, x: torch.Tensor, e: int) -> torch.Tensor:
     """Qwen3-MoE / Mixtral / DeepSeek-V3 expert ``e``: ``gate_up_proj [E, 2I, H]``,
     ``down_proj [E, H, I]``, ``act_fn(gate) * up``. ``x [N, H] -> [N, H]`` (x.dtype)."""
@@ -100,7 +124,10 @@ class _Family:
         router_attr: attribute of the block holding the router module.
         router_class: class name of the router module (returns ``(logits, weights, ids)``).
         expert_params: names of the expert parameters (leading dim = expert), sliced per rank.
-        expert_rows: ``(experts_module, x [N, H], local expert index) -> [N, H]``.
+        expert_rows: ``(experts_module, x [N, H], local expert index) -> [N, H]`` (the dense
+            masked loop, for an activation ``dbo.grouped_experts`` does not know).
+        grouped: ``(experts_module) -> dbo.grouped_experts arguments`` (weights, activation,
+            biases), or ``None`` when they do not fit the op.
         shared_attr: attribute of the shared experts (added on the local tokens), or ``None``.
         returns_router_scores: the block returns ``(hidden, router_scores)`` (GPT-OSS).
     """
@@ -111,6 +138,7 @@ class _Family:
     router_class: str
     expert_params: tuple[str, ...]
     expert_rows: Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
+    grouped: Callable[[nn.Module], dict[str, Any] | None]
     shared_attr: str | None = None
     returns_router_scores: bool = False
 
@@ -120,14 +148,14 @@ _FAMILIES: dict[str, _Family] = {
     f.model_type: f
     for f in (
         _Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", "gate", "Qwen3MoeTopKRouter",
-                _SWIGLU_PARAMS, _swiglu_rows),
+                _SWIGLU_PARAMS, _swiglu_rows, _swiglu_grouped),
         _Family("mixtral", "MixtralSparseMoeBlock", "gate", "MixtralTopKRouter",
-                _SWIGLU_PARAMS, _swiglu_rows),
+                _SWIGLU_PARAMS, _swiglu_rows, _swiglu_grouped),
         _Family("deepseek_v3", "DeepseekV3MoE", "gate", "DeepseekV3TopkRouter",
-                _SWIGLU_PARAMS, _swiglu_rows, shared_attr="shared_experts"),
+                _SWIGLU_PARAMS, _swiglu_rows, _swiglu_grouped, shared_attr="shared_experts"),
         _Family("gpt_oss", "GptOssMLP", "router", "GptOssTopKRouter",
                 ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
-                _gpt_oss_rows, returns_router_scores=True),
+                _gpt_oss_rows, _gpt_oss_grouped, returns_router_scores=True),
     )
 }
 #: ``config.model_type`` values :func:`make_expert_parallel` accepts.
@@ -191,17 +219,39 @@ class EPMoEBlock(nn.Module):
 
     def _local_experts(self, recv_x: torch.Tensor, recv_ids: torch.Tensor,
                        recv_w: torch.Tensor) -> torch.Tensor:
-        """Row-local experts on the received rows.
+        """This rank's experts on the dispatch's receive layout: one ``dbo.grouped_experts``
+        call (grouped GEMM) on the family's expert tensors; for an activation the op lacks,
+        the dense masked loop (:meth:`_dense_experts`, rank-major rows only).
 
         Args:
-            recv_x: ``[N, H]`` received activations (``N = W * T``).
-            recv_ids: ``[N, K]`` int64 local expert ids (``-1``: not on this rank).
-            recv_w: ``[N, K]`` float32 routing weights (0 where the id is ``-1``).
+            recv_x: ``[N, H]`` received activations (``N = W * T``; rank-major), or
+                ``[E_local, M, H]`` (expert-major, DeepEP low-latency).
+            recv_ids: ``[N, K]`` int64 local expert ids (``-1``: not on this rank), or
+                ``[E_local]`` int32 valid rows per expert.
+            recv_w: ``[N, K]`` float32 routing weights (0 where the id is ``-1``), or the
+                dispatch's row ranges.
 
         Returns:
-            ``[N, H]`` of ``recv_x.dtype``: ``sum_k w_k * expert_{id_k}(x)``, accumulated in
-            float32 over the local experts in ascending order.
+            rank-major ``[N, H]`` of ``recv_x.dtype``: ``sum_k w_k * expert_{id_k}(x)``,
+            accumulated in float32; expert-major ``[E_local, M, H]`` unweighted.
+
+        Raises:
+            UnsupportedModelError: expert-major rows with an activation the op lacks.
         """
+        grouped = self.family.grouped(self.experts)
+        if grouped is not None:
+            return torch.ops.dbo.grouped_experts(recv_x, recv_ids, recv_w, **grouped)
+        if recv_x.dim() != 2:
+            raise UnsupportedModelError(
+                f"{self.family.block_class}: act_fn {type(self.experts.act_fn).__name__} is "
+                "not one dbo.grouped_experts computes, and the dense loop needs rank-major rows "
+                "(use comm_backend='torch')")
+        return self._dense_experts(recv_x, recv_ids, recv_w)
+
+    def _dense_experts(self, recv_x: torch.Tensor, recv_ids: torch.Tensor,
+                       recv_w: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every received row, masked: ``[N, H]``, accumulated in
+        float32 over the local experts in ascending order."""
         y = torch.zeros_like(recv_x, dtype=torch.float32)
         for e in range(self.num_local_experts):
             w_e = (recv_w * (recv_ids == e)).sum(dim=-1, keepdim=True)  # [N, 1] fp32
@@ -217,11 +267,12 @@ class EPMoEBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # [B*S, H]: batch-major rows
         _, topk_w, topk_ids = getattr(self, self.router_attr)(x)
-        recv_x, recv_ids, recv_w = torch.ops.dbo.dispatch(
-            x, topk_ids.to(torch.int64), topk_w.to(torch.float32), self.num_experts,
-            self.group_name)
+        ids, weights = topk_ids.to(torch.int64), topk_w.to(torch.float32)
+        recv_x, recv_ids, recv_w, handle = torch.ops.dbo.moe_dispatch(
+            x, ids, weights, self.num_experts, self.group_name)
         y = self._local_experts(recv_x, recv_ids, recv_w)
-        out = torch.ops.dbo.combine(y, self.group_name).reshape(shape)
+        out = torch.ops.dbo.moe_combine(y, ids, weights, recv_ids, recv_w, handle,
+                                        self.group_name).reshape(shape)
         if self.family.shared_attr is not None:
             out = out + getattr(self, self.family.shared_attr)(hidden_states)
         if self.family.returns_router_scores:

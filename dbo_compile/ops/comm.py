@@ -35,14 +35,46 @@ is sent.
 
 Each op issues exactly one ``all_to_all_single`` call, synchronously (``async_op=False``) on the
 process group's stream.
+
+**Two op pairs.** ``dbo.dispatch`` / ``dbo.combine`` are the rank-major contract above: a model
+may compute anything on the received rows. ``dbo.moe_dispatch`` / ``dbo.moe_combine`` are the
+MoE-layer contract every backend serves: the dispatch returns its backend's receive layout
+(:class:`CommBackend` ``layout``) and a handle, ``dbo.grouped_experts`` consumes that layout as
+it is (no re-pack), and the combine gets the routing, the dispatch's outputs and the handle
+back (DeepEP needs them)::
+
+    recv_x, recv_ids, recv_w, handle = torch.ops.dbo.moe_dispatch(x, ids, w, E, group)
+    y = torch.ops.dbo.grouped_experts(recv_x, recv_ids, recv_w, w13, w2)
+    out = torch.ops.dbo.moe_combine(y, ids, w, recv_ids, recv_w, handle, group)
+
+=================  ==============================  =========================  ==================
+layout             recv_x                          recv_ids / recv_w          handle
+=================  ==============================  =========================  ==================
+``rank_major``     ``[W*T, H]`` rows (above)       ``[W*T, K]`` local ids /   backend's (torch:
+(torch, local,                                     weights                    ``[0]`` int32)
+DeepEP normal)
+``expert_major``   ``[E_local, W*cap, H]``: rows   ``[E_local]`` int32 valid  ``[E_local, W*cap]``
+(DeepEP LL)        ``[0, count[e])`` of expert e   rows per expert /          int32 source token
+                   valid, the rest undefined       ``[E_local, W]`` int64     of each row
+                                                   ``(begin << 32) | count``
+                                                   per source rank
+=================  ==============================  =========================  ==================
+
+With ``rank_major`` the experts weight their outputs and the combine sums over ranks; with
+``expert_major`` the experts return unweighted rows in the same places and the combine weights
+them by ``topk_weights`` (DeepEP low-latency semantics, ``docs/references.md``).
+
+**What a backend declares for the scheduler** (``docs/design.md`` invariant 3): the
+:class:`ResultPool` s its calls draw from (how many results may be alive, how many calls may be
+between issue and receive), where its units run, and whether its wait phase does work (a
+receive, :func:`comm_receive`). The scheduler honours the declaration or refuses to split.
 """
 
 import dataclasses
 import functools
-import importlib
 import logging
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -52,17 +84,32 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dbo_compile.errors import CommBackendError, CommOpError, DboError
 from dbo_compile.ops._triton import import_triton
-from dbo_compile.ops.registry import OpInfo, comm_kind, is_getitem, register_op
+from dbo_compile.ops.registry import (
+    BackendRegistry,
+    OpInfo,
+    bound_backend,
+    comm_kind,
+    is_getitem,
+    is_wait,
+    op_arg,
+    parse_backend_spec,
+    register_op,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "EXPERT_MAJOR",
     "LEDGER",
+    "RANK_MAJOR",
     "CommBackend",
     "CommBackendError",
     "CommLedger",
     "CommOpError",
+    "ResultPool",
     "available_comm_backends",
+    "abort_pending_receives",
+    "comm_receive",
     "backend_for_group",
     "ep_group_name",
     "ep_size_of_rows",
@@ -104,8 +151,12 @@ def ep_world_size(group_name: str) -> int:
     return _resolve_group(group_name).size()
 
 
-def backend_for_group(group_name: str) -> str:
-    """The comm backend the ops use for ``group_name``: ``"local"`` for ``""``, else ``"torch"``."""
+def backend_for_group(group_name: str, backend: str = "") -> str:
+    """The comm backend the ops use: ``backend`` when given (the op's ``backend`` argument, bound
+    by the compiler from ``DboConfig.comm_backend``), else ``"local"`` for the group ``""`` and
+    ``"torch"`` for any other."""
+    if backend:
+        return backend
     return "local" if group_name == "" else "torch"
 
 
@@ -114,9 +165,29 @@ def backend_for_group(group_name: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+#: receive layouts of ``dbo.moe_dispatch`` (module docstring)
+RANK_MAJOR, EXPERT_MAJOR = "rank_major", "expert_major"
+
+
 @dataclasses.dataclass(frozen=True)
-class CommBackend:
-    """One implementation of dispatch / combine.
+class ResultPool:
+    """A resource the calls of a comm backend draw from, which the scheduler honours.
+
+    The calls of one backend (one spec) on one EP group that draw from a pool are numbered in
+    issue order, over the step's whole program (every ubatch and layer). Call ``k``:
+
+    - ``live = S``: overwrites the results of call ``k - S`` (a backend returning views of
+      ``S`` rotating receive buffers). Every unit that reads a result of call ``k - S``
+      (through views) runs before call ``k`` is issued: the scheduler adds the edge
+      reader -> call ``k`` (an event edge where they are on different streams).
+    - ``in_flight = F``: is issued only after call ``k - F`` was received (its wait phase,
+      :func:`comm_receive`, ran). DeepEP low-latency: ``F = 1``, the receive hook of op ``n``
+      must be enqueued before op ``n + 1`` is issued, else the ranks hang (DeepEP
+      ``buffer.py`` and the figure of its README; seen on one H200: D0, D1, hook(D0) hung).
+
+    ``None`` means no limit. A schedule that cannot honour the limits (e.g. joined experts that
+    read three results at once with ``live=2``) is refused: the graph is compiled unsplit with
+    the reason.
 
     A backend raises a :class:`~dbo_compile.errors.DboError` (e.g. ``CommOpError``) only
     before it posts its collective: a rank whose step fails then issues the collective again
@@ -124,28 +195,128 @@ class CommBackend:
     failed (:class:`CommLedger`).
 
     Attributes:
-        name: registry key (``"torch"``, ``"local"``, ``"deep_ep"``, ...).
-        dispatch: ``(x, topk_ids, topk_weights, num_experts, group_name) -> (recv_x, recv_ids,
-            recv_weights)`` with the shapes of ``torch.ops.dbo.dispatch``.
-        combine: ``(y, group_name) -> out`` with the shapes of ``torch.ops.dbo.combine``.
-        description: one line for logs and errors.
+        name: the pool's name within the backend.
+        kinds: the comm kinds drawing from it (``"dispatch"``, ``"combine"``).
+        live: results alive at once, or ``None``.
+        in_flight: calls between issue and receive at once, or ``None``.
     """
 
     name: str
-    dispatch: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    kinds: tuple[str, ...] = ("dispatch", "combine")
+    live: int | None = None
+    in_flight: int | None = None
+
+    def __post_init__(self) -> None:
+        for attr in ("live", "in_flight"):
+            value = getattr(self, attr)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise CommBackendError(f"ResultPool {self.name!r}: {attr}={value!r} must be None "
+                                       "or an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommBackend:
+    """One implementation of dispatch / combine, and what the compiler must know of it.
+
+    The backend of a compiled graph's comm ops is chosen by ``DboConfig.comm_backend`` (and
+    ``comm_backend_options``) and bound into the graph (the ops' ``backend`` argument, a spec
+    such as ``"deep_ep:max_tokens=256,mode=low_latency"``) before lowering, so that the fake
+    shapes, the cost model, the scheduler and the DP vote's fingerprint all see it.
+
+    Attributes:
+        name: registry key (``"torch"``, ``"local"``, ``"deep_ep"``, ...).
+        dispatch: ``handle=False``: ``(x, topk_ids, topk_weights, num_experts, group_name) ->
+            (recv_x, recv_ids, recv_weights)`` in the rank-major layout; ``handle=True``: the
+            same arguments and ``defer_receive`` (bool: the wait phase, ``receive``, will be
+            called later; otherwise the call completes the op), returning the four tensors of
+            ``dbo.moe_dispatch``.
+        combine: ``handle=False``: ``(y, group_name) -> out``; ``handle=True``: ``(y,
+            topk_ids, topk_weights, recv_ids, recv_weights, handle, group_name,
+            defer_receive) -> out``.
+        description: one line for logs and errors.
+        dispatch_fake / combine_fake: the shapes of the results from the (fake) inputs, same
+            signatures; ``None``: the rank-major layout of :func:`dispatch` (``[W*T, ...]``
+            receive rows, ``W`` the group's world size) and ``[T, H]`` combined rows.
+        layout: the receive layout of ``dbo.moe_dispatch`` (:data:`RANK_MAJOR`,
+            :data:`EXPERT_MAJOR`; module docstring).
+        handle: the backend serves ``dbo.moe_dispatch`` / ``dbo.moe_combine`` with a handle of
+            its own (the signatures above); such a backend cannot serve ``dbo.dispatch`` /
+            ``dbo.combine``, whose combine gets no handle.
+        pools: the :class:`ResultPool` s its calls draw from (the scheduler honours them).
+        receive: ``receive(result)``: the wait phase's work (DeepEP low-latency: call the
+            receive hook of the call that returned ``result``); ``None``: the issue completes
+            the op on its stream and the wait is only an event.
+        stream: where its issue and receive units run: ``"comm"`` (the comm stream, joined to
+            the compute stream by events) or ``"compute"`` (DeepEP low-latency: its send runs
+            on the current stream and its receive hook on the send's stream; on the compute
+            stream the receive follows the other ubatch's compute, so that no receive kernel
+            holds SMs while the transfer is in flight).
+        configure: ``configure(**options) -> CommBackend``: the backend with the spec's
+            options, its package checked (raises ``CommBackendError`` naming what is missing
+            and the fallback); ``None``: no options.
+        supports: ``supports(facts) -> reason | None``: why it cannot serve a comm op with
+            these facts (``op``: ``"moe"`` or ``"rank_major"``, ``hidden``, ``dtype``,
+            ``top_k``, ``num_experts``, ``world_size``, ``device``), ``None`` if it can; the
+            compiler asks before binding it (``comm_backend="auto"`` picks another backend,
+            an explicit choice raises ``CommBackendError`` with the reason). ``None``: serves
+            everything.
+        moved_bytes: ``moved_bytes(kind, node, size) -> bytes`` the op moves per rank, for
+            the cost model (``size`` evaluates a symbolic size); ``None``: the bytes of its
+            outputs (right for the static-capacity rank-major layout).
+        abort: ``abort()``: receive, in order, the calls issued and not received, after a step
+            that failed between an issue and its receive (the next issue would otherwise
+            break the in-flight rule); ``None``: nothing to do.
+        bind: ``bind(facts) -> spec``: for a backend whose options depend on the graph (DeepEP
+            ``mode="auto"``: the EP group's size picks the mode), the spec the compiler binds
+            instead, given the facts of the graph's comm ops (``supports``'s); ``None``: this
+            backend's own spec.
+    """
+
+    name: str
+    dispatch: Callable[..., tuple[torch.Tensor, ...]]
     combine: Callable[..., torch.Tensor]
     description: str = ""
+    dispatch_fake: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    combine_fake: Callable[..., torch.Tensor] | None = None
+    layout: str = RANK_MAJOR
+    handle: bool = False
+    pools: tuple[ResultPool, ...] = ()
+    receive: Callable[[Any], None] | None = None
+    stream: str = "comm"
+    configure: Callable[..., "CommBackend"] | None = None
+    supports: Callable[[dict], str | None] | None = None
+    moved_bytes: Callable[..., int] | None = None
+    bind: Callable[[list[dict]], str] | None = None
+    abort: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout not in (RANK_MAJOR, EXPERT_MAJOR):
+            raise CommBackendError(f"CommBackend {self.name!r}: layout={self.layout!r}, choose "
+                                   f"{RANK_MAJOR!r} or {EXPERT_MAJOR!r}")
+        if self.layout == EXPERT_MAJOR and not self.handle:
+            raise CommBackendError(f"CommBackend {self.name!r}: the expert-major layout needs "
+                                   "handle=True (its combine gets the routing back)")
+        if self.stream not in ("comm", "compute"):
+            raise CommBackendError(f"CommBackend {self.name!r}: stream={self.stream!r}, choose "
+                                   "'comm' or 'compute'")
+
+    def pool_of(self, kind: str) -> ResultPool | None:
+        """The pool a call of ``kind`` (``"dispatch"`` / ``"combine"``) draws from, if any."""
+        return next((p for p in self.pools if kind in p.kinds), None)
+
+    def declaration(self) -> dict[str, Any]:
+        """What the scheduler honours, as data (recorded in the schedule and its fingerprint)."""
+        return {"layout": self.layout, "stream": self.stream, "receive": self.receive is not None,
+                "pools": [dataclasses.asdict(p) for p in self.pools]}
 
 
-_BACKENDS: dict[str, CommBackend] = {}
-#: name -> module path; the module is imported on first use and must call register_comm_backend.
-_LAZY_BACKENDS: dict[str, str] = {}
+_REGISTRY: BackendRegistry[CommBackend] = BackendRegistry("comm backend", CommBackendError,
+                                                         fallback="torch")
 
 
 def register_comm_backend(backend: CommBackend) -> None:
     """Register (or replace) a comm backend under ``backend.name``."""
-    _BACKENDS[backend.name] = backend
-    _LAZY_BACKENDS.pop(backend.name, None)
+    _REGISTRY.register(backend.name, backend)
 
 
 def register_lazy_comm_backend(name: str, module: str) -> None:
@@ -153,39 +324,46 @@ def register_lazy_comm_backend(name: str, module: str) -> None:
 
     The module must call :func:`register_comm_backend` with a backend named ``name`` on import.
     """
-    if name not in _BACKENDS:
-        _LAZY_BACKENDS[name] = module
+    _REGISTRY.register_lazy(name, module)
 
 
 def available_comm_backends() -> list[str]:
     """Names of the registered backends (loaded or lazy), sorted."""
-    return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
+    return _REGISTRY.names()
 
 
 def get_comm_backend(name: str) -> CommBackend:
-    """The backend registered as ``name``, importing its module first if it is lazy.
+    """The backend of the spec ``name`` (``"torch"``, ``"deep_ep:mode=low_latency"``),
+    importing its module first if it is lazy, configured with the spec's options.
 
     Raises:
-        CommBackendError: ``name`` is unknown, or its module (or the package it wraps, e.g.
-            ``deep_ep``) cannot be imported.
+        CommBackendError: ``name`` is unknown, its module (or the package it wraps, e.g.
+            ``deep_ep``) cannot be imported, or an option is unknown or bad.
     """
-    if name in _BACKENDS:
-        return _BACKENDS[name]
-    if name not in _LAZY_BACKENDS:
-        raise CommBackendError(
-            f"unknown comm backend {name!r}; registered: {available_comm_backends()}"
-        )
-    module = _LAZY_BACKENDS[name]
-    try:
-        importlib.import_module(module)
-    except ImportError as e:
-        raise CommBackendError(
-            f"comm backend {name!r} cannot be loaded: importing {module!r} failed ({e}). "
-            f"Install its package (e.g. `pip install dbo_compile[deepep]`) or use 'torch'."
-        ) from e
-    if name not in _BACKENDS:
-        raise CommBackendError(f"module {module!r} did not register comm backend {name!r}")
-    return _BACKENDS[name]
+    return _REGISTRY.get(name)
+
+
+def clear_configured_comm_backends() -> None:
+    """Forget configured backends (rebuilt when next asked for; tests swapping ``deep_ep``)."""
+    _REGISTRY.clear_configured()
+
+
+def abort_pending_receives() -> None:
+    """After a step that failed inside the split program: every backend receives what it
+    issued and did not receive (``CommBackend.abort``), so that the next step starts with
+    nothing in flight. Called by the step transaction (``runtime/step_txn.py``)."""
+    for backend in _REGISTRY.instances():
+        if backend.abort is not None:
+            try:
+                backend.abort()
+            except Exception as e:  # noqa: BLE001 - the step's own error is the one to raise
+                log.error("dbo: comm backend %r: receiving the aborted step's calls failed: %s",
+                          backend.name, e)
+
+
+def comm_backend_name(spec: str) -> str:
+    """The registry name of a backend spec (``"deep_ep:mode=low_latency"`` -> ``"deep_ep"``)."""
+    return parse_backend_spec(spec)[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,9 +638,21 @@ class _posting:
 # --------------------------------------------------------------------------------------------
 
 
+def _rank_major_backend(group_name: str, backend: str, op: str) -> CommBackend:
+    impl = get_comm_backend(backend_for_group(group_name, backend))
+    if impl.handle:
+        raise CommBackendError(
+            f"{op}: comm backend {impl.name!r} has the {impl.layout} layout with a dispatch "
+            "handle, which dbo.dispatch / dbo.combine (the rank-major contract) cannot carry; "
+            "write the MoE layer with dbo.moe_dispatch / dbo.grouped_experts / dbo.moe_combine "
+            "(dbo_compile.models.deepseek.MoE does) or use comm_backend='torch'")
+    return impl
+
+
 @torch.library.custom_op("dbo::dispatch", mutates_args=())
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             num_experts: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             num_experts: int, group_name: str, backend: str = ""
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MoE dispatch: send each token to the EP ranks that own its top-k experts.
 
     Args:
@@ -473,6 +663,8 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         topk_weights: ``[T, K]`` float32 routing weights.
         num_experts: global expert count ``E``; must be divisible by the EP world size ``W``.
         group_name: EP process group name (:func:`ep_group_name`); ``""`` = local, ``W = 1``.
+        backend: the comm backend (:func:`get_comm_backend`); ``""``: the group's default
+            (:func:`backend_for_group`). The compiler binds it from ``DboConfig.comm_backend``.
 
     Returns:
         ``(recv_x [W*T, H] x.dtype, recv_topk_ids [W*T, K] int64, recv_topk_weights [W*T, K]
@@ -483,14 +675,15 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     Raises:
         CommOpError: bad shapes/dtypes (``x`` not floating point), an id ``>= num_experts``
             (CPU, ``W = 1``) or ``num_experts % W != 0``.
+        CommBackendError: ``backend`` is unknown, cannot be loaded, or has a layout of its own
+            (it serves :func:`moe_dispatch` only).
     """
-    backend = get_comm_backend(backend_for_group(group_name))
+    impl = _rank_major_backend(group_name, backend, "dbo.dispatch")
     with _posting():
-        return backend.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
+        return impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
 
 
-@dispatch.register_fake
-def _dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name):
+def _rank_major_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name):
     w = ep_world_size(group_name)
     _check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
     n, h = x.shape
@@ -499,14 +692,23 @@ def _dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name):
             topk_weights.new_empty((w * n, k)))
 
 
+@dispatch.register_fake
+def _dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name, backend=""):
+    impl = _rank_major_backend(group_name, backend, "dbo.dispatch")
+    if impl.dispatch_fake is not None:
+        return impl.dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name)
+    return _rank_major_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name)
+
+
 @torch.library.custom_op("dbo::combine", mutates_args=())
-def combine(y: torch.Tensor, group_name: str) -> torch.Tensor:
+def combine(y: torch.Tensor, group_name: str, backend: str = "") -> torch.Tensor:
     """MoE combine: return expert outputs to the token's rank and sum them.
 
     Args:
         y: ``[W*T, H]`` expert outputs in the dispatch receive layout (row ``r*T + t`` belongs
             to token ``t`` of rank ``r``), already multiplied by the top-k weights.
         group_name: the EP process group name used for the matching dispatch.
+        backend: as :func:`dispatch`'s (the same as the matching dispatch).
 
     Returns:
         ``[T, H]`` of ``y.dtype``: ``out[t] = sum_r recv[r*T + t]`` (accumulated in fp32 for
@@ -514,10 +716,12 @@ def combine(y: torch.Tensor, group_name: str) -> torch.Tensor:
 
     Raises:
         CommOpError: ``y`` is not 2-D or its rows are not a multiple of ``W``.
+        CommBackendError: ``backend`` is unknown, cannot be loaded, or serves
+            :func:`moe_combine` only.
     """
-    backend = get_comm_backend(backend_for_group(group_name))
+    impl = _rank_major_backend(group_name, backend, "dbo.combine")
     with _posting():
-        return backend.combine(y, group_name)
+        return impl.combine(y, group_name)
 
 
 def _check_combine_args(y: torch.Tensor, world_size: int) -> None:
@@ -531,28 +735,183 @@ def _check_combine_args(y: torch.Tensor, world_size: int) -> None:
 
 
 @combine.register_fake
-def _combine_fake(y, group_name):
+def _combine_fake(y, group_name, backend=""):
+    impl = _rank_major_backend(group_name, backend, "dbo.combine")
+    if impl.combine_fake is not None:
+        return impl.combine_fake(y, group_name)
     w = ep_world_size(group_name)
     _check_combine_args(y, w)
     return y.new_empty((y.shape[0] // w, y.shape[1]))
 
 
+def _empty_handle(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int32, device=x.device)
+
+
+@torch.library.custom_op("dbo::moe_dispatch", mutates_args=())
+def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 num_experts: int, group_name: str, backend: str = "",
+                 defer_receive: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MoE dispatch in the backend's own receive layout, for :func:`grouped_experts
+    <dbo_compile.ops.experts.grouped_experts>` and :func:`moe_combine` (module docstring).
+
+    Args:
+        x, topk_ids, topk_weights, num_experts, group_name, backend: as :func:`dispatch`'s.
+        defer_receive: set by the compiler (``passes/insert_yields.py``) when the backend has a
+            receive phase and the schedule calls it later (:func:`comm_receive`); ``False``:
+            the call completes the op.
+
+    Returns:
+        ``(recv_x, recv_ids, recv_weights, handle)`` in the backend's ``layout``: rank-major
+        (torch, local: as :func:`dispatch`, handle ``[0]`` int32) or expert-major (DeepEP
+        low-latency: ``recv_x [E_local, W*cap, H]``, ``recv_ids [E_local]`` int32 valid rows
+        per local expert, ``recv_weights [E_local, W]`` int64 per-source-rank row ranges,
+        ``handle [E_local, W*cap]`` int32 source token of each row).
+
+    Raises:
+        CommOpError: bad shapes/dtypes, or shapes the backend cannot serve.
+        CommBackendError: ``backend`` is unknown or cannot be loaded.
+    """
+    impl = get_comm_backend(backend_for_group(group_name, backend))
+    with _posting():
+        if impl.handle:
+            return impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name,
+                                 defer_receive)
+        recv_x, recv_ids, recv_w = impl.dispatch(x, topk_ids, topk_weights, num_experts,
+                                                 group_name)
+    return recv_x, recv_ids, recv_w, _empty_handle(x)
+
+
+@moe_dispatch.register_fake
+def _moe_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name, backend="",
+                       defer_receive=False):
+    impl = get_comm_backend(backend_for_group(group_name, backend))
+    if impl.handle:
+        return impl.dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name,
+                                  defer_receive)
+    fake = impl.dispatch_fake or _rank_major_dispatch_fake
+    return (*fake(x, topk_ids, topk_weights, num_experts, group_name), _empty_handle(x))
+
+
+@torch.library.custom_op("dbo::moe_combine", mutates_args=())
+def moe_combine(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                recv_ids: torch.Tensor, recv_weights: torch.Tensor, handle: torch.Tensor,
+                group_name: str, backend: str = "", defer_receive: bool = False) -> torch.Tensor:
+    """MoE combine of :func:`moe_dispatch`'s layout: the expert outputs back to their tokens.
+
+    Args:
+        y: the expert outputs in the dispatch's receive layout (``dbo.grouped_experts``'s
+            output): rank-major ``[W*T, H]``, weighted; expert-major ``[E_local, W*cap, H]``,
+            unweighted.
+        topk_ids, topk_weights: ``[T, K]``, the tensors the matching dispatch sent.
+        recv_ids, recv_weights, handle: the matching dispatch's outputs.
+        group_name, backend, defer_receive: as :func:`moe_dispatch`'s.
+
+    Returns:
+        ``[T, H]`` of ``y.dtype``: rank-major, ``sum_r y[r*T + t]``; expert-major,
+        ``sum_k topk_weights[t, k] * y[e_k, row(t, e_k)]`` over the slots with an expert
+        (fp32 accumulation).
+
+    Raises:
+        CommOpError: bad shapes.
+        CommBackendError: ``backend`` is unknown or cannot be loaded.
+    """
+    impl = get_comm_backend(backend_for_group(group_name, backend))
+    with _posting():
+        if impl.handle:
+            return impl.combine(y, topk_ids, topk_weights, recv_ids, recv_weights, handle,
+                                group_name, defer_receive)
+        return impl.combine(y, group_name)
+
+
+@moe_combine.register_fake
+def _moe_combine_fake(y, topk_ids, topk_weights, recv_ids, recv_weights, handle, group_name,
+                      backend="", defer_receive=False):
+    impl = get_comm_backend(backend_for_group(group_name, backend))
+    if impl.handle:
+        return impl.combine_fake(y, topk_ids, topk_weights, recv_ids, recv_weights, handle,
+                                 group_name, defer_receive)
+    if impl.combine_fake is not None:
+        return impl.combine_fake(y, group_name)
+    _check_combine_args(y, ep_world_size(group_name))
+    return y.new_empty((topk_ids.shape[0], y.shape[1]))
+
+
+def comm_receive(value: Any, backend: str) -> Any:
+    """The receive phase of a comm op whose backend has one (``CommBackend.receive``: DeepEP
+    low-latency's receive hook), inserted by :mod:`dbo_compile.passes.insert_yields` as the
+    op's wait and scheduled as a unit of its own; returns ``value`` (the op's outputs, now
+    filled).
+
+    Args:
+        value: what the issuing op returned.
+        backend: the op's backend spec (:func:`backend_for_group` of its arguments).
+
+    Raises:
+        CommBackendError: the backend has no receive phase, or ``value`` is not the oldest
+            call it has in flight (the schedule broke the backend's in-flight rule: raised
+            before the receive is launched, which would hang).
+    """
+    impl = get_comm_backend(backend)
+    if impl.receive is None:
+        raise CommBackendError(f"comm backend {impl.name!r} has no receive phase")
+    impl.receive(value)
+    return value
+
+
 register_op(OpInfo(torch.ops.dbo.dispatch.default, comm="dispatch",
                    token_args=((0, "x"), (1, "topk_ids"), (2, "topk_weights")), row_local=True,
-                   group_arg=(4, "group_name"),
+                   backend="comm", group_arg=(4, "group_name"),
                    # null call: no token routed anywhere (id -1, weight 0)
                    null_fill=(0.0, -1, 0.0)))
 register_op(OpInfo(torch.ops.dbo.combine.default, comm="combine", row_local=True,
-                   group_arg=(1, "group_name"), null_fill=(0.0,)))
+                   backend="comm", group_arg=(1, "group_name"), null_fill=(0.0,)))
+register_op(OpInfo(torch.ops.dbo.moe_dispatch.default, comm="dispatch",
+                   token_args=((0, "x"), (1, "topk_ids"), (2, "topk_weights")), row_local=True,
+                   backend="comm", group_arg=(4, "group_name"), null_fill=(0.0, -1, 0.0)))
+# a null moe_combine is valid for backends whose combine reads y alone (no dispatch handle:
+# the drain is built only for those, passes/pipeline.py)
+register_op(OpInfo(torch.ops.dbo.moe_combine.default, comm="combine",
+                   token_args=((1, "topk_ids"), (2, "topk_weights")), row_local=True,
+                   backend="comm", group_arg=(6, "group_name"),
+                   null_fill=(0.0, -1, 0.0, -1, 0.0, 0)))
+register_op(OpInfo(comm_receive, wait=True, receive=True, row_local=True))
+
+
+def comm_spec_of(node: fx.Node) -> str | None:
+    """The backend spec a call of one of our comm ops (an FX node) runs with:
+    :func:`backend_for_group` of its ``group_name`` and ``backend`` arguments; ``None`` for a
+    node that is not one of our comm ops (a user's ``all_to_all_single``)."""
+    target = node.target
+    if not (isinstance(target, torch._ops.OpOverload) and target.namespace == "dbo"
+            and comm_kind(node) is not None):
+        return None
+    return backend_for_group(op_arg(node, "group_name", ""), bound_backend(node))
+
+
+def comm_backend_of(node: fx.Node) -> CommBackend | None:
+    """The :class:`CommBackend` of a call of one of our comm ops, or ``None``."""
+    spec = comm_spec_of(node)
+    return None if spec is None else get_comm_backend(spec)
 
 
 def ep_size_of_rows(x: fx.Node) -> int:
-    """EP world size of the dispatch whose received rows the FX node ``x`` is (a ``getitem``
-    of ``dbo.dispatch``); 1 when it cannot be told (no dispatch, unresolvable group)."""
+    """Receive rows per token of the dispatch whose received rows the FX node ``x`` is (a
+    ``getitem`` of ``dbo.dispatch`` or of its wait in a split graph, or the ``cat`` of such rows
+    that :mod:`dbo_compile.passes.join_experts` makes): its backend's ``recv_rows_per_token`` where
+    it declares one, else the EP world size (the rank-major ``[W*T]`` layout); 1 when it cannot
+    be told (no dispatch, unresolvable group)."""
+    if isinstance(x, fx.Node) and x.target is torch.ops.aten.cat.default and x.args[0]:
+        x = x.args[0][0]  # the joined rows: every part has the same layout
     src = x.args[0] if isinstance(x, fx.Node) and is_getitem(x) else None
+    while isinstance(src, fx.Node) and is_wait(src):  # the split graph's wait of the dispatch
+        src = src.args[0]
     if isinstance(src, fx.Node) and comm_kind(src) == "dispatch":
         try:
-            return max(1, int(ep_world_size(src.args[4])))
+            backend = get_comm_backend(backend_for_group(src.args[4], bound_backend(src)))
+            rows = getattr(backend, "recv_rows_per_token", None)
+            return max(1, int(rows if rows is not None else ep_world_size(src.args[4])))
         except Exception:  # noqa: BLE001 - a cost estimate never fails the compile
             return 1
     return 1

@@ -1,17 +1,30 @@
 """``dbo::grouped_experts``: the local routed experts of an EP rank as one row-local op.
 
-``torch.ops.dbo.grouped_experts(x, ids, weights, w13, w2) -> y``
+``torch.ops.dbo.grouped_experts(x, ids, weights, w13, w2, backend="", activation="silu",
+b13=None, b2=None, alpha=1.702, limit=7.0) -> y``, in either receive layout of
+``dbo.moe_dispatch`` (``dbo_compile.ops.comm``), told apart by ``x.dim()``:
 
-- ``x [N, H]`` (bf16/fp16/fp32): the rows the dispatch delivered (N = W * T static capacity).
-- ``ids [N, K]`` int64: local expert id per slot in ``[-1, E_local)``, ``-1`` = the slot's
-  expert is not on this rank (not checked on the device: larger ids are undefined behaviour).
-- ``weights [N, K]`` fp32: routing weight per slot.
-- ``w13 [E_local, 2I, H]`` (gate and up projections stacked), ``w2 [E_local, H, I]``.
-- returns ``y [N, H]`` in ``x.dtype``: ``y[n] = sum_k weights[n, k] * SwiGLU_{ids[n, k]}(x[n])``,
-  accumulated in fp32; rows with no local slot are zeros.
+- **rank-major** (``x [N, H]``, ``N = W * T`` rows; torch, local, DeepEP normal):
+  ``ids [N, K]`` int64 local expert id per slot in ``[-1, E_local)`` (``-1``: the slot's
+  expert is not on this rank; larger ids are undefined behaviour on the device), ``weights
+  [N, K]`` fp32 routing weights; returns ``y [N, H]``: ``y[n] = sum_k weights[n, k] *
+  f_{ids[n, k]}(x[n])``, accumulated in fp32; rows with no local slot are zeros.
+- **expert-major** (``x [E_local, M, H]``; DeepEP low-latency): ``ids [E_local]`` int32, the
+  valid rows of each expert (rows ``[0, ids[e])`` of ``x[e]``; the others are undefined and
+  never read), ``weights`` unused (the dispatch's row ranges); returns ``y [E_local, M, H]``,
+  ``y[e, i] = f_e(x[e, i])`` unweighted for the valid rows (the combine weights them), the
+  other rows undefined.
 
-Row ``n`` of ``y`` depends only on row ``n`` of ``x``/``ids``/``weights``, so the op is declared
-row-local along the token dim (the split pass may cut it anywhere).
+The expert ``f_e`` (weights ``w13 [E_local, 2I, H]``, ``w2 [E_local, H, I]``, any strides):
+``h = x @ w13[e].T (+ b13[e])``, ``a = act(h)``, ``f_e(x) = a @ w2[e].T (+ b2[e])``, with
+``activation="silu"``: ``silu(h[:, :I]) * h[:, I:]`` (SwiGLU: Qwen3-MoE, Mixtral, DeepSeek);
+``"gpt_oss"``: GPT-OSS's clamped GLU over interleaved columns, ``gate = h[:, ::2].clamp(max=
+limit)``, ``up = h[:, 1::2].clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha *
+gate)`` (transformers ``GptOssExperts._apply_gate``).
+
+Row ``n`` of ``y`` depends only on row ``n`` of ``x``/``ids``/``weights`` (rank-major), so the
+op is declared row-local along the token dim (the split pass may cut it anywhere); the
+expert-major rows carry no token dim.
 
 Kernels:
 
@@ -24,15 +37,21 @@ Kernels:
   them (rows past the last routed slot skipped), then a weighted gather-sum back to rows — a
   Triton kernel that reads each local slot's output row once and writes ``y`` once. 10 kernel
   launches besides the sort's (without Triton: the same algorithm in torch ops).
+  Another activation or biases: the same algorithm with torch ops between the grouped GEMMs.
+  Expert-major rows: the valid rows compacted (offsets from the counts), the two grouped GEMMs,
+  the rows written back in place (torch ops; ``deep_gemm``'s masked GEMM reads the layout as
+  it is, :mod:`dbo_compile.ops.deep_gemm`).
 - CPU, other dtypes than bf16, GPUs before sm90 (where ``torch._grouped_mm`` has no fused
   kernel and its fallback syncs with the host): the reference per-expert loop (every expert on
-  every row, masked), exact and capturable; :func:`grouped_reference` runs the CUDA algorithm with torch ops on any device
-  for tests.
+  every row, masked), exact and capturable; :func:`grouped_reference` runs the CUDA algorithm
+  with torch ops on any device for tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -41,37 +60,109 @@ import torch.nn.functional as F
 from dbo_compile.errors import ExpertsOpError
 from dbo_compile.ops._triton import import_triton
 from dbo_compile.ops.comm import ep_size_of_rows
-from dbo_compile.ops.registry import OpInfo, register_op
+from dbo_compile.ops.registry import BackendRegistry, OpInfo, register_op
 
-__all__ = ["ExpertsOpError", "experts_loop", "grouped_experts", "grouped_reference"]
+__all__ = ["ACTIVATIONS", "ExpertFn", "ExpertsBackend", "ExpertsOpError",
+           "available_experts_backends", "experts_loop", "get_experts_backend", "grouped_experts",
+           "grouped_reference", "register_experts_backend", "register_lazy_experts_backend"]
+
+#: the experts' activations (module docstring)
+ACTIVATIONS = ("silu", "gpt_oss")
 
 
-def _check(x, ids, weights, w13, w2) -> None:
-    if x.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
+@dataclasses.dataclass(frozen=True)
+class ExpertFn:
+    """The expert MLP besides its weights: activation and biases (module docstring).
+
+    Attributes:
+        activation: one of :data:`ACTIVATIONS`.
+        b13: ``[E_local, 2I]`` bias of the gate/up projection, or ``None``.
+        b2: ``[E_local, H]`` bias of the down projection, or ``None``.
+        alpha, limit: the ``"gpt_oss"`` activation's constants.
+    """
+
+    activation: str = "silu"
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @property
+    def plain(self) -> bool:
+        """SwiGLU without biases (what the fused kernels and DeepGEMM compute)."""
+        return self.activation == "silu" and self.b13 is None and self.b2 is None
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        """``[..., 2I] -> [..., I]`` in ``h.dtype``."""
+        if self.activation == "silu":
+            inter = h.shape[-1] // 2
+            return F.silu(h[..., :inter]) * h[..., inter:]
+        gate = h[..., ::2].clamp(max=self.limit)
+        up = h[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+PLAIN = ExpertFn()
+
+
+def _check(x, ids, weights, w13, w2, fn: ExpertFn = PLAIN) -> None:
+    if x.dim() == 3:  # expert-major rows
+        if ids.dim() != 1 or ids.shape[0] != x.shape[0] or ids.dtype != torch.int32:
+            raise ExpertsOpError(
+                f"dbo.grouped_experts: expert-major x {tuple(x.shape)} needs ids = the valid "
+                f"rows per expert, [E_local={x.shape[0]}] int32; got {tuple(ids.shape)} "
+                f"{ids.dtype}")
+        if w13.dim() == 3 and w13.shape[0] != x.shape[0]:
+            raise ExpertsOpError(f"dbo.grouped_experts: x has {x.shape[0]} experts' rows but "
+                                 f"w13 {tuple(w13.shape)} holds {w13.shape[0]} experts")
+    elif (x.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape
+          or ids.shape[0] != x.shape[0]):
         raise ExpertsOpError(
-            f"dbo.grouped_experts: expected x [N, H], ids/weights [N, K]; got x {tuple(x.shape)}, "
-            f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
-    if ids.dtype != torch.int64 or weights.dtype != torch.float32:
+            f"dbo.grouped_experts: expected x [N, H], ids/weights [N, K] (or expert-major x "
+            f"[E, M, H] with ids [E]); got x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights "
+            f"{tuple(weights.shape)}")
+    elif ids.dtype != torch.int64 or weights.dtype != torch.float32:
         raise ExpertsOpError(f"dbo.grouped_experts: ids must be int64 and weights float32, got "
                              f"{ids.dtype} / {weights.dtype}")
+    hidden = x.shape[-1]
     if (w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]
-            or w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1]
+            or w13.shape[2] != hidden or w2.shape[1] != hidden
             or w13.shape[1] != 2 * w2.shape[2]):
         raise ExpertsOpError(
             f"dbo.grouped_experts: expected w13 [E, 2I, H] and w2 [E, H, I] with H = "
-            f"{x.shape[1]}; got {tuple(w13.shape)} and {tuple(w2.shape)}")
+            f"{hidden}; got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    if fn.activation not in ACTIVATIONS:
+        raise ExpertsOpError(f"dbo.grouped_experts: activation={fn.activation!r}; choose one of "
+                             f"{ACTIVATIONS}")
+    for name, b, want in (("b13", fn.b13, (w13.shape[0], w13.shape[1])),
+                          ("b2", fn.b2, (w2.shape[0], hidden))):
+        if b is not None and tuple(b.shape) != want:
+            raise ExpertsOpError(f"dbo.grouped_experts: {name} must be {list(want)}, got "
+                                 f"{tuple(b.shape)}")
 
 
-def experts_loop(x, ids, weights, w13, w2) -> torch.Tensor:
-    """Reference: every local expert on every row, weighted by the row's slots for it."""
+def _mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int, fn: ExpertFn
+         ) -> torch.Tensor:
+    """Expert ``e`` on rows ``x [N, H]`` -> ``[N, H]`` (x.dtype)."""
+    h = F.linear(x, w13[e], None if fn.b13 is None else fn.b13[e])
+    return F.linear(fn.act(h), w2[e], None if fn.b2 is None else fn.b2[e])
+
+
+def experts_loop(x, ids, weights, w13, w2, fn: ExpertFn = PLAIN) -> torch.Tensor:
+    """Reference: every local expert on every row, weighted by the row's slots for it
+    (rank-major), or on its own rows, masked past its count (expert-major)."""
+    if x.dim() == 3:
+        valid = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < ids.unsqueeze(1)
+        outs = [torch.where(valid[e].unsqueeze(-1), _mlp(x[e], w13, w2, e, fn), 0)
+                for e in range(x.shape[0])]
+        return torch.stack(outs).to(x.dtype) if outs else torch.empty_like(x)
     y = torch.zeros_like(x, dtype=torch.float32)
     for e in range(w13.shape[0]):
         mine = ids == e
         # weights of other experts' slots and outputs of rows without a slot of e never enter
         # the sum (as in the grouped path), even when they are inf / NaN
         w_e = torch.where(mine, weights, 0.0).sum(dim=-1, keepdim=True)  # [N, 1] fp32
-        gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, w2[e]).to(torch.float32)
+        out = _mlp(x, w13, w2, e, fn).to(torch.float32)
         y = y + torch.where(mine.any(dim=-1, keepdim=True), w_e * out, 0.0)
     return y.to(x.dtype)
 
@@ -92,14 +183,17 @@ def _expert_offsets(sorted_keys: torch.Tensor, num_experts: int) -> torch.Tensor
     return torch.searchsorted(sorted_keys, experts, right=True, out_int32=True)
 
 
-def _sorted_slots(ids: torch.Tensor, num_experts: int):
-    """Slots sorted by expert: ``(order, rows, offs, valid)``; slots with id < 0 sort last."""
+def _sorted_slots(ids: torch.Tensor, num_experts: int, with_keys: bool = False):
+    """Slots sorted by expert: ``(order, rows, offs, valid)`` (and the sorted keys, the expert
+    of each sorted slot, ``num_experts`` for slots not here); slots with id < 0 sort last."""
     flat = ids.reshape(-1)
     valid = flat >= 0
     key = torch.where(valid, flat, num_experts).to(_narrow_key_dtype(num_experts))
     sorted_keys, order = torch.sort(key, stable=True)
     offs = _expert_offsets(sorted_keys, num_experts)
     rows = torch.div(order, ids.shape[1], rounding_mode="floor")
+    if with_keys:
+        return order, rows, offs, valid, sorted_keys
     return order, rows, offs, valid
 
 
@@ -109,13 +203,18 @@ def _gate_up(x, rows, offs, w13) -> torch.Tensor:
     return torch._grouped_mm(x.index_select(0, rows), w13.transpose(-2, -1), offs=offs)
 
 
-def _expert_outputs(x, rows, offs, w13, w2) -> torch.Tensor:
-    """Per sorted slot, the SwiGLU output of its expert: ``[N*K, H]`` (rows past ``offs[-1]``
-    are not computed and hold garbage)."""
+def _expert_outputs(x, rows, offs, w13, w2, fn: ExpertFn = PLAIN,
+                    keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Per sorted slot, the output of its expert: ``[N*K, H]`` (rows past ``offs[-1]`` are not
+    computed and hold garbage). ``keys``: the expert of each sorted slot (needed for biases)."""
     h = _gate_up(x, rows, offs, w13)
-    inter = w2.shape[2]
-    a = F.silu(h[:, :inter]) * h[:, inter:]
-    return torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+    experts = None if keys is None else keys.long().clamp(max=w13.shape[0] - 1)
+    if fn.b13 is not None:
+        h = h + fn.b13.index_select(0, experts)
+    o = torch._grouped_mm(fn.act(h), w2.transpose(-2, -1), offs=offs)
+    if fn.b2 is not None:
+        o = o + fn.b2.index_select(0, experts)
+    return o
 
 
 def _slot_positions(order, valid, weights):
@@ -134,16 +233,44 @@ def _weighted_gather_sum_torch(o, pos, w, valid, out_dtype):
     return y.view(n, -1).to(out_dtype)
 
 
-def grouped_reference(x, ids, weights, w13, w2) -> torch.Tensor:
-    """The CUDA algorithm (sort, grouped GEMM, weighted gather-sum) with torch ops only."""
-    _check(x, ids, weights, w13, w2)
+def grouped_reference(x, ids, weights, w13, w2, fn: ExpertFn = PLAIN) -> torch.Tensor:
+    """The CUDA algorithm (sort, grouped GEMM, weighted gather-sum) with torch ops only; for
+    expert-major rows, :func:`_grouped_expert_major`."""
+    _check(x, ids, weights, w13, w2, fn)
+    if x.dim() == 3:
+        return _grouped_expert_major(x, ids, w13, w2, fn)
     n, k = ids.shape
     if n == 0:
         return torch.zeros_like(x)
-    order, rows, offs, valid = _sorted_slots(ids, w13.shape[0])
-    o = _expert_outputs(x, rows, offs, w13, w2)
+    if fn.plain:
+        order, rows, offs, valid = _sorted_slots(ids, w13.shape[0])
+        o = _expert_outputs(x, rows, offs, w13, w2)
+    else:
+        order, rows, offs, valid, keys = _sorted_slots(ids, w13.shape[0], with_keys=True)
+        o = _expert_outputs(x, rows, offs, w13, w2, fn, keys)
     pos, w = _slot_positions(order, valid, weights)
     return _weighted_gather_sum_torch(o, pos.view(n, k), w.view(n, k), valid, x.dtype)
+
+
+def _grouped_expert_major(x, counts, w13, w2, fn: ExpertFn = PLAIN) -> torch.Tensor:
+    """Expert-major rows with torch's grouped GEMM: the valid rows compacted in expert order
+    (offsets = the running sum of ``counts``), gate/up and down grouped GEMMs, the outputs
+    written back to their rows (the others left undefined). Static shapes, no host sync."""
+    e, m, hidden = x.shape
+    if e * m == 0:
+        return torch.empty_like(x)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    r = torch.arange(e * m, device=x.device)
+    expert = torch.searchsorted(offs, r.to(torch.int32), right=True).clamp(max=e - 1)
+    starts = offs - counts
+    src = expert * m + (r - starts.index_select(0, expert))
+    valid = r < offs[-1]
+    src = torch.where(valid, src, e * m)  # rows past the last valid one: a spare row
+    flat = torch.cat([x.reshape(e * m, hidden), x.new_zeros(1, hidden)])
+    o = _expert_outputs(flat, src, offs, w13, w2, fn, expert)
+    y = torch.empty((e * m + 1, hidden), dtype=x.dtype, device=x.device)
+    y.index_copy_(0, src, o.to(x.dtype))
+    return y[: e * m].view(e, m, hidden)
 
 
 @functools.cache
@@ -191,10 +318,13 @@ def _triton_kernel():
         tl.store(y_ptr + t * H + cols, acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def silu_mul_kernel(h_ptr, a_ptr, n_valid_ptr, inter, BLOCK: tl.constexpr):
+    def silu_mul_kernel(h_ptr, a_ptr, counts_ptr, M, inter, BLOCK: tl.constexpr):
+        """``a = silu(gate) * up`` of row ``e*M + i`` of ``h`` if ``i < counts[e]``: the rows
+        of the expert-major layout below each expert's count; with ``M`` >= the rows and one
+        count, the rows below it (rows past the last routed slot are never read downstream:
+        no traffic for them)."""
         row = tl.program_id(0).to(tl.int64)
-        # rows past the last routed slot are never read downstream: no traffic for them
-        if row < tl.load(n_valid_ptr):
+        if row % M < tl.load(counts_ptr + row // M):
             cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
             m = cols < inter
             gate = tl.load(h_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
@@ -235,7 +365,8 @@ def _grouped_triton(x, ids, weights, w13, w2) -> torch.Tensor:
     h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
     act = torch.empty(nk, inter, dtype=h.dtype, device=h.device)
     block = min(1024, triton.next_power_of_2(inter))
-    kern["silu_mul"][(nk, triton.cdiv(inter, block))](h, act, offs[-1:], inter, BLOCK=block)
+    kern["silu_mul"][(nk, triton.cdiv(inter, block))](h, act, offs[-1:], nk, inter,
+                                                        BLOCK=block)
     o = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # row-major, whatever x's strides
     kern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids, weights, y, hidden, K=k,
@@ -251,14 +382,97 @@ def _grouped_cuda(x, ids, weights, w13, w2) -> torch.Tensor:
     return _grouped_triton(x, ids, weights, w13, w2)
 
 
+def _grouped_torch(x, ids, weights, w13, w2, fn: ExpertFn = PLAIN) -> torch.Tensor:
+    """The ``"torch"`` experts backend: the grouped algorithm where it has fused kernels, the
+    reference loop elsewhere (see the module docstring)."""
+    if not _grouped_ok(x, w13, w2):
+        return experts_loop(x, ids, weights, w13, w2, fn)
+    if x.dim() == 3 or not fn.plain:
+        return grouped_reference(x, ids, weights, w13, w2, fn)
+    return _grouped_cuda(x, ids, weights, w13, w2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsBackend:
+    """One implementation of ``dbo.grouped_experts`` (same signature and semantics).
+
+    Attributes:
+        name: registry key (``"torch"``, ``"deep_gemm"``, ...).
+        run: ``(x, ids, weights, w13, w2) -> y``, and ``fn=`` (:class:`ExpertFn`) when the
+            call has another activation or biases.
+        description: one line for logs and errors.
+        configure: ``configure(**options) -> ExpertsBackend`` (its package checked; raises
+            ``ExpertsOpError`` naming what is missing and the fallback); ``None``: no options.
+        supports: ``supports(facts) -> reason | None``: why it cannot serve a call with these
+            facts (``layout``, ``dtype``, ``device``, ``activation``, ``bias``, ``hidden``,
+            ``intermediate``, ``num_experts``); asked by the compiler before binding it.
+    """
+
+    name: str
+    run: Callable[..., torch.Tensor]
+    description: str = ""
+    configure: Callable[..., "ExpertsBackend"] | None = None
+    supports: Callable[[dict], str | None] | None = None
+
+
+_REGISTRY: BackendRegistry[ExpertsBackend] = BackendRegistry("experts backend", ExpertsOpError,
+                                                            fallback="torch")
+
+
+def register_experts_backend(backend: ExpertsBackend) -> None:
+    """Register (or replace) an experts backend under ``backend.name``."""
+    _REGISTRY.register(backend.name, backend)
+
+
+def register_lazy_experts_backend(name: str, module: str) -> None:
+    """Register a backend whose module is imported only when it is asked for."""
+    _REGISTRY.register_lazy(name, module)
+
+
+def available_experts_backends() -> list[str]:
+    """Names of the registered experts backends (loaded or lazy), sorted."""
+    return _REGISTRY.names()
+
+
+def get_experts_backend(name: str) -> ExpertsBackend:
+    """The experts backend of the spec ``name`` (``""``: ``"torch"``; ``"deep_gemm:fp8=true"``),
+    importing its module if lazy, configured with the spec's options.
+
+    Raises:
+        ExpertsOpError: ``name`` is unknown, its module (or the package it wraps) cannot be
+            imported, or an option is unknown or bad.
+    """
+    return _REGISTRY.get(name or "torch")
+
+
+def clear_configured_experts_backends() -> None:
+    """Forget configured backends (rebuilt when next asked for; tests swapping ``deep_gemm``)."""
+    _REGISTRY.clear_configured()
+
+
+register_experts_backend(ExpertsBackend(
+    "torch", _grouped_torch, "torch._grouped_mm + Triton on CUDA (bf16, sm90+), a loop elsewhere"))
+register_lazy_experts_backend("deep_gemm", "dbo_compile.ops.deep_gemm")
+
+
 @torch.library.custom_op("dbo::grouped_experts", mutates_args=())
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """See the module docstring. Raises ExpertsOpError on bad shapes or dtypes."""
-    _check(x, ids, weights, w13, w2)
-    if _grouped_ok(x, w13, w2):
-        return _grouped_cuda(x, ids, weights, w13, w2)
-    return experts_loop(x, ids, weights, w13, w2)
+                    w13: torch.Tensor, w2: torch.Tensor, backend: str = "",
+                    activation: str = "silu", b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None, alpha: float = 1.702,
+                    limit: float = 7.0) -> torch.Tensor:
+    """See the module docstring; ``backend``: the experts backend (:func:`get_experts_backend`,
+    ``""``: ``"torch"``), bound by the compiler from ``DboConfig.experts_backend``.
+
+    Raises:
+        ExpertsOpError: bad shapes or dtypes, or an unknown backend.
+    """
+    fn = ExpertFn(activation, b13, b2, alpha, limit)
+    _check(x, ids, weights, w13, w2, fn)
+    impl = get_experts_backend(backend)
+    if fn.plain:
+        return impl.run(x, ids, weights, w13, w2)
+    return impl.run(x, ids, weights, w13, w2, fn=fn)
 
 
 def _grouped_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -271,20 +485,28 @@ def _grouped_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    return x.shape[1] % 8 == 0 and w2.shape[2] % 8 == 0
+    return x.shape[-1] % 8 == 0 and w2.shape[2] % 8 == 0
 
 
 @grouped_experts.register_fake
-def _(x, ids, weights, w13, w2):
-    _check(x, ids, weights, w13, w2)
-    return torch.empty_like(x)
+def _(x, ids, weights, w13, w2, backend="", activation="silu", b13=None, b2=None, alpha=1.702,
+      limit=7.0):
+    _check(x, ids, weights, w13, w2, ExpertFn(activation, b13, b2, alpha, limit))
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _grouped_experts_flops(node: fx.Node, size) -> float:
-    """SwiGLU (3 GEMMs of I x H) on the slots routed to this rank: ``N*K / W`` of them."""
+    """SwiGLU (3 GEMMs of I x H) on the slots routed to this rank: ``N*K / W`` of them
+    (expert-major rows: the ``T*K`` slots the dispatch sent, as many arrive on average)."""
     x, ids, _w, _w13, w2 = (a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args[:5])
+    hidden, inter = size(x.shape[-1]), size(w2.shape[2])
+    if x.dim() == 3:
+        src = node.args[0].args[0] if isinstance(node.args[0], fx.Node) and node.args[0].args else None
+        sent = src.args[1].meta.get("val") if isinstance(src, fx.Node) and src.args and isinstance(
+            src.args[1], fx.Node) else None
+        slots = size(sent.shape[0]) * size(sent.shape[1]) if sent is not None else size(x.shape[1])
+        return 6.0 * slots * inter * hidden
     rows, k = (size(s) for s in ids.shape)
-    hidden, inter = size(x.shape[1]), size(w2.shape[2])
     return 6.0 * rows * k * inter * hidden / ep_size_of_rows(node.args[0])
 
 
@@ -294,4 +516,4 @@ register_op(OpInfo(
     row_local=True,
     # in decode the grouped GEMM is bound by reading the expert weights: one call on both
     # ubatches' rows reads them once (dbo_compile.passes.join_experts)
-    joinable=True, flops=_grouped_experts_flops))
+    joinable=True, flops=_grouped_experts_flops, backend="experts"))

@@ -25,8 +25,9 @@ Each ``dbo`` op module registers its record next to its ``torch.library.custom_o
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
 import sympy
 import torch
@@ -34,9 +35,12 @@ import torch.fx as fx
 
 from dbo_compile.schedule import COMM, CommCall, CommPlan, NullArg, Schedule
 
-__all__ = ["OpInfo", "comm_call", "comm_group_name", "comm_plan", "comm_kind", "comm_nodes", "comm_wait", "is_c10d_wait",
-           "is_getitem", "is_wait", "joinable_ops", "kv_block_sizes", "node_arg", "op_info",
-           "register_op", "register_paged_kv_op", "register_row_local", "registered_ops"]
+__all__ = ["BackendRegistry", "OpInfo", "backend_spec", "bound_backend", "comm_call",
+           "comm_group_name", "comm_kind", "comm_nodes", "comm_plan", "comm_wait",
+           "import_optional", "is_c10d_wait", "is_getitem", "is_receive", "is_wait",
+           "joinable_ops", "kv_block_sizes", "op_arg", "op_has_arg", "op_info",
+           "parse_backend_spec", "register_op", "register_paged_kv_op", "register_row_local",
+           "registered_ops", "set_op_arg"]
 
 #: ``flops(node, size) -> float``: FLOPs of ``node`` with its symbolic sizes evaluated by
 #: ``size(sym_or_int) -> int`` (the cost model's reference token counts)
@@ -52,6 +56,9 @@ class OpInfo:
         comm: ``"dispatch"``, ``"combine"`` or ``"all_to_all"`` for an op that issues a
             collective; ``None`` otherwise.
         wait: the op ends a collective (its first argument is the issuing node).
+        receive: a wait that does work of its own, the receive phase of a backend whose issue
+            only sends (DeepEP low-latency's receive hook): it is a schedule unit of its own
+            (:func:`dbo_compile.ops.comm.comm_receive`); a plain wait only passes the value on.
         token_args: ``(position, name)`` of the inputs whose dim 0 is the token dim.
         row_local: row ``i`` of each output depends only on row ``i`` of the token-indexed
             inputs (and on shared tensors the split orders explicitly, such as the KV cache
@@ -59,6 +66,9 @@ class OpInfo:
         joinable: the ubatch copies of one call may be joined into one call on the rows of
             all ubatches (row-local, and in decode bound by reading its weights).
         flops: the cost model's FLOP formula (:data:`FlopsFormula`), ``None``: ATen rules.
+        backend: the registry the op's ``backend`` argument names (``"comm"``: comm backends,
+            ``"experts"``: experts backends), which the compiler binds from the config
+            (``DboConfig.comm_backend`` / ``experts_backend``); ``None``: no such argument.
         group_arg: ``(position, name)`` of a comm op's process-group-name argument.
         null_fill: for a comm op, the fill value of each tensor argument (in schema order) of
             a *null* call: the same collective with a payload that routes and adds nothing
@@ -71,10 +81,12 @@ class OpInfo:
     op: Any
     comm: str | None = None
     wait: bool = False
+    receive: bool = False
     token_args: tuple[tuple[int, str], ...] = ()
     row_local: bool = False
     joinable: bool = False
     flops: FlopsFormula | None = None
+    backend: str | None = None
     group_arg: tuple[int, str] | None = None
     null_fill: tuple[float, ...] | None = None
     kv_cache_arg: tuple[int, str, int] | None = None
@@ -131,6 +143,48 @@ def joinable_ops() -> frozenset:
     return frozenset(i.op for i in _REGISTRY.values() if i.joinable)
 
 
+def _schema_names(node: fx.Node) -> list[str]:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    schema = getattr(target, "_schema", None)
+    return [a.name for a in schema.arguments] if schema is not None else []
+
+
+def op_arg(node: fx.Node, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a call of an ``OpOverload``, given by keyword (a Dynamo graph) or
+    by position (a lowered graph); ``default`` when absent."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    names = _schema_names(node)
+    pos = names.index(name) if name in names else -1
+    return node.args[pos] if 0 <= pos < len(node.args) else default
+
+
+def op_has_arg(node: fx.Node, name: str) -> bool:
+    """The schema of the ``OpOverload`` ``node`` calls has an argument ``name``."""
+    return name in _schema_names(node)
+
+
+def set_op_arg(node: fx.Node, name: str, value: Any) -> None:
+    """Set argument ``name`` of a call of an ``OpOverload`` where it is given (by position or
+    keyword), else as a keyword."""
+    names = _schema_names(node)
+    pos = names.index(name) if name in names else -1
+    if 0 <= pos < len(node.args):
+        args = list(node.args)
+        args[pos] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
+def bound_backend(node: fx.Node) -> str:
+    """The ``backend`` argument of a call of an op with a backend registry (``""``: the op's
+    own choice), whether it is given by keyword (a Dynamo graph) or by position (lowered)."""
+    return op_arg(node, "backend", "") or ""
+
+
 def comm_kind(node: fx.Node) -> str | None:
     """``"dispatch"``, ``"combine"`` or ``"all_to_all"`` for an issuing comm node, else ``None``."""
     if node.op != "call_function":
@@ -147,6 +201,14 @@ def is_wait(node: fx.Node) -> bool:
     return info is not None and info.wait
 
 
+def is_receive(node: fx.Node) -> bool:
+    """``node`` is the receive phase of a comm op (a wait that is a schedule unit of its own)."""
+    if node.op != "call_function":
+        return False
+    info = op_info(node.target)
+    return info is not None and info.receive
+
+
 def is_c10d_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target == torch.ops._c10d_functional.wait_tensor.default
 
@@ -155,20 +217,13 @@ def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
-def node_arg(node: fx.Node, position: int, name: str, default: Any = None) -> Any:
-    """Argument ``name`` of an FX call, positional at ``position`` or a keyword."""
-    if len(node.args) > position:
-        return node.args[position]
-    return node.kwargs.get(name, default)
-
-
 def comm_group_name(node: fx.Node) -> str | None:
     """The process-group name a comm node's op runs over (a constant of the graph), or
     ``None`` when the op declares no group argument or the argument is not a constant str."""
     info = op_info(node.target) if node.op == "call_function" else None
     if info is None or info.group_arg is None:
         return None
-    name = node_arg(node, *info.group_arg)
+    name = op_arg(node, info.group_arg[1])
     return name if isinstance(name, str) else None
 
 
@@ -181,8 +236,8 @@ def kv_block_sizes(graph: fx.Graph) -> tuple[int, ...] | None:
         info = op_info(n.target) if n.op == "call_function" else None
         if info is None or info.kv_cache_arg is None:
             continue
-        pos, name, dim = info.kv_cache_arg
-        cache = node_arg(n, pos, name)
+        _, name, dim = info.kv_cache_arg
+        cache = op_arg(n, name)
         val = cache.meta.get("val", cache.meta.get("example_value")) if isinstance(cache, fx.Node) else None
         size = val.shape[dim] if isinstance(val, torch.Tensor) and val.dim() > dim else None
         if not isinstance(size, int):
@@ -270,3 +325,146 @@ register_op(OpInfo(comm_wait, wait=True, row_local=True))
 register_op(OpInfo(torch.ops._c10d_functional.all_to_all_single.default, comm="all_to_all",
                    group_arg=(3, "group_name")))
 register_op(OpInfo(torch.ops._c10d_functional.wait_tensor.default, wait=True))
+
+
+B = TypeVar("B")
+
+
+def import_optional(module: str, error: type[Exception], what: str, install: str,
+                    option: str) -> Any:
+    """Import the optional package ``module`` a backend wraps (``deep_ep``, ``deep_gemm``).
+
+    Raises:
+        ``error``: it failed to import (any exception: without CUDA these packages raise
+            ``OSError`` or ``AssertionError``, not only ``ImportError``), naming the package,
+            how to install it (``install``) and the fallback (``option='torch'``).
+    """
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - an optional package can fail in many ways
+        raise error(
+            f"{what} needs the package {module}, which failed to import ({type(e).__name__}: "
+            f"{e}); install it with {install}, or use {option}='torch' ({option}='auto' falls "
+            "back to it)") from e
+
+
+def parse_backend_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"name"`` or ``"name:key=value,key=value"`` -> ``(name, {key: value})``; values that
+    read as ints, floats or ``true``/``false`` become those (the form the compiler binds into
+    an op's ``backend`` argument: :func:`backend_spec`)."""
+    name, _, rest = spec.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        options[key.strip()] = _parse_value(value.strip())
+    return name, options
+
+
+def _parse_value(value: str) -> Any:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def backend_spec(name: str, options: Any = ()) -> str:
+    """The canonical spec of backend ``name`` with ``options`` (a mapping or ``(key, value)``
+    pairs): ``"name"`` or ``"name:k1=v1,k2=v2"``, keys sorted, so that every rank binds the same
+    string (it enters the fingerprint)."""
+    items = sorted(dict(options).items())
+    if not items:
+        return name
+    def text(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+    return name + ":" + ",".join(f"{k}={text(v)}" for k, v in items)
+
+
+class BackendRegistry(Generic[B]):
+    """Named implementations of an op (its comm or experts backends), some imported lazily.
+
+    A backend may take options: it is asked for by its spec (:func:`backend_spec`,
+    ``"deep_ep:max_tokens=256,mode=low_latency"``) and, when it has a ``configure`` attribute
+    (``configure(**options) -> backend``: checks the options and the package the backend wraps,
+    and returns the configured backend), the configured backend is built once per spec and
+    kept. A backend without ``configure`` takes no options.
+
+    Args:
+        kind: what they are, for errors (``"comm backend"``).
+        error: the exception type raised for an unknown or unloadable backend.
+        fallback: the backend to name in the error as the one that always works.
+    """
+
+    def __init__(self, kind: str, error: type[Exception], fallback: str):
+        self.kind, self.error, self.fallback = kind, error, fallback
+        self._loaded: dict[str, B] = {}
+        #: name -> module path; imported on first use, it must register the backend
+        self._lazy: dict[str, str] = {}
+        #: spec -> the configured backend
+        self._configured: dict[str, B] = {}
+
+    def register(self, name: str, backend: B) -> None:
+        """Register (or replace) ``backend`` under ``name``."""
+        self._loaded[name] = backend
+        self._lazy.pop(name, None)
+        self._configured = {k: v for k, v in self._configured.items()
+                            if parse_backend_spec(k)[0] != name}
+
+    def register_lazy(self, name: str, module: str) -> None:
+        """``name`` is registered by importing ``module``, done when it is first asked for."""
+        if name not in self._loaded:
+            self._lazy[name] = module
+
+    def names(self) -> list[str]:
+        """Every registered name (loaded or lazy), sorted."""
+        return sorted(set(self._loaded) | set(self._lazy))
+
+    def instances(self) -> list[B]:
+        """Every backend built so far: the loaded ones and the configured ones."""
+        return list(self._loaded.values()) + list(self._configured.values())
+
+    def clear_configured(self) -> None:
+        """Forget the configured backends (they are rebuilt, and their packages checked again,
+        when next asked for); tests that swap a wrapped package use it."""
+        self._configured.clear()
+
+    def get(self, spec: str) -> B:
+        """The backend of ``spec`` (``"name"`` or ``"name:options"``), importing its module
+        first if it is lazy, configured with the spec's options.
+
+        Raises:
+            ``self.error``: the name is unknown, importing its module (or the package it
+                wraps) failed, or an option is unknown or bad; the message says why and names
+                the fallback.
+        """
+        if spec in self._configured:
+            return self._configured[spec]
+        name, options = parse_backend_spec(spec)
+        backend = self._load(name)
+        configure = getattr(backend, "configure", None)
+        if configure is None:
+            if options:
+                raise self.error(f"{self.kind} {name!r} takes no options, got {options}")
+            return backend
+        configured = configure(**options)
+        self._configured[spec] = configured
+        return configured
+
+    def _load(self, name: str) -> B:
+        if name in self._loaded:
+            return self._loaded[name]
+        if name not in self._lazy:
+            raise self.error(f"unknown {self.kind} {name!r}; registered: {self.names()}")
+        module = self._lazy[name]
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - an optional package can fail in many ways
+            raise self.error(
+                f"{self.kind} {name!r} cannot be loaded: importing {module!r} failed "
+                f"({type(e).__name__}: {e}); use {self.fallback!r}") from e
+        if name not in self._loaded:
+            raise self.error(f"module {module!r} did not register {self.kind} {name!r}")
+        return self._loaded[name]

@@ -16,6 +16,13 @@ Between the issue and the wait the other ubatch computes. User-written functiona
 annotated. In generated code the wait is an event wait of the consumer's stream on the event
 recorded after the issue; the value itself is passed through unchanged
 (:func:`dbo_compile.ops.registry.comm_wait`).
+
+A comm op whose backend has a receive phase (``CommBackend.receive``: DeepEP low-latency's
+receive hook) gets ``defer_receive=True`` and, as its wait, the receive itself, a unit of its
+own in the schedule::
+
+    r = dbo.moe_dispatch(x, ids, w, E, group, "deep_ep:...", True)   # the send only
+    r_wait = comm_receive(r, "deep_ep:...")                           # the receive hook
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ import logging
 import torch.fx as fx
 
 from dbo_compile.errors import ScheduleError
-from dbo_compile.ops.registry import comm_kind, comm_wait, is_c10d_wait
+from dbo_compile.ops.comm import comm_backend_of, comm_receive, comm_spec_of
+from dbo_compile.ops.registry import comm_kind, comm_wait, is_c10d_wait, op_has_arg, set_op_arg
 from dbo_compile.passes.meta import dbo_meta
 
 log = logging.getLogger(__name__)
@@ -51,12 +59,18 @@ def insert_yields(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
                                     f"wait_tensor, it has {len(waits)}")
             wait = waits[0]
         else:
-            existing = [u for u in node.users if u.target is comm_wait]
+            existing = [u for u in node.users if u.target in (comm_wait, comm_receive)]
+            backend = comm_backend_of(node)
+            receives = (backend is not None and backend.receive is not None
+                        and op_has_arg(node, "defer_receive"))
             if existing:
                 wait = existing[0]
             else:
+                if receives:
+                    set_op_arg(node, "defer_receive", True)
                 with graph.inserting_after(node):
-                    wait = graph.call_function(comm_wait, (node,))
+                    wait = (graph.call_function(comm_receive, (node, comm_spec_of(node)))
+                            if receives else graph.call_function(comm_wait, (node,)))
                 node.replace_all_uses_with(wait, delete_user_cb=lambda u: u is not wait)
                 wait.meta["val"] = node.meta.get("val")
                 for k in ("stack_trace", "nn_module_stack"):

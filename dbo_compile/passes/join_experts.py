@@ -12,6 +12,9 @@ to the step's kernel time. Joining reads them once::
                            w_u0, w13, w2)       y = grouped_experts(x, ids, w, w13, w2)
     y_u1 = grouped_experts(x_u1, ...)           y_u0, y_u1 = split_with_sizes(y, [n_u0, n_u1])
 
+Only rank-major rows are joined: expert-major rows (``[E_local, W*cap, H]``, DeepEP
+low-latency) live in one receive buffer per dispatch, and joining them would copy them.
+
 Exact: the op is row-local along dim 0 (row ``n`` of ``y`` depends on row ``n`` of ``x``,
 ``ids`` and ``weights`` only), so the rows of the joined call are the rows of the two calls.
 The joined nodes form one shared stage (``meta["dbo"]["ubatch"] = None``, ``"join"`` set) that
@@ -33,7 +36,7 @@ from torch.fx.passes.tools_common import legalize_graph
 
 import dbo_compile.ops  # noqa: F401  (registers the ops and their records)
 from dbo_compile.errors import ScheduleError
-from dbo_compile.ops.registry import joinable_ops
+from dbo_compile.ops.registry import comm_kind, joinable_ops
 from dbo_compile.passes.meta import dbo_meta
 
 log = logging.getLogger(__name__)
@@ -104,6 +107,9 @@ def join_experts(gm: fx.GraphModule, num_ubatches: int) -> int:
     for n in graph.nodes:
         if n.op == "call_function" and n.target in joinable:
             u = dbo_meta(n).get("ubatch")
+            x = _val(n.args[0]) if n.args else None
+            if isinstance(x, torch.Tensor) and x.dim() != 2:
+                continue  # expert-major rows (DeepEP low-latency): one buffer per dispatch
             if u is not None:
                 groups.setdefault(dbo_meta(n)["origin"], []).append(n)
     for origin, copies in groups.items():
@@ -157,10 +163,14 @@ def join_experts(gm: fx.GraphModule, num_ubatches: int) -> int:
         for c in copies:
             graph.erase_node(c)
         # the copies' own views of their inputs (getitems of the dispatch's outputs) feed only
-        # the joined call now: run them in its stage rather than as stages of their own
-        for a in inputs:
-            if (a.op == "call_function" and a.target is operator.getitem
-                    and all(dbo_meta(u).get("join") == origin for u in a.users)):
+        # the joined call now (and the combines, which wait for the joined call anyway): run
+        # them in its stage rather than as stages of their own
+        views = {g for a in inputs if a.op == "call_function" and a.target is operator.getitem
+                 for g in a.args[0].users if g.op == "call_function"
+                 and g.target is operator.getitem}  # every output of the joined dispatches
+        for a in sorted(views, key=lambda n: order.get(n, 0)):
+            if all(dbo_meta(u).get("join") == origin or comm_kind(u) is not None
+                   for u in a.users):
                 dbo_meta(a)["join"] = origin
     if groups:
         if _out_of_order(graph):  # a copy's user came before the last copy: reorder

@@ -2,6 +2,8 @@
 
 The ordered pass lists (names as in ``artifact.compile_times`` and in the numbered dumps)::
 
+    Dynamo graph    bind_backends  the config's comm / experts backends into the ops' ``backend``
+                                   argument (before lowering: the fake shapes are the backend's)
     lowered graph   lower          lowering: classify the inputs, functional ATen graph with a
                                    symbolic token dim (AOTAutograd)
                     reinplace      KV-cache writes back in place (passes/reinplace.py)
@@ -47,8 +49,32 @@ from dbo_compile import lowering
 from dbo_compile.codegen import inductor
 from dbo_compile.codegen.wrapper import SplitProgram
 from dbo_compile.config import Candidate, DboConfig, candidates_of
-from dbo_compile.errors import ScheduleError, UnsplittableGraphError
-from dbo_compile.ops.registry import comm_nodes, comm_plan, kv_block_sizes
+from dbo_compile.errors import (
+    CommBackendError,
+    ExpertsOpError,
+    ScheduleError,
+    UnsplittableGraphError,
+)
+from dbo_compile.ops import emulated
+from dbo_compile.ops.comm import (
+    EXPERT_MAJOR,
+    RANK_MAJOR,
+    comm_backend_of,
+    ep_world_size,
+    get_comm_backend,
+)
+from dbo_compile.ops.experts import get_experts_backend
+from dbo_compile.ops.registry import (
+    backend_spec,
+    bound_backend,
+    comm_kind,
+    comm_nodes,
+    comm_plan,
+    kv_block_sizes,
+    op_arg,
+    op_info,
+    set_op_arg,
+)
 from dbo_compile.passes import (
     insert_yields,
     join_experts,
@@ -65,8 +91,12 @@ from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileState", "GraphPass", "PassRunner", "compile_split", "compile_unsplit",
-           "lowered_passes", "resolve_device_defaults", "split_passes", "stage_compiler"]
+#: the MoE-layer comm ops (their backends may have a layout and a handle of their own)
+_MOE_OPS = (torch.ops.dbo.moe_dispatch.default, torch.ops.dbo.moe_combine.default)
+
+__all__ = ["CompileState", "GraphPass", "PassRunner", "bind_passes", "compile_split",
+           "compile_unsplit", "drain_plan", "lowered_passes", "resolve_device_defaults",
+           "split_passes", "stage_compiler"]
 
 
 @dataclass
@@ -157,6 +187,211 @@ class PassRunner:
 
 
 # -- the passes -------------------------------------------------------------------------------
+
+
+def _val(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return a.meta.get("example_value", a.meta.get("val"))
+    return a
+
+
+def _comm_facts(node: fx.Node, dispatch_of: dict[fx.Node, fx.Node]) -> dict[str, Any]:
+    """What a comm backend's ``supports`` is asked about a comm op of Dynamo's graph (a
+    combine: its dispatch's facts)."""
+    src = dispatch_of.get(node, node)
+    x, ids = _val(op_arg(src, "x")), _val(op_arg(src, "topk_ids"))
+    group = op_arg(src, "group_name", "")
+    target = node.target.default if hasattr(node.target, "default") else node.target
+    facts = {"op": "moe" if target in _MOE_OPS else "rank_major", "node": node.name,
+             "num_experts": op_arg(src, "num_experts"), "world_size": ep_world_size(group),
+             "group_name": group}
+    if isinstance(x, torch.Tensor) and x.dim() == 2:
+        facts.update(hidden=x.shape[1], dtype=x.dtype, device=x.device.type)
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        facts["top_k"] = ids.shape[1]
+    return facts
+
+
+def _dispatch_of(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Each combine of Dynamo's graph -> the dispatch whose outputs it consumes (through
+    ``getitem``s and the expert op), for the facts of the pair."""
+    out: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or comm_kind(node) != "combine":
+            continue
+        frontier, seen = list(node.all_input_nodes), set()
+        while frontier:
+            a = frontier.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            if comm_kind(a) == "dispatch":
+                out[node] = a
+                break
+            if a.op == "call_function":
+                frontier.extend(a.all_input_nodes)
+    return out
+
+
+def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) -> str | None:
+    """The comm backend spec to bind to every comm op (``None``: leave each op's own), and log
+    the choice of ``comm_backend="auto"`` and why.
+
+    Raises:
+        CommBackendError: an explicit backend is unknown, cannot be loaded, or cannot serve one
+            of the graph's comm ops (the reason and the fallback).
+    """
+    dispatch_of = _dispatch_of(gm)
+    facts = [_comm_facts(n, dispatch_of) for n in nodes]
+    if config.comm_backend != "auto":
+        spec = backend_spec(config.comm_backend, config.comm_backend_options)
+        backend = get_comm_backend(spec)  # loads it, or says why not
+        if backend.bind is not None:
+            spec = backend.bind(facts)
+            backend = get_comm_backend(spec)
+        for f in facts:
+            why = _comm_unsupported(backend, f)
+            if why is not None:
+                raise CommBackendError(
+                    f"comm_backend={config.comm_backend!r} cannot serve {f['node']}: {why}; "
+                    "use comm_backend='auto' (falls back to torch) or 'torch'")
+        return spec
+    if not facts:
+        return None
+    if all(f["world_size"] == 1 for f in facts):
+        log.info("dbo: comm_backend=auto -> local: one EP rank, no all-to-all")
+        return None
+    spec = backend_spec("deep_ep", config.comm_backend_options)
+    try:
+        backend = get_comm_backend(spec)
+        if backend.bind is not None:
+            spec = backend.bind(facts)
+            backend = get_comm_backend(spec)
+    except CommBackendError as e:
+        log.info("dbo: comm_backend=auto -> torch: %s", e)
+        return None
+    for f in facts:
+        why = _comm_unsupported(backend, f)
+        if why is not None:
+            log.info("dbo: comm_backend=auto -> torch: deep_ep cannot serve %s: %s",
+                     f["node"], why)
+            return None
+    log.info("dbo: comm_backend=auto -> %s (%s)", spec, backend.description)
+    return spec
+
+
+def _comm_unsupported(backend: Any, facts: dict[str, Any]) -> str | None:
+    if backend.handle and facts["op"] != "moe":
+        return (f"it has the {backend.layout} layout with a dispatch handle, which "
+                "dbo.dispatch / dbo.combine cannot carry (write the layer with dbo.moe_dispatch "
+                "/ dbo.grouped_experts / dbo.moe_combine)")
+    return backend.supports(facts) if backend.supports is not None else None
+
+
+def _experts_facts(node: fx.Node, layout: str) -> dict[str, Any]:
+    x, w13, w2 = (_val(op_arg(node, n)) for n in ("x", "w13", "w2"))
+    facts = {"node": node.name, "layout": layout,
+             "activation": op_arg(node, "activation", "silu"),
+             "bias": op_arg(node, "b13") is not None or op_arg(node, "b2") is not None}
+    if isinstance(x, torch.Tensor):
+        facts.update(dtype=x.dtype, device=x.device.type, hidden=x.shape[-1])
+    if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w2.dim() == 3:
+        facts.update(num_experts=w13.shape[0], intermediate=w2.shape[2],
+                     weight_dtype=w13.dtype)
+    return facts
+
+
+def _experts_layout(node: fx.Node, comm_spec: str | None) -> str:
+    """The layout of an experts call's rows: that of the comm backend bound to the dispatch
+    the rows come from (rank-major when they come from elsewhere)."""
+    x = op_arg(node, "x")
+    src = x.args[0] if isinstance(x, fx.Node) and x.op == "call_function" and x.args else None
+    if isinstance(src, fx.Node) and comm_kind(src) == "dispatch" and comm_spec is not None:
+        return get_comm_backend(comm_spec).layout
+    return RANK_MAJOR
+
+
+def _choose_experts(node: fx.Node, config: DboConfig, comm_spec: str | None,
+                    said: set[str]) -> str | None:
+    """The experts backend spec for one ``dbo.grouped_experts`` call (``None``: the op's own),
+    logging the choice of ``experts_backend="auto"`` once per reason.
+
+    Raises:
+        ExpertsOpError: an explicit backend is unknown, cannot be loaded or cannot serve it.
+    """
+    facts = _experts_facts(node, _experts_layout(node, comm_spec))
+    if config.experts_backend != "auto":
+        spec = backend_spec(config.experts_backend, config.experts_backend_options)
+        backend = get_experts_backend(spec)
+        why = backend.supports(facts) if backend.supports is not None else None
+        if why is not None:
+            raise ExpertsOpError(f"experts_backend={config.experts_backend!r} cannot serve "
+                                 f"{node.name}: {why}; use experts_backend='auto' or 'torch'")
+        return spec
+
+    def say(msg: str, *args: Any) -> None:
+        text = msg % args
+        if text not in said:
+            said.add(text)
+            log.info(text)
+
+    if facts["layout"] != EXPERT_MAJOR:
+        say("dbo: experts_backend=auto -> torch for the rank-major rows (torch._grouped_mm; "
+            "experts_backend='deep_gemm' runs its contiguous grouped GEMM there)")
+        return None
+    spec = backend_spec("deep_gemm", config.experts_backend_options)
+    try:
+        backend = get_experts_backend(spec)
+    except ExpertsOpError as e:
+        say("dbo: experts_backend=auto -> torch: %s", e)
+        return None
+    why = backend.supports(facts) if backend.supports is not None else None
+    if why is not None:
+        say("dbo: experts_backend=auto -> torch: deep_gemm cannot serve the experts: %s", why)
+        return None
+    say("dbo: experts_backend=auto -> %s for the expert-major rows (masked grouped GEMM)", spec)
+    return spec
+
+
+def _bind_backends(gm: fx.GraphModule, st: CompileState) -> None:
+    """Bind the config's comm and experts backends into the ``backend`` argument of every op
+    whose record names a backend registry (a model that names a backend keeps it), before
+    lowering, so that the fake shapes are the backend's. ``"auto"`` chooses and logs why
+    (:func:`_choose_comm`, :func:`_choose_experts`); on every rank the same (the packages,
+    shapes and options are).
+
+    Raises:
+        CommBackendError / ExpertsOpError: an explicit backend is unknown, cannot be loaded or
+            cannot serve an op of the graph.
+    """
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"
+             and getattr(op_info(n.target), "backend", None) is not None]
+    # comm_backend="emulated" binds the instance of the config's emulate_* options, also over
+    # the one a model built for the emulated world names (:func:`emulated.bind_name`)
+    emulate = emulated.is_emulated(st.config.comm_backend)
+    comm = [n for n in calls if op_info(n.target).backend == "comm"
+            and (not bound_backend(n) or (emulate and emulated.is_emulated(bound_backend(n))))]
+    if not comm:
+        comm_spec = None
+    elif emulate:
+        comm_spec = emulated.bind_name(gm.graph, st.config)
+    else:
+        comm_spec = _choose_comm(gm, st.config, comm)
+    for node in comm:
+        if comm_spec is not None:
+            set_op_arg(node, "backend", comm_spec)
+    said: set[str] = set()
+    for node in calls:
+        if op_info(node.target).backend != "experts" or bound_backend(node):
+            continue
+        spec = _choose_experts(node, st.config, comm_spec, said)
+        if spec is not None:
+            set_op_arg(node, "backend", spec)
+
+
+def bind_passes(config: DboConfig) -> list[GraphPass]:
+    """The passes on Dynamo's graph itself (the unsplit fallback runs it too)."""
+    return [GraphPass("bind_backends", _bind_backends)]
 
 
 def _lower(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
@@ -273,7 +508,12 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     t0 = time.perf_counter()
     state = CompileState(config, example_inputs, input_kinds)
     _dump_graph("input", gm)
+    gm = runner.run(gm, bind_passes(config), state)
     lowered_gm = runner.run(gm, lowered_passes(config), state)
+    why = stream_assign.unsplit_pool_violation(lowered_gm.graph)
+    if why is not None:
+        raise CommBackendError(f"the model breaks its comm backend's result pool: {why}; "
+                               "copy the result (x.clone()) before the later call")
     split_gm = runner.run(lowered_gm, split_passes(config), state)
 
     graphs: dict[bool, fx.GraphModule | None] = {False: split_gm}
@@ -305,8 +545,14 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     # schedule's annotations must be the ones left on its graph (codegen reads the schedule only)
     alternatives = [(c, graph_for(c.join_experts)) for c in candidates[1:]]
     alternatives = [(c, g) for c, g in alternatives if g is not None]
+    feasible = []
     for c, g in alternatives:
-        runner.run(g, [_schedule_pass(c, schedules)], state, tag=c.name)
+        try:
+            runner.run(g, [_schedule_pass(c, schedules)], state, tag=c.name)
+            feasible.append((c, g))
+        except UnsplittableGraphError as e:  # a result pool this schedule cannot honour
+            log.info("dbo: schedule candidate %s dropped: %s", c.name, e)
+    alternatives = feasible
     primary_gm = graphs[primary.join_experts]
     runner.run(primary_gm, [_schedule_pass(primary, schedules)], state, tag=primary.name)
     for c, _ in [(primary, None)] + alternatives:
@@ -322,7 +568,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     built: dict[int, dict] = {}
 
     def codegen(gm: fx.GraphModule, sched: Schedule) -> SplitProgram:
-        return SplitProgram(gm, sched, compile_stage, carveout_sms=config.comm_sms,
+        return SplitProgram(gm, sched, compile_stage, carveout_sms=_carveout_sms(config),
                             built=built.setdefault(id(gm), {}))
 
     program = runner.time("codegen", codegen, primary_gm, schedule, tag=primary.name)
@@ -351,15 +597,37 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
                                  candidates=candidate_programs, compile_times=runner.times,
                                  kv_block_sizes=kv_block_sizes(lowered_gm.graph),
                                  output_specs=state.output_specs,
-                                 split_plan=comm_plan(primary_gm.graph, state.token_symbol,
-                                                      schedule),
-                                 unsplit_plan=comm_plan(lowered_gm.graph, state.token_symbol),
+                                 split_plan=drain_plan(primary_gm.graph, state.token_symbol,
+                                                       schedule),
+                                 unsplit_plan=drain_plan(lowered_gm.graph, state.token_symbol),
                                  float_guards=state.float_guards,
                                  guard_fallback=compile_unsplit(gm, config)
                                  if state.float_guards else None)
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
+    compiled.token_symbols = state.token_symbols  # the cost model's (and a calibration's)
     return compiled
+
+
+def _carveout_sms(config: DboConfig) -> int | None:
+    """SMs the split programs carve out of compute: ``comm_sms``, else the emulated world's
+    ``emulate_comm_sms`` (the SMs its comm kernels would hold), else none."""
+    if config.comm_sms is not None:
+        return config.comm_sms
+    return config.emulate_comm_sms or None
+
+
+def drain_plan(graph: fx.Graph, token_symbol: Any, schedule: Schedule | None = None):
+    """The collectives a program issues, as null calls, for the step transaction
+    (:func:`~dbo_compile.ops.registry.comm_plan`; ``schedule``: the split program's host
+    order); ``None`` (not drainable: a failing rank raises at once) when a comm op's backend
+    has a dispatch handle or a receive phase (DeepEP: a null combine needs the handle of a
+    real dispatch), or an op has no null call."""
+    for node in comm_nodes(graph):
+        backend = comm_backend_of(node)
+        if backend is not None and (backend.handle or backend.receive is not None):
+            return None
+    return comm_plan(graph, token_symbol, schedule)
 
 
 def _unit_order(schedule: Schedule) -> tuple:

@@ -22,8 +22,8 @@ The ubatches' rows are folded in in order (ubatch 0's, then ubatch 1's, site by 
 is eager's order: on CPU, where ``index_add`` adds rows in order, the result is bitwise eager.
 
 Algorithm:
-  1. Aggregates: nodes that depend on a token-indexed value but have no token dim (the
-     scatter family into a non-token destination, and what is computed from it).
+  1. Aggregates: the scatter family writing token-indexed rows into a non-token destination,
+     and every value without a token dim computed from one.
   2. Threads: for each ``copy_(P, v)`` of a shared placeholder ``P`` with ``v`` an aggregate,
      walk back from ``v`` along the destination: a *fold* (:data:`FOLDS`, its destination the
      previous value, index/source token-indexed), a *window* (``select``/``slice`` of the
@@ -122,6 +122,17 @@ class StateThread:
         return [n for s in self.segments for n in s.nodes]
 
 
+#: ops that write rows of one tensor at positions another gives (the scatter family)
+_SCATTERS = {*FOLDS, aten.scatter_reduce.two, aten.index_reduce.default}
+
+
+def _is_scatter(node: fx.Node) -> bool:
+    """A scatter-family node (its destination not token-indexed: the caller checks), the
+    source of an aggregate; with a ``mean`` or ``include_self=False`` reduce too (a thread
+    refuses those)."""
+    return node.target in _SCATTERS
+
+
 def _is_fold(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target not in FOLDS:
         return False
@@ -149,9 +160,15 @@ def find_state_threads(graph: fx.Graph, specs: list[InputSpec]) -> list[StateThr
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     shared = {placeholders[s.index] for s in specs if s.kind == "shared"}
     per_ubatch = per_ubatch_nodes(graph)
-    aggregates = [n for n in graph.nodes if n.op == "call_function" and n in per_ubatch
-                  and not is_token_indexed(n) and isinstance(n.meta.get("val"), torch.Tensor)]
-    agg = set(aggregates)
+    aggregates: list[fx.Node] = []
+    agg: set[fx.Node] = set()
+    for n in graph.nodes:  # scatters of token rows into non-token tensors, and what they feed
+        if (n.op != "call_function" or n not in per_ubatch or is_token_indexed(n)
+                or not isinstance(n.meta.get("val"), torch.Tensor)):
+            continue
+        if _is_scatter(n) or any(a in agg for a in n.all_input_nodes):
+            aggregates.append(n)
+            agg.add(n)
     threads: list[StateThread] = []
     covered: set[fx.Node] = set()
     for n in graph.nodes:
@@ -159,6 +176,11 @@ def find_state_threads(graph: fx.Graph, specs: list[InputSpec]) -> list[StateThr
                 and n.args[0] in shared):
             continue
         p, v = n.args[0], n.args[1]
+        if v not in agg and v in per_ubatch:
+            raise UnsplittableGraphError(
+                f"buffer {p.name} is overwritten from the step's tokens ({v.name}, "
+                f"{v.target}), not updated by folds of them: under the split the last ubatch's "
+                "value would win; compute it outside the compiled region")
         if v not in agg:
             threads.append(StateThread(p, v, write=n))  # token-free: written once
             covered.add(n)

@@ -26,19 +26,44 @@ Algorithm:
   4. Event edges. The transitive reduction of (stream order + cross-stream dependencies)
      keeps exactly the cross-stream edges no other path implies: each is one event record on
      the producer's stream and one wait on the consumer's.
+
+Result pools (``docs/design.md`` invariant 3; :class:`~dbo_compile.ops.comm.ResultPool`): a
+comm backend may declare that its calls draw from a pool, the ``k``-th call of a pool (in
+issue order, over the whole step) overwriting the results of call ``k - live`` and needing
+call ``k - in_flight`` received. Both schedulers treat the pool as a resource: a comm unit is
+ready only when every unit reading the results it overwrites (through views) and the receive
+it waits for are placed, and placing it adds those edges (``hidden_deps``; an event where the
+streams differ). When no ready unit can be placed the schedule is infeasible and the graph is
+compiled unsplit with the reason (:class:`UnsplittableGraphError`). :func:`check_pools`
+verifies the final order of every schedule, and :func:`unsplit_pool_violation` the unsplit
+program's node order.
+
+A backend whose wait phase does work (DeepEP low-latency's receive hook) gets a second comm
+unit per op, its *receive* (``phase="receive"``), on the backend's stream; the issue then
+costs its launch and its transfer is the issue's ``latency_us``, in flight while the stream
+runs other units.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 from dbo_compile.config import DboConfig
-from dbo_compile.errors import ScheduleError
-from dbo_compile.ops.registry import comm_kind, is_wait
+from dbo_compile.errors import ScheduleError, UnsplittableGraphError
+from dbo_compile.ops.comm import comm_backend_of, comm_spec_of
+from dbo_compile.ops.registry import (
+    comm_kind,
+    is_getitem,
+    is_receive,
+    is_wait,
+    op_arg,
+)
 from dbo_compile.passes.cost_model import CostModel
 from dbo_compile.passes.meta import dbo_meta, set_stream
 from dbo_compile.schedule import COMM, COMPUTE, Schedule, Timeline, Unit, predecessors, simulate
@@ -88,8 +113,68 @@ def _stage_keys(graph: fx.Graph) -> dict[fx.Node, tuple]:
     return keys
 
 
-def build_units(graph: fx.Graph, cost: CostModel) -> tuple[list[Unit], list[tuple[int, int]], list[tuple[int, int]]]:
-    """Units in graph order (not yet scheduled), their deps and the hidden deps."""
+@dataclasses.dataclass
+class PoolPlan:
+    """The result pools of a graph's comm units, as the schedulers and the checker use them.
+
+    Attributes:
+        pools: pool key -> ``{"live": S, "in_flight": F}`` (``None``: no limit).
+        pool_of: issue unit id -> its pool key (only units that draw from a pool).
+        receive_of: issue unit id -> the id of its receive unit (backends with one).
+            readers: issue unit id -> the units reading its results through views (itself
+            excluded; a later call reading the results it overwrites reads them first).
+        escapes: issue unit ids whose results reach the graph's outputs (they must stay alive
+            past the step).
+    """
+
+    pools: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    pool_of: dict[int, str] = dataclasses.field(default_factory=dict)
+    receive_of: dict[int, int] = dataclasses.field(default_factory=dict)
+    readers: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+    escapes: set[int] = dataclasses.field(default_factory=set)
+
+    def remap(self, remap: dict[int, int]) -> PoolPlan:
+        return PoolPlan(self.pools, {remap[k]: v for k, v in self.pool_of.items()},
+                        {remap[k]: remap[v] for k, v in self.receive_of.items()},
+                        {remap[k]: {remap[r] for r in v} for k, v in self.readers.items()},
+                        {remap[k] for k in self.escapes})
+
+
+def _aliases(node: fx.Node) -> bool:
+    """``node``'s value is (a view of) its first input's: waits, ``getitem``, view ops."""
+    if is_wait(node) or is_getitem(node):
+        return True
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (
+        target.is_view or target._opname in ("alias", "detach"))
+
+
+def _readers(issue: fx.Node, node_unit: dict[fx.Node, int]) -> tuple[set[int], bool]:
+    """Units holding a node that reads ``issue``'s results through alias-preserving nodes, and
+    whether the results reach the graph output."""
+    readers: set[int] = set()
+    escapes = False
+    frontier = [issue]
+    seen = {issue}
+    while frontier:
+        n = frontier.pop()
+        for user in n.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "output":
+                escapes = True
+            elif _aliases(user) and user.args and user.args[0] is n:
+                frontier.append(user)
+            elif user in node_unit:
+                readers.add(node_unit[user])
+    return readers, escapes
+
+
+def build_units(graph: fx.Graph, cost: CostModel
+                ) -> tuple[list[Unit], list[tuple[int, int]], list[tuple[int, int]], PoolPlan]:
+    """Units in graph order (not yet scheduled), their deps, the hidden deps and the result
+    pools of the comm units."""
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     keys = _stage_keys(graph)
@@ -97,6 +182,8 @@ def build_units(graph: fx.Graph, cost: CostModel) -> tuple[list[Unit], list[tupl
     for n in nodes:
         if comm_kind(n) is not None:
             unit_nodes[("comm", order[n])] = [n]
+        elif is_receive(n):
+            unit_nodes[("receive", order[n])] = [n]
         elif n in keys:
             unit_nodes.setdefault(keys[n], []).append(n)
     # units in order of their first node
@@ -107,7 +194,7 @@ def build_units(graph: fx.Graph, cost: CostModel) -> tuple[list[Unit], list[tupl
             node_unit[n] = i
     wait_issue = {}
     for n in nodes:
-        if is_wait(n):
+        if is_wait(n) and not is_receive(n):
             wait_issue[n] = n.args[0]
 
     def producer(a: fx.Node) -> int | None:
@@ -152,8 +239,33 @@ def build_units(graph: fx.Graph, cost: CostModel) -> tuple[list[Unit], list[tupl
     if not nx.is_directed_acyclic_graph(g):
         cycle = nx.find_cycle(g)
         raise ScheduleError(f"unit graph has a cycle: {cycle}")
+    plan = _pool_plan(ordered, node_unit)
     units = _label_units(ordered, cost, [keys.get(ns[0]) for ns in ordered])
-    return units, sorted(deps), sorted(hidden)
+    return units, sorted(deps), sorted(hidden), plan
+
+
+def _pool_plan(ordered: list[list[fx.Node]], node_unit: dict[fx.Node, int]) -> PoolPlan:
+    plan = PoolPlan()
+    for i, ns in enumerate(ordered):
+        head = ns[0]
+        kind = comm_kind(head)
+        if kind is None:
+            if is_receive(head):
+                plan.receive_of[node_unit[head.args[0]]] = i
+            continue
+        backend = comm_backend_of(head)
+        pool = backend.pool_of(kind) if backend is not None else None
+        if pool is None or (pool.live is None and pool.in_flight is None):
+            continue
+        spec = comm_spec_of(head)
+        key = f"{spec}|{pool.name}|{op_arg(head, 'group_name', '')}"
+        plan.pools[key] = {"live": pool.live, "in_flight": pool.in_flight}
+        plan.pool_of[i] = key
+        readers, escapes = _readers(head, node_unit)
+        plan.readers[i] = readers - {i}
+        if escapes:
+            plan.escapes.add(i)
+    return plan
 
 
 def _label_units(ordered: list[list[fx.Node]], cost: CostModel,
@@ -174,7 +286,18 @@ def _label_units(ordered: list[list[fx.Node]], cost: CostModel,
             comm_index[k] = layer + 1
             comm_layer[head.name] = layer
             label = {"dispatch": "D", "combine": "C"}.get(kind, "X")
-            units.append(Unit(i, COMM, COMM, ubatch, label, layer, [n.name for n in ns], c))
+            backend = comm_backend_of(head)
+            stream = COMPUTE if backend is not None and backend.stream == "compute" else COMM
+            latency = 0.0
+            if backend is not None and backend.receive is not None:
+                # the issue launches the send; the transfer is in flight until the receive
+                c, latency = cost.config.launch_us, c
+            units.append(Unit(i, COMM, stream, ubatch, label, layer, [n.name for n in ns], c,
+                              latency_us=round(latency, 3)))
+        elif is_receive(head):
+            issue = units[next(j for j, u in enumerate(units) if u.nodes == [head.args[0].name])]
+            units.append(Unit(i, COMM, issue.stream, issue.ubatch, issue.label, issue.layer,
+                              [n.name for n in ns], cost.config.launch_us, phase="receive"))
         else:
             units.append(Unit(i, COMPUTE, COMPUTE, ubatch, "P" if keys[i] == ("P",) else "?",
                               None, [n.name for n in ns], c))
@@ -230,8 +353,78 @@ def _assign_stage_labels(units: list[Unit], ordered: list[list[fx.Node]],
             u.label, u.layer = "X", min(k, num_layers - 1)
 
 
-def _list_order(units: list[Unit], deps: list[tuple[int, int]]) -> list[int]:
-    """Step 3: earliest-start list scheduling over two in-order streams (simulated)."""
+class _PoolState:
+    """The pools' rotation while a scheduler places units (module docstring)."""
+
+    def __init__(self, plan: PoolPlan, by_id: dict[int, Unit]):
+        self.plan, self.by_id = plan, by_id
+        self.calls: dict[str, list[int]] = {k: [] for k in plan.pools}
+        self.added: list[tuple[int, int]] = []
+
+    def needs(self, u: int) -> list[int]:
+        """The units issue ``u`` must follow if it is the next call of its pool."""
+        key = self.plan.pool_of.get(u)
+        if key is None:
+            return []
+        calls, limits = self.calls[key], self.plan.pools[key]
+        need: list[int] = []
+        live, in_flight = limits["live"], limits["in_flight"]
+        if live is not None and len(calls) >= live:
+            # a call reading the results it overwrites (a combine, its dispatch's handle) reads
+            # its inputs before it writes: not a hazard
+            need += sorted(self.plan.readers[calls[len(calls) - live]] - {u})
+        if in_flight is not None and len(calls) >= in_flight:
+            prev = calls[len(calls) - in_flight]
+            need.append(self.plan.receive_of.get(prev, prev))
+        return need
+
+    def ready(self, u: int, placed: set[int]) -> bool:
+        return all(n in placed for n in self.needs(u))
+
+    def place(self, u: int, deps: set[tuple[int, int]]) -> None:
+        key = self.plan.pool_of.get(u)
+        if key is None:
+            return
+        for n in self.needs(u):
+            if (n, u) not in deps:
+                self.added.append((n, u))
+        self.calls[key].append(u)
+
+    def infeasible(self, blocked: list[int], placed: set[int], num_ubatches: int) -> str:
+        """Why no unit can be placed (the units in ``blocked`` wait for pool edges)."""
+        u = min(blocked)
+        key = self.plan.pool_of[u]
+        spec, pool, _ = key.split("|")
+        limits = self.plan.pools[key]
+        missing = [self.by_id[n].name for n in self.needs(u) if n not in placed]
+        what = ", ".join(f"{k}={v}" for k, v in limits.items() if v is not None)
+        return (f"comm backend {spec!r} declares pool {pool!r} ({what}); no order of the split "
+                f"program honours it at num_ubatches={num_ubatches}: call "
+                f"{self.by_id[u].name} (call {len(self.calls[key])} of the pool) must wait for "
+                f"{missing}, which need results of calls not yet issued (e.g. joined experts "
+                "reading more results at once than the pool keeps)")
+
+
+def _check_escapes(plan: PoolPlan, by_id: dict[int, Unit]) -> None:
+    for u in sorted(plan.escapes):
+        limits = plan.pools[plan.pool_of[u]]
+        if limits["live"] is not None:
+            raise UnsplittableGraphError(
+                f"a graph output aliases the result of {by_id[u].name}, drawn from pool "
+                f"{plan.pool_of[u].split('|')[1]!r} of comm backend "
+                f"{plan.pool_of[u].split('|')[0]!r}, which later calls overwrite "
+                f"(live={limits['live']}); return a copy (y.clone()) from the model")
+
+
+def _list_order(units: list[Unit], deps: list[tuple[int, int]], plan: PoolPlan | None = None,
+                num_ubatches: int = 2) -> tuple[list[int], list[tuple[int, int]]]:
+    """Step 3: earliest-start list scheduling over two in-order streams (simulated), honouring
+    the result pools; returns the order and the pool edges it added.
+
+    Raises:
+        UnsplittableGraphError: no order honours the pools.
+    """
+    plan = plan or PoolPlan()
     preds = predecessors(units, deps)
     succs: dict[int, list[int]] = {u.id: [] for u in units}
     for a, b in deps:
@@ -240,38 +433,58 @@ def _list_order(units: list[Unit], deps: list[tuple[int, int]]) -> list[int]:
     ready = sorted(i for i, m in missing.items() if m == 0)
     timeline = Timeline(preds)
     order: list[int] = []
+    placed: set[int] = set()
     by_id = {u.id: u for u in units}
+    _check_escapes(plan, by_id)
+    pools = _PoolState(plan, by_id)
+    dep_set = set(deps)
     # bottom level: the longest cost path from a unit to the end of the step
     bottom: dict[int, float] = {}
     dag = nx.DiGraph(sorted(deps))
     dag.add_nodes_from(by_id)
     for i in reversed(list(nx.lexicographical_topological_sort(dag))):
-        bottom[i] = by_id[i].cost_us + max((bottom[s] for s in succs[i]), default=0.0)
+        bottom[i] = by_id[i].cost_us + by_id[i].latency_us + max(
+            (bottom[s] for s in succs[i]), default=0.0)
 
     def key(i: int) -> tuple:
         u = by_id[i]
-        return (round(timeline.start_of(u), 6), 0 if u.kind == COMM else 1, -round(bottom[i], 6),
-                -1 if u.ubatch is None else u.ubatch, i)
+        return (round(timeline.start_of(u, pools.needs(i)), 6), 0 if u.kind == COMM else 1,
+                -round(bottom[i], 6), -1 if u.ubatch is None else u.ubatch, i)
 
     while ready:
-        best = min(ready, key=key)
+        candidates = [i for i in ready if pools.ready(i, placed)]
+        if not candidates:
+            raise UnsplittableGraphError(pools.infeasible(ready, placed, num_ubatches))
+        best = min(candidates, key=key)
         ready.remove(best)
-        timeline.place(by_id[best])
+        timeline.place(by_id[best], pools.needs(best))
+        pools.place(best, dep_set)
         order.append(best)
+        placed.add(best)
         for s in succs[best]:
             missing[s] -= 1
             if missing[s] == 0:
                 ready.append(s)
     if len(order) != len(units):
         raise ScheduleError("list scheduler could not place every unit (cyclic deps)")
-    return order
+    return order, pools.added
 
 
-def _naive_order(units: list[Unit], deps: list[tuple[int, int]]) -> list[int]:
-    """Per-ubatch stage lists interleaved round-robin: A0 A1 | D0 D1 | ... (no cross-layer)."""
+def _naive_order(units: list[Unit], deps: list[tuple[int, int]], plan: PoolPlan | None = None,
+                 num_ubatches: int = 2) -> tuple[list[int], list[tuple[int, int]]]:
+    """Per-ubatch stage lists interleaved round-robin: A0 A1 | D0 D1 | ... (no cross-layer);
+    a lane whose next unit waits for a pool edge waits, the others go on.
+
+    Raises:
+        UnsplittableGraphError: no lane can go on because of the result pools.
+    """
+    plan = plan or PoolPlan()
     dag = nx.DiGraph(sorted(deps))
     dag.add_nodes_from(u.id for u in units)
     by_id = {u.id: u for u in units}
+    _check_escapes(plan, by_id)
+    pools = _PoolState(plan, by_id)
+    dep_set = set(deps)
     per_ubatch: dict[Any, list[int]] = {}
     for i in nx.lexicographical_topological_sort(dag):
         u = by_id[i]
@@ -286,14 +499,99 @@ def _naive_order(units: list[Unit], deps: list[tuple[int, int]]) -> list[int]:
     while len(order) < len(units):
         progressed = False
         for li, lane in enumerate(lanes):
-            if pos[li] < len(lane) and preds[lane[pos[li]]] <= placed:
-                order.append(lane[pos[li]])
-                placed.add(lane[pos[li]])
+            if pos[li] >= len(lane):
+                continue
+            nxt = lane[pos[li]]
+            if preds[nxt] <= placed and pools.ready(nxt, placed):
+                pools.place(nxt, dep_set)
+                order.append(nxt)
+                placed.add(nxt)
                 pos[li] += 1
                 progressed = True
         if not progressed:
+            heads = [lane[pos[li]] for li, lane in enumerate(lanes) if pos[li] < len(lane)]
+            blocked = [h for h in heads if preds[h] <= placed]
+            if blocked and all(not pools.ready(h, placed) for h in blocked):
+                raise UnsplittableGraphError(pools.infeasible(blocked, placed, num_ubatches))
             raise ScheduleError("naive order is blocked (a ubatch depends on a later unit)")
-    return order
+    return order, pools.added
+
+
+def pool_plan_of(graph: fx.Graph, schedule: Schedule) -> PoolPlan:
+    """The result pools of ``schedule``'s comm units (ids of ``schedule``), recomputed from the
+    split graph it orders (for :func:`check_pools` on a schedule made elsewhere)."""
+    nodes = {n.name: n for n in graph.nodes}
+    ordered = [[nodes[name] for name in u.nodes] for u in schedule.units]
+    node_unit = {n: i for i, ns in enumerate(ordered) for n in ns}
+    return _pool_plan(ordered, node_unit)
+
+
+def check_pools(schedule: Schedule, plan: PoolPlan) -> None:
+    """Verify that ``schedule`` (units in host order) honours the result pools: for the
+    ``k``-th call of a pool, every reader of call ``k - live`` and the receive of call
+    ``k - in_flight`` precede it on the device (same stream earlier in host order, or joined
+    by a dependency path through event edges).
+
+    Raises:
+        ScheduleError: a call can run before a unit it must follow (names both).
+    """
+    if not plan.pool_of:
+        return
+    g = nx.DiGraph()
+    g.add_nodes_from(u.id for u in schedule.units)
+    last: dict[str, int] = {}
+    for u in schedule.units:
+        if u.stream in last:
+            g.add_edge(last[u.stream], u.id)
+        last[u.stream] = u.id
+    g.add_edges_from(schedule.deps)
+    names = {u.id: u.name for u in schedule.units}
+    calls: dict[str, list[int]] = {}
+    for u in schedule.units:
+        key = plan.pool_of.get(u.id)
+        if key is None:
+            continue
+        seq = calls.setdefault(key, [])
+        limits = plan.pools[key]
+        must: list[tuple[int, str]] = []  # (a unit that must precede u, why); u itself is fine
+        if limits["live"] is not None and len(seq) >= limits["live"]:
+            prev = seq[len(seq) - limits["live"]]
+            must += [(r, f"it overwrites the results {names[r]} reads") for r in plan.readers[prev]]
+        if limits["in_flight"] is not None and len(seq) >= limits["in_flight"]:
+            prev = seq[len(seq) - limits["in_flight"]]
+            r = plan.receive_of.get(prev, prev)
+            must.append((r, f"at most {limits['in_flight']} call(s) of the pool in flight"))
+        for r, why in must:
+            if r != u.id and not nx.has_path(g, r, u.id):
+                raise ScheduleError(f"pool {key}: {names[u.id]} may run before {names[r]} "
+                                    f"({why})")
+        seq.append(u.id)
+
+
+def unsplit_pool_violation(graph: fx.Graph) -> str | None:
+    """Whether the unsplit program (``graph``'s node order, one stream, each comm op complete
+    in its call) breaks a declared ``live`` limit: why, or ``None``."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    calls: dict[str, list[fx.Node]] = {}
+    for n in nodes:
+        kind = comm_kind(n)
+        backend = comm_backend_of(n) if kind is not None else None
+        pool = backend.pool_of(kind) if backend is not None else None
+        if pool is None or pool.live is None:
+            continue
+        key = f"{comm_spec_of(n)}|{pool.name}|{op_arg(n, 'group_name', '')}"
+        seq = calls.setdefault(key, [])
+        if len(seq) >= pool.live:
+            prev = seq[len(seq) - pool.live]
+            node_unit = {m: order[m] for m in nodes if m is not prev}
+            readers, _ = _readers(prev, node_unit)
+            late = [nodes[r] for r in sorted(readers) if r > order[n]]
+            if late:
+                return (f"{late[0].name} reads the result of {prev.name} after {n.name}, which "
+                        f"overwrites it (pool {key}, live={pool.live})")
+        seq.append(n)
+    return None
 
 
 def minimal_event_edges(units: list[Unit], deps: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -312,9 +610,18 @@ def minimal_event_edges(units: list[Unit], deps: list[tuple[int, int]]) -> list[
 
 
 def schedule_units(units: list[Unit], deps: list[tuple[int, int]], hidden: list[tuple[int, int]],
-                   config: DboConfig, num_ubatches: int) -> Schedule:
-    """Order ``units`` (steps 3-4) and return the :class:`Schedule` with ids in host order."""
-    order = (_list_order if config.scheduler == "list" else _naive_order)(units, deps)
+                   config: DboConfig, num_ubatches: int, plan: PoolPlan | None = None,
+                   comm_backends: list[str] | None = None) -> Schedule:
+    """Order ``units`` (steps 3-4) and return the :class:`Schedule` with ids in host order.
+
+    Raises:
+        UnsplittableGraphError: no order honours the comm backends' result pools.
+    """
+    plan = plan or PoolPlan()
+    order, added = (_list_order if config.scheduler == "list" else _naive_order)(
+        units, deps, plan, num_ubatches)
+    deps = sorted(set(deps) | set(added))
+    hidden = sorted(set(hidden) | set(added))
     remap = {old: new for new, old in enumerate(order)}
     new_units = []
     for old in order:
@@ -325,13 +632,16 @@ def schedule_units(units: list[Unit], deps: list[tuple[int, int]], hidden: list[
     hidden = sorted((remap[a], remap[b]) for a, b in hidden)
     makespan = simulate(new_units, deps)
     events = minimal_event_edges(new_units, deps)
-    return Schedule(
+    schedule = Schedule(
         units=new_units, deps=deps, hidden_deps=hidden, event_edges=events,
         num_ubatches=num_ubatches, scheduler=config.scheduler,
         config_fingerprint=config.fingerprint(),
         predicted_step_us=round(makespan, 3),
-        serial_us=round(sum(u.cost_us for u in new_units), 3),
+        serial_us=round(sum(u.cost_us + u.latency_us for u in new_units), 3),
+        pools=dict(sorted(plan.pools.items())), comm_backends=sorted(comm_backends or []),
     )
+    check_pools(schedule, plan.remap(remap))
+    return schedule
 
 
 def stream_assign(graph: fx.Graph, config: DboConfig, token_symbols: frozenset,
@@ -346,12 +656,15 @@ def stream_assign(graph: fx.Graph, config: DboConfig, token_symbols: frozenset,
 
     Raises:
         ScheduleError: the unit graph has a cycle.
+        UnsplittableGraphError: no order honours the comm backends' result pools.
     """
     cost = CostModel(config, token_symbols, num_ubatches)
-    units, deps, hidden = build_units(graph, cost)
+    units, deps, hidden, plan = build_units(graph, cost)
     for u in units:
         u.cost_us = round(u.cost_us, 3)
-    schedule = schedule_units(units, deps, hidden, config, num_ubatches)
+    specs = sorted({s for n in graph.nodes if comm_kind(n) is not None
+                    for s in [comm_spec_of(n)] if s is not None})
+    schedule = schedule_units(units, deps, hidden, config, num_ubatches, plan, specs)
     by_name = {n.name: n for n in graph.nodes}
     for u in schedule.units:
         for name in u.nodes:
@@ -359,6 +672,6 @@ def stream_assign(graph: fx.Graph, config: DboConfig, token_symbols: frozenset,
             dbo_meta(node)["unit"] = u.id
             set_stream(node, u.stream)
     for n in graph.nodes:
-        if is_wait(n):
+        if is_wait(n) and not is_receive(n):
             set_stream(n, COMPUTE)
     return schedule

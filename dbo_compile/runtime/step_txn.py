@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dbo_compile.errors import UBatchExecutionError
-from dbo_compile.ops.comm import LEDGER
+from dbo_compile.ops.comm import LEDGER, abort_pending_receives
 from dbo_compile.runtime.vote import vote_device
 from dbo_compile.schedule import CommPlan, NullArg
 
@@ -84,6 +84,8 @@ def run_in_transaction(fn: Callable[[], T], *, plan: CommPlan, token_counts: Seq
         posted, broken = LEDGER.posted, LEDGER.broken
         LEDGER.active, LEDGER.posted, LEDGER.broken = saved
     world = dist.get_world_size(group) if group is not None else 1
+    if failure is not None:  # comm ops issued and not received (DeepEP LL hooks)
+        abort_pending_receives()
     if failure is not None and world == 1:
         raise UBatchExecutionError(
             f"{what} failed ({type(failure).__name__}: {failure}); the step was aborted, the "
@@ -110,6 +112,7 @@ def _drain(plan: CommPlan, posted: int, token_counts: Sequence[int], broken: boo
             args = [torch.full(a.dims(tokens), a.fill, dtype=a.dtype, device=a.device)
                     if isinstance(a, NullArg) else a for a in call.args]
             call.op(*args, **dict(call.kwargs))
+        abort_pending_receives()  # the null calls' own receives
     except Exception as e:  # noqa: BLE001 - reported as the reason the drain failed
         log.error("dbo: draining the step's remaining collectives failed (%s: %s)",
                   type(e).__name__, e)

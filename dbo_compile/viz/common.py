@@ -25,9 +25,11 @@ STREAMS = (COMPUTE, COMM)
 
 
 def short_label(unit: Unit) -> str:
-    """``A₀``, ``MLP₁``, ``D₀``, ``P`` — label with the ubatch as a subscript (no layer)."""
+    """``A₀``, ``MLP₁``, ``D₀``, ``rD₀`` (a receive), ``P`` — label with the ubatch as a
+    subscript (no layer)."""
     sub = "" if unit.ubatch is None else str(unit.ubatch).translate(SUBSCRIPTS)
-    return f"{unit.label}{sub}"
+    phase = "r" if unit.phase == "receive" else ""
+    return f"{phase}{unit.label}{sub}"
 
 
 def load_schedule(path: str | Path) -> Schedule:

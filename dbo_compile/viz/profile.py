@@ -15,10 +15,14 @@ Two ways to match, tried in this order:
    host ranges, a unit's kernels are those whose launch (``cuda_runtime``/``cuda_driver``
    event with the same ``correlation``) lies inside its range. A trace with several steps
    holds several ranges per unit: the ``k``-th range of each unit is step ``k``.
-2. **Kernel order** (fallback, no annotations; one step in the trace). The comm stream is
-   the stream whose kernel names look like collectives (``nccl``, ``all_to_all``,
-   ``dispatch``, ``combine``, ``deep_ep``); its kernels are dealt to comm units in host order,
-   the same number per unit (an error if the count does not divide). Compute kernels cannot
+2. **Kernel order** (fallback, no annotations; one step in the trace, e.g. a CUDA-graph
+   replay, whose kernels carry no ranges). The comm stream is the stream whose kernel names
+   look like collectives (``nccl``, ``all_to_all``, ``dispatch``, ``combine``, ``deep_ep``);
+   its kernels are dealt to comm units in host order, the same number per unit (an error if
+   the count does not divide). Where the comm ops' kernels have names of their own (the
+   emulated backend's ``emulated_dispatch_*`` / ``emulated_combine_*``) they are found by
+   name on any stream instead (a CUDA-graph replay runs its branches on streams of its own):
+   each op from its first kernel (``..._route`` / ``..._flag``) to the last before the next. Compute kernels cannot
    be dealt to compute units without per-unit kernel counts (fusion decides them), so compute
    units stay unmeasured; the compute stream's kernels are still used as its busy time, so
    whether each comm really overlapped with compute is measured either way.
@@ -47,6 +51,12 @@ log = logging.getLogger(__name__)
 _RANGE_RE = re.compile(r"^" + re.escape(RANGE_PREFIX) + r"(\d+)(\.|$)")
 #: kernel names that identify the comm stream when the trace has no named ranges
 _COMM_KERNEL_RE = re.compile(r"nccl|all_?to_?all|alltoall|dispatch|combine|deep_?ep", re.I)
+#: the first kernel of each comm op of a backend whose ops launch differently many kernels
+#: (the emulated backend: a dispatch starts with its routing kernel, a combine with its flag
+#: kernel); with these, the comm stream's kernels are dealt to comm units at each start
+_COMM_START_RE = {"D": re.compile(r"emulated_dispatch_route"),
+                  "C": re.compile(r"emulated_combine_flag")}
+_COMM_NAMED_RE = re.compile(r"emulated_(dispatch|combine)_")
 
 
 @dataclass
@@ -198,7 +208,40 @@ def _match_annotations(schedule: Schedule, events, kernels, annotated, step: int
     return _finish(schedule, "annotations", spans, busy, lo, hi, streams, notes)
 
 
+def _match_named(schedule: Schedule, kernels, named) -> Measured:
+    """Comm ops found by their backend's kernel names across every stream (a CUDA-graph
+    replay runs a graph's branches on streams of its own, so the comm stream is not one
+    stream id): a comm op spans from its start kernel to the last named kernel before the
+    next start; the compute busy time is every other kernel."""
+    comm_units = [u for u in schedule.units if u.stream == COMM]
+    starts = [i for i, k in enumerate(named)
+              if any(r.search(str(k.get("name", ""))) for r in _COMM_START_RE.values())]
+    kinds = [next(lab for lab, r in _COMM_START_RE.items()
+                  if r.search(str(named[i].get("name", "")))) for i in starts]
+    if kinds != [u.label for u in comm_units]:
+        raise VizInputError(f"the profile's comm ops ({''.join(kinds)}) are not the "
+                            f"schedule's ({''.join(u.label for u in comm_units)}): profile "
+                            "exactly one step of this schedule")
+    spans: dict[int, tuple[float, float]] = {}
+    for u, a, b in zip(comm_units, starts, starts[1:] + [len(named)]):
+        ks = named[a:b]
+        spans[u.id] = (_span(ks[0])[0], max(_span(k)[1] for k in ks))
+    ids = {id(k) for k in named}
+    lo = min(_span(k)[0] for k in kernels)
+    hi = max(_span(k)[1] for k in kernels)
+    busy = {COMM: merge(spans.values()),
+            COMPUTE: merge(_span(k) for k in kernels if id(k) not in ids)}
+    notes = ["kernel-name matching (e.g. a CUDA-graph replay): comm ops by their kernels' "
+             "names on any stream; compute units are not matched (their busy time is every "
+             "other kernel, the comm ops' own torch kernels included)"]
+    return _finish(schedule, "kernel-names", spans, busy, lo, hi, {}, notes)
+
+
 def _match_order(schedule: Schedule, kernels) -> Measured:
+    named = sorted((k for k in kernels if _COMM_NAMED_RE.search(str(k.get("name", "")))),
+                   key=lambda k: float(k["ts"]))
+    if named and any(u.stream == COMM for u in schedule.units):
+        return _match_named(schedule, kernels, named)
     by_stream: dict[Any, list] = defaultdict(list)
     for k in kernels:
         by_stream[_stream_of(k)].append(k)

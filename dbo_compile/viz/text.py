@@ -174,7 +174,7 @@ def _render_block(schedule: Schedule, layer: int | None, units: list[Unit], widt
 def summary_line(schedule: Schedule, overlap: Overlap | None = None) -> str:
     """Predicted step, serial time, unit and event-edge counts, and η_pred."""
     overlap = overlap or predicted_overlap(schedule)
-    n_comm = sum(1 for u in schedule.units if u.stream == COMM)
+    n_comm = sum(1 for u in schedule.units if u.kind == COMM)  # DeepEP LL's are on compute
     speed = (f" (×{schedule.serial_us / schedule.predicted_step_us:.2f} vs serial)"
              if schedule.predicted_step_us > 0 else "")
     h, tot = overlap.total()

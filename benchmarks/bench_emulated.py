@@ -1,0 +1,434 @@
+"""DBO on one GPU as rank 0 of an emulated EP-W world (``bench_moe.py --emulate-ep W``).
+
+Run (one GPU; no torchrun)::
+
+    python benchmarks/bench_moe.py --emulate-ep 8 --link-gbps 50
+    python benchmarks/bench_moe.py --emulate-ep 8,16,32,64,8@25 --preset deepseek-v3 \
+        --layers 2 --buckets decode:256,decode:1024,prefill:4096
+
+The model holds the ``E / W`` experts of rank 0 (``DeepseekMoEModel(...,
+emulated_world_size=W)``) and is compiled with ``comm_backend="emulated"``
+(``dbo_compile/ops/emulated.py``): identical batches on every emulated rank, expert weights
+repeating every ``E / W`` experts, the remote share of every dispatch / combine (by routing,
+the volume DeepEP sends) out to pinned host memory and back on the copy engines, both
+directions at once, throttled to ``--link-gbps`` where the hardware is faster. One compile and
+one ``CudaGraphRunner`` per (preset, W, link) serve every bucket.
+
+Per bucket, side by side in one run (µs, median of CUDA-event-timed replays), the columns of
+``bench_moe.py`` (see there) plus:
+
+- ``bound``: baseline / max(split without comm, comm alone), what perfect overlap would give;
+- ``comm``: the link's round trips of the split program alone (per MoE layer and ubatch, in
+  order, the static capacity of each dispatch and combine), captured in a CUDA graph;
+- ``split_nocomm``: the split program with the link copying nothing (the backend's packing
+  stays);
+- ``routed``: remote rows per step that mattered against the link's static capacity rows
+  (``ops.emulated.stats``; rows past the capacity stay on the device: ``overflow``);
+- numerics (V2-Lite shapes, ``--check``): every captured graph and the eager DBO step against
+  the one-device reference (``model.emulated_reference()``: all ``E`` experts, unsplit, local
+  backend), bf16;
+- ``calib``: what ``benchmarks/calibrate.py`` fits and predicts from: the unsplit program's
+  and the DBO graph's schedule's cost-model features at this bucket, and the isolated replay
+  time of the DBO graph's units of layer 0 (each captured alone, ``--unit-reps`` times in one
+  graph).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import moe_harness as H  # noqa: E402
+
+from dbo_compile import backend as dbo_backend  # noqa: E402
+from dbo_compile.ops import emulated as E  # noqa: E402
+from dbo_compile.ops.comm import payload_layout  # noqa: E402
+from dbo_compile.ops.registry import bound_backend, comm_kind  # noqa: E402
+from dbo_compile.passes.calibrate import step_features  # noqa: E402
+from dbo_compile.runtime import capture as cg_capture  # noqa: E402
+from dbo_compile.runtime.engine import run_step  # noqa: E402
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, _split_fn  # noqa: E402
+from dbo_compile.runtime.padding import join_ubatch_outputs  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class _Eager:
+    """CPU stand-in for a captured graph (the CPU smoke run): ``replay()`` calls ``fn``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+def capture(fn, warmup: int = 2):
+    """``(graph, static_out)``: a CUDA graph of ``fn`` (on CPU, an eager stand-in)."""
+    if torch.cuda.is_available():
+        return cg_capture.capture(fn, warmup=warmup)
+    return _Eager(fn), fn()
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """Median of ``iters`` CUDA-event-timed calls after ``warmup`` (µs; wall clock on CPU)."""
+
+    def __init__(self, iters: int, warmup: int):
+        self.iters, self.warmup = iters, warmup
+
+    def __call__(self, fn, iters: int | None = None) -> float:
+        for _ in range(self.warmup):
+            fn()
+        if not torch.cuda.is_available():
+            ts = []
+            for _ in range(iters or self.iters):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e6)
+            return statistics.median(ts)
+        torch.cuda.synchronize()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters or self.iters)]
+        for s, e in ev:
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
+
+
+def parse_worlds(spec: str, default_gbps: float) -> list[tuple[int, float]]:
+    """``"8,16,8@25"`` -> ``[(8, default), (16, default), (8, 25.0)]``."""
+    out = []
+    for item in spec.split(","):
+        w, _, g = item.partition("@")
+        out.append((int(w), float(g) if g else default_gbps))
+    return out
+
+
+def _world_of(art) -> E.EmulatedWorld:
+    names = {bound_backend(n) for n in art.lowered_gm.graph.nodes if comm_kind(n)}
+    (name,) = names
+    return E.emulated_backend(name).world
+
+
+def comm_only_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int], device):
+    """The link round trips of the split program alone (per layer: the ubatches' dispatches,
+    then their combines; each the static capacity)."""
+    _, cols = payload_layout(cfg.hidden_size, dtype, cfg.top_k)
+    bufs = []
+    for _layer in range(cfg.num_moe_layers):
+        for t in tokens_per_ubatch:
+            bufs.append(torch.randn(max(1, world.capacity(t)), cols, device=device, dtype=dtype))
+        for t in tokens_per_ubatch:
+            bufs.append(torch.randn(max(1, world.capacity(t)), cfg.hidden_size, device=device,
+                                    dtype=dtype))
+
+    def run():
+        for b in bufs:
+            E._LINK.round_trip(b, world)
+    return run
+
+
+def time_units(program, split_args, outputs, timer: Timer, reps: int) -> dict[int, float]:
+    """Isolated replay time (µs) of the units of layer 0 (and the prologue and final tail),
+    each captured alone ``reps`` times in one graph, on the inputs of one eager run."""
+    which = {u.id for u in program.schedule.units
+             if u.layer in (0, None) or u.label in ("P", "T")}
+    recorded: dict[int, tuple] = {}
+    orig = program.units
+
+    def wrap(i, u):
+        def f(*a):
+            if i in which and i not in recorded:
+                recorded[i] = a
+            return u(*a)
+        return f
+
+    program.units = [wrap(i, u) for i, u in enumerate(orig)]
+    try:
+        join_ubatch_outputs(program(*split_args), outputs)
+    finally:
+        program.units = orig
+    _sync()
+    out = {}
+    for i, a in sorted(recorded.items()):
+        u = orig[i]
+
+        def fn(u=u, a=a):
+            r = None
+            for _ in range(reps):
+                r = u(*a)
+            return r
+
+        try:
+            g, o = capture(fn, warmup=1)
+            out[i] = timer(g.replay, iters=max(5, timer.iters // 2)) / reps
+            del g, o
+        except Exception as e:  # noqa: BLE001 - a unit that will not capture alone
+            log(f"  unit {i} not timed: {type(e).__name__}: {e}"[:300])
+            _sync()
+    recorded.clear()
+    return out
+
+
+def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Timer,
+              save) -> None:
+    """One (preset, W, link): one compile and one runner for every bucket; ``save(row)``
+    after each bucket."""
+    torch._dynamo.reset()
+    dbo_backend.reset_artifacts()
+    t0 = time.perf_counter()
+    model = H.build_model(preset, args.layers, None, str(device), emulated_world_size=w,
+                          vocab_size=args.vocab, first_k_dense_replace=0)
+    cfg = model.config
+    steps = {(p, n): H.make_bucket_step(cfg, p, n, str(device), seed=n, host_mirrors=True)
+             for p, n in buckets}
+    blocks = max(s.num_blocks for s in steps.values())
+    width = max(int(s.attn_metadata.block_table.shape[1]) for s in steps.values())
+    model.allocate_kv_cache(blocks, 16)
+    ref = model.emulated_reference() if args.check else None
+    options = {"comm_backend": "emulated", "emulate_world_size": w, "emulate_link_gbps": gbps,
+               "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
+               "compute_backend": args.compute_backend, "sm_carveout_candidates": (),
+               "schedule_candidates": args.candidate_names, "dp_group_name": None}
+    if args.latency_us:
+        options["emulate_latency_us"] = args.latency_us
+    if args.calibration:
+        options["calibration"] = args.calibration
+    cmodel = torch.compile(model, backend="dbo", options=options)
+    tokens = sorted({n for _, n in buckets})
+    runner = CudaGraphRunner(cmodel, tokens, max_blocks_per_req=width, block_size=16,
+                             vocab_size=cfg.vocab_size, timing_iters=args.timing_iters,
+                             keep_candidates=True, device=device)
+    with torch.no_grad():
+        runner.capture()
+    capture_s = time.perf_counter() - t0
+    log(f"[emulated] {preset} W={w} {gbps:g} GB/s: compiled and captured {tokens} in "
+        f"{capture_s:.1f} s; {runner.describe()}")
+    for phase, n in buckets:
+        try:
+            row = bench_bucket(args, model, ref, cmodel, runner, steps[(phase, n)], phase, n,
+                               device, timer)
+        except Exception as e:  # noqa: BLE001
+            log(traceback.format_exc()[-3000:])
+            row = {"phase": phase, "tokens_per_rank": n, "errors": [f"{type(e).__name__}: {e}"[:500]]}
+        row.update(preset=preset, world_size=w, link_gbps=gbps, layers=args.layers,
+                   capture_s=round(capture_s, 1))
+        save(row)
+        log("[emulated] " + json.dumps({k: v for k, v in row.items() if k != "calib"}, default=str))
+    del runner, cmodel, model, ref
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer) -> dict:
+    cfg = model.config
+    b = runner.graphs[n]
+    art = b.artifact
+    row: dict = {"phase": phase, "tokens_per_rank": n, "errors": []}
+    ids, pos, md, qlens = step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens
+    if b.split_args is None:
+        row["errors"].append(f"not split: {getattr(art, 'reason', None)}")
+        return row
+    world = _world_of(art)
+    row.update(world=world.name, fanout=world.fanout,
+               remote_ranks_per_token=round(world.remote_ranks_per_token(), 3),
+               chosen=b.choice, dbo_variant=b.best_candidate,
+               warmup_us={k: round(v, 1) for k, v in b.times_us.items()},
+               schedules={k: round(p.schedule.predicted_step_us, 1) for k, p in art.candidates.items()})
+    t: dict = {}
+    with torch.no_grad():
+        if ref is not None:  # numerics: every graph and the eager DBO step vs the reference
+            want = ref(ids, pos, md).float()
+            got = run_step(cmodel, ids, pos, md, qlens, block_size=16)
+            row["num_eager_vs_reference"] = H.rel_err(got.float(), want)
+            for name, g in b.graphs.items():
+                runner.load_step(n, ids, pos, md, qlens, split=name != "unsplit")
+                g.replay()
+                _sync()
+                row[f"num_{name}_vs_reference"] = H.rel_err(b.outs[name][0][:n].float(), want)
+        runner.load_step(n, ids, pos, md, qlens, split=False)
+        runner.load_step(n, ids, pos, md, qlens, split=True)
+        program = art.candidates[b.best_candidate]
+        serial, nocomm = H.serial_and_nocomm(
+            program, _split_fn(program, b.split_args, art.signature.outputs))
+        if args.eager:
+            t["unsplit_eager"] = timer(lambda: art.unsplit(*b.args), iters=3)
+            t["dbo_eager"] = timer(lambda: run_step(cmodel, ids, pos, md, qlens, block_size=16),
+                                   iters=3)
+        for name, g in b.graphs.items():
+            t[f"graph:{name}"] = timer(g.replay)
+        t["runner_step"] = timer(lambda: runner(ids, pos, md, qlens), iters=5)
+        extra = {}
+        comm = comm_only_fn(world, cfg, model.dtype, [n // 2, n - n // 2], device)
+        for name, fn in (("split_serial", serial), ("split_nocomm", nocomm), ("comm", comm)):
+            try:
+                extra[name] = capture(fn, warmup=2)
+            except Exception as e:  # noqa: BLE001
+                row["errors"].append(f"capture {name}: {type(e).__name__}: {e}"[:400])
+                log(traceback.format_exc()[-2000:])
+                _sync()
+        for name, (g, _) in extra.items():
+            t[name] = timer(g.replay)
+        del extra
+        # the routed remote rows of one step of the DBO graph vs the link's capacity
+        E.reset_stats()
+        for _ in range(4):
+            b.graphs[b.best_candidate].replay()
+        _sync()
+        st = next(iter(E.stats().values()))
+        layers, nub = cfg.num_moe_layers, art.config.num_ubatches
+        cap = layers * sum(world.capacity(c) for c in (n // 2, n - n // 2))
+        row["routed"] = {"dispatch_rows": st["dispatch_rows"] / 4,
+                         "dispatch_overflow": st["dispatch_overflow"] / 4,
+                         "combine_rows": st["combine_rows"] / 4,
+                         "combine_overflow": st["combine_overflow"] / 4,
+                         "capacity_rows": cap, "fixed_capacity_rows": layers * n * world.world_size,
+                         "num_ubatches": nub}
+        if args.calib:
+            calib = step_features(art, b.best_candidate, n)
+            for u in calib["schedule"]["units"]:  # predictions read none of them: a smaller file
+                u["nodes"] = []
+            calib["measured_units_us"] = {
+                str(k): round(v, 2) for k, v in time_units(
+                    program, b.split_args, art.signature.outputs, timer, args.unit_reps).items()}
+            row["calib"] = calib
+        if (args.profile and torch.cuda.is_available()
+                and (phase, n, world.world_size) == tuple(args.profile_at)):
+            _profile(args, b.graphs[b.best_candidate], program, row)
+    base_t = t["graph:unsplit"]
+    dbo_t = t[f"graph:{b.best_candidate}"]
+    chosen_t = t[f"graph:{b.choice}"]
+    serial_t, nocomm_t, comm_t = (t.get(k) for k in ("split_serial", "split_nocomm", "comm"))
+    hideable = max(nocomm_t, comm_t) if nocomm_t and comm_t else None
+    row.update({
+        "t_unsplit_eager_us": t.get("unsplit_eager"), "t_baseline_us": base_t,
+        "t_split_serial_us": serial_t, "t_split_nocomm_us": nocomm_t, "t_comm_us": comm_t,
+        "t_dbo_eager_us": t.get("dbo_eager"), "t_dbo_graph_us": dbo_t,
+        "t_variants_us": {k[6:]: v for k, v in t.items() if k.startswith("graph:") and k != "graph:unsplit"},
+        "t_runner_step_us": t["runner_step"], "t_chosen_us": chosen_t,
+        "speedup": base_t / dbo_t, "chosen_vs_baseline": base_t / chosen_t,
+        "bound": base_t / hideable if hideable else None,
+        "eta": ((serial_t - dbo_t) / (serial_t - hideable)
+                if hideable and serial_t and serial_t > hideable else None),
+        "timing_mode": "graph" if torch.cuda.is_available() else "eager",
+    })
+    return row
+
+
+def _profile(args, graph, program, row) -> None:
+    """A torch.profiler trace of two replays of the DBO graph and its schedule, for
+    ``python -m dbo_compile.viz SCHEDULE.json --profile TRACE.json``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(os.path.join(args.out_dir, "profile_dbo_graph.json"))
+    with open(os.path.join(args.out_dir, "profile_schedule.json"), "w") as f:
+        f.write(program.schedule.to_json())
+    row["profiled"] = True
+
+
+def fmt(v, nd=0):
+    if v is None:
+        return "–"
+    return f"{v:,.{nd}f}" if isinstance(v, float) else str(v)
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"Machine: {doc['machine']}; torch {doc['torch']}; {doc['date']}; {doc['setup']}", "",
+             "| preset | W | GB/s | phase | tok/rank | unsplit eager | **baseline** | split serial "
+             "| split no comm | comm M | DBO eager | **DBO graph** (schedule) | runtime picks | "
+             "speedup | bound | η | pick / baseline | routed / cap rows | max rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        head = f"| {r.get('preset')} | {r.get('world_size')} | {fmt(r.get('link_gbps'))} | {r['phase']} | {r['tokens_per_rank']} "
+        if r.get("t_dbo_graph_us") is None:
+            lines.append(head + f"| failed: {'; '.join(r.get('errors', []))[:200]} |")
+            continue
+        errs = [v["max_rel"] for k, v in r.items() if k.startswith("num_") and isinstance(v, dict)]
+        rt = r.get("routed", {})
+        routed = (f"{rt['dispatch_rows'] / max(rt['capacity_rows'], 1):.2f}"
+                  if rt.get("capacity_rows") else "–")
+        lines.append(
+            head + f"| {fmt(r['t_unsplit_eager_us'])} | {fmt(r['t_baseline_us'])} | "
+            f"{fmt(r['t_split_serial_us'])} | {fmt(r['t_split_nocomm_us'])} | {fmt(r['t_comm_us'])} | "
+            f"{fmt(r['t_dbo_eager_us'])} | {fmt(r['t_dbo_graph_us'])} ({r['dbo_variant']}) | "
+            f"{'split' if r['chosen'] != 'unsplit' else 'unsplit'} {fmt(r['t_chosen_us'])} | "
+            f"{fmt(r['speedup'], 3)}× | {fmt(r['bound'], 2)}× | {fmt(r['eta'], 2)} | "
+            f"{fmt(r['chosen_vs_baseline'], 3)}× | {routed} | {fmt(max(errs) if errs else None, 4)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(args) -> int:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dbo_backend.register()
+    kernels = H.install_kernels(device.type, experts=args.experts, attention=args.attention)
+    # without a GPU: a smoke run (tiny preset, eager stand-ins for the graphs)
+    preset = args.preset or ("deepseek-v2-lite" if cuda else "tiny")
+    buckets = [(p, int(v)) for p, v in (b.split(":") for b in (
+        args.buckets or ("decode:64,decode:128,decode:256,decode:512,decode:1024,"
+                         "prefill:2048,prefill:4096,prefill:8192" if cuda
+                         else "decode:32,prefill:64")).split(","))]
+    args.candidate_names = {"all": True, "none": False}.get(
+        args.candidates, tuple(v for v in args.candidates.split(",") if v))
+    args.out_dir = os.path.dirname(os.path.abspath(args.json))
+    os.makedirs(args.out_dir, exist_ok=True)
+    timer = Timer(args.iters, args.warmup)
+    machine = (f"1x {torch.cuda.get_device_name(device)}" if cuda else "CPU") + f" ({platform.machine()})"
+    setup = (f"{preset}, {args.layers} MoE layers, vocab {args.vocab}, bf16, emulated EP world "
+             f"(comm_backend=emulated), experts={kernels['experts']}, "
+             f"attention={kernels['attention']}, compute_backend={args.compute_backend}, "
+             f"candidates={args.candidates}, no carve-out candidates")
+    log(f"[emulated] {machine} torch {torch.__version__}: {setup}")
+    doc = {"machine": machine, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "torch": torch.__version__, "setup": setup, "command": " ".join(sys.argv),
+           "rows": []}
+    if args.append and os.path.exists(args.json):
+        with open(args.json) as f:
+            doc["rows"] = json.load(f).get("rows", [])
+    def save(row=None):  # after every bucket: a run cut off by its time limit keeps its rows
+        if row is not None:
+            doc["rows"].append(row)
+        doc["link"] = E.link_figures()
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+
+    for w, gbps in parse_worlds(args.emulate_ep, args.link_gbps):
+        try:
+            run_world(args, preset, w, gbps, buckets, device, timer, save)
+        except Exception as e:  # noqa: BLE001
+            log(traceback.format_exc()[-3000:])
+            save({"preset": preset, "world_size": w, "link_gbps": gbps, "phase": "-",
+                  "tokens_per_rank": 0, "errors": [f"{type(e).__name__}: {e}"[:500]]})
+    save()
+    md = markdown(doc)
+    with open(args.md or os.path.splitext(args.json)[0] + ".md", "w") as f:
+        f.write(md)
+    print(md, flush=True)
+    return 0

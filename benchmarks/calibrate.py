@@ -1,0 +1,303 @@
+"""Calibrate the cost model on measured times, store it with its machine, and check it.
+
+Input: results files of ``bench_moe.py --emulate-ep ...`` (``benchmarks/bench_emulated.py``),
+whose rows carry ``calib``: the cost-model features of every node of the unsplit program and
+of the DBO graph's schedule units at the row's bucket, and the isolated replay times of the
+DBO graph's units of layer 0 (compute stages and comm ops, each captured alone).
+
+1. **Fit** the calibrated model's figures per node class (``dbo_compile/passes/cost_model.py``:
+   ``t = launch + max(flops / tflops, bytes / gbps) + rows * us_per_row``) to the measured unit
+   times: compute classes jointly (least squares on relative errors, log-parameters), comm
+   ops separately (linear: ``launch + link bytes / gbps + device kB * us_per_row``).
+2. **Check** it on whole steps of every row: predicted unsplit step (its nodes in turn) and
+   predicted DBO step (the makespan of the DBO graph's schedule with the calibrated unit
+   costs, compute overlapping comm slowed by one factor fitted on the ``--slowdown-from``
+   rows' DBO graphs: units are timed alone) against the measured baseline and DBO graph;
+   within 15 % is the target.
+3. **Store** ``--out`` (the figures, the machine, the date, the sources, the fit's errors):
+   ``DboConfig(calibration=PATH)`` points at it. ``--schedule-out`` writes the calibrated
+   schedule of one row (``--row PHASE:TOKENS:W``) for ``python -m dbo_compile.viz SCHEDULE
+   --profile TRACE`` (measured vs predicted).
+
+Run::
+
+    python benchmarks/calibrate.py benchmarks/results/emulated_h200_*.json \
+        --out benchmarks/calibration/h200.json --md benchmarks/results/calibration.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import numpy as np
+from scipy.optimize import least_squares, nnls
+
+from dbo_compile.passes.calibrate import predict_split, predict_unsplit
+
+#: fitted figures per compute class (the rest stay ``None`` / 0). Attention is fitted per
+#: phase: its cost per row depends on the context it reads (decode: a cached context per
+#: token; prefill: a block of queries over their prompt), which no compile-time feature knows;
+#: the scheduler's cost model uses the decode figures as ``attention``.
+FIT = {"gemm": ("tflops", "gbps", "launch_us"),
+       "experts": ("tflops", "gbps", "launch_us"),
+       "attention.decode": ("gbps", "launch_us", "us_per_row"),
+       "attention.prefill": ("gbps", "launch_us", "us_per_row"),
+       "other": ("gbps", "launch_us")}
+#: the emulated link's round trip (dbo_compile/ops/emulated.py): n chunks, the way back one
+#: chunk behind, a setup per chunk
+CHUNK_SETUP_US, MAX_CHUNKS = 3.0, 16
+START = {"tflops": 500.0, "gbps": 2500.0, "launch_us": 3.0, "us_per_row": 0.01}
+BOUNDS = {"tflops": (20.0, 1500.0), "gbps": (50.0, 6000.0), "launch_us": (0.05, 500.0),
+          "us_per_row": (1e-6, 10.0)}
+
+
+def load_rows(paths: list[str]) -> tuple[list[dict], list[dict]]:
+    """The rows with calibration data; each gets ``link_eff_gbps``: its asked link speed or the
+    hardware's measured duplex copy rate, whichever is lower."""
+    docs, rows = [], []
+    for p in paths:
+        with open(p) as f:
+            doc = json.load(f)
+        hw = min((v["copy_gbps"] for v in (doc.get("link") or {}).values()), default=None)
+        docs.append({"path": p, "machine": doc.get("machine"), "date": doc.get("date"),
+                     "link": doc.get("link")})
+        for r in doc["rows"]:
+            if r.get("calib") and r.get("t_dbo_graph_us"):
+                r["link_eff_gbps"] = min(r["link_gbps"], hw or r["link_gbps"])
+                rows.append(r)
+    return docs, rows
+
+
+def _row_features(r: dict, feats) -> list[tuple]:
+    """A row's node features with the class the fit uses (attention by phase) and comm as
+    ``("comm", 0, pipelined link µs at the row's link, device kB)``."""
+    out = []
+    for cls, f, b, rows in feats:
+        if cls == "attention":
+            cls = f"attention.{r['phase']}"
+        elif cls == "comm":
+            f, b = 0.0, link_us(b, r["link_eff_gbps"])
+        out.append((cls, f, b, rows))
+    return out
+
+
+def link_us(nbytes: float, gbps: float) -> float:
+    """The emulated link's round trip of ``nbytes`` at ``gbps`` (µs)."""
+    t = nbytes / (gbps * 1e3)
+    n = max(1, min(MAX_CHUNKS, round(math.sqrt(t / CHUNK_SETUP_US))))
+    return t * (1 + 1 / n) + CHUNK_SETUP_US * n
+
+
+def unit_samples(rows: list[dict]) -> tuple[list, list]:
+    """(features, measured µs) of every measured unit: compute stages and comm ops."""
+    compute, comm = [], []
+    for r in rows:
+        c = r["calib"]
+        kinds = {str(u["id"]): u["kind"] for u in c["schedule"]["units"]}
+        for uid, us in c["measured_units_us"].items():
+            feats = _row_features(r, c["features"][uid])
+            if not feats or us <= 0:
+                continue
+            (comm if kinds[uid] == "comm" else compute).append((feats, us))
+    return compute, comm
+
+
+def _figs_from(theta: np.ndarray) -> dict:
+    figs, i = {}, 0
+    for cls, names in FIT.items():
+        f = {"tflops": None, "gbps": None, "launch_us": 0.0, "us_per_row": 0.0}
+        for n in names:
+            f[n] = float(math.exp(theta[i]))
+            i += 1
+        figs[cls] = f
+    return figs
+
+
+def _cost(f: dict, flops, nbytes, rows) -> float:
+    ft = flops / (f["tflops"] * 1e6) if f["tflops"] else 0.0
+    bt = nbytes / (f["gbps"] * 1e3) if f["gbps"] else 0.0
+    return f["launch_us"] + max(ft, bt) + rows * f["us_per_row"]
+
+
+def fit_compute(samples: list) -> tuple[dict, dict]:
+    """Least squares on ``(pred - meas) / meas``; returns the figures and the fit's errors."""
+    x0 = np.log([START[n] for names in FIT.values() for n in names])
+    lo = np.log([BOUNDS[n][0] for names in FIT.values() for n in names])
+    hi = np.log([BOUNDS[n][1] for names in FIT.values() for n in names])
+
+    def resid(theta):
+        figs = _figs_from(theta)
+        return np.array([(sum(_cost(figs[c], f, b, r) for c, f, b, r in feats if c in figs) - us)
+                         / us for feats, us in samples])
+
+    sol = least_squares(resid, x0, bounds=(lo, hi), x_scale=1.0, max_nfev=4000)
+    rel = resid(sol.x)
+    return _figs_from(sol.x), {"units": len(samples), "median_abs_rel": float(np.median(np.abs(rel))),
+                               "max_abs_rel": float(np.max(np.abs(rel))), "nfev": int(sol.nfev)}
+
+
+def fit_comm(samples: list) -> tuple[dict, dict]:
+    """``t = launch + scale * link µs + kB * us_per_row`` (the link's round trip at its
+    effective speed, :func:`link_us`) by non-negative least squares on relative errors."""
+    a = np.array([[1.0, sum(f[2] for f in feats), sum(f[3] for f in feats)]
+                  for feats, _ in samples])
+    y = np.array([us for _, us in samples])
+    w = 1.0 / y  # relative errors
+    coef, _ = nnls(a * w[:, None], y * w)
+    figs = {"launch_us": float(coef[0]), "link_scale": float(coef[1]),
+            "us_per_row": float(coef[2])}
+    rel = (a @ coef - y) / y
+    return figs, {"units": len(samples), "median_abs_rel": float(np.median(np.abs(rel))),
+                  "max_abs_rel": float(np.max(np.abs(rel)))}
+
+
+def row_cost(r: dict, figures: dict):
+    """The per-node cost function of a row (its phase's attention, its link)."""
+    comm = figures["comm"]
+
+    def cost(feat):
+        (cls, f, b, rows), = _row_features(r, [feat])
+        if cls == "comm":
+            return comm["launch_us"] + comm["link_scale"] * b + comm["us_per_row"] * rows
+        return _cost(figures[cls], f, b, rows) if cls in figures else 0.0
+    return cost
+
+
+def fit_slowdown(rows: list[dict], figures: dict) -> tuple[float, float]:
+    """The slowdowns of compute and of comm units where they overlap the other stream
+    (:func:`simulate_overlapped`) that best predict the DBO graphs of ``rows`` (least
+    squares on relative errors; a grid from 1.00 to 2.00, then refined)."""
+    def err(k):
+        return sum((predict_split(row_cost(r, figures), r["calib"], slowdown=k)[0]
+                    / r["t_dbo_graph_us"] - 1) ** 2 for r in rows)
+    grid = [1.0 + i / 10 for i in range(11)]
+    best = min(((a, b) for a in grid for b in grid), key=err)
+    fine = [d / 100 for d in range(-5, 6)]
+    best = min(((max(1.0, best[0] + a), max(1.0, best[1] + b)) for a in fine for b in fine),
+               key=err)
+    return round(best[0], 2), round(best[1], 2)
+
+
+def check(rows: list[dict], figures: dict, slowdown: tuple[float, float]) -> list[dict]:
+    out = []
+    for r in rows:
+        c = r["calib"]
+        cost = row_cost(r, figures)
+        pu = predict_unsplit(cost, c)
+        ps, _ = predict_split(cost, c, slowdown=slowdown)
+        pser, _ = predict_split(cost, c, serial=True)
+        mu, ms = r["t_baseline_us"], r["t_dbo_graph_us"]
+        out.append({"preset": r.get("preset"), "world_size": r.get("world_size"),
+                    "link_gbps": r.get("link_gbps"), "phase": r["phase"],
+                    "tokens_per_rank": r["tokens_per_rank"], "candidate": c["candidate"],
+                    "unsplit_meas_us": mu, "unsplit_pred_us": pu, "unsplit_err": pu / mu - 1,
+                    "dbo_meas_us": ms, "dbo_pred_us": ps, "dbo_err": ps / ms - 1,
+                    "serial_meas_us": r.get("t_split_serial_us"), "serial_pred_us": pser,
+                    "speedup_meas": mu / ms, "speedup_pred": pu / ps})
+    return out
+
+
+def markdown(checks: list[dict], figures: dict, fit: dict, machine: str) -> str:
+    lines = [f"Calibrated on {machine}. Figures per class: " + "; ".join(
+        f"{c}: " + ", ".join(f"{k} {v:.3g}" for k, v in f.items() if isinstance(v, float) and v)
+        for c, f in figures.items()
+        if isinstance(f, dict)),
+        "", f"Unit fit: {json.dumps(fit)}", "",
+        "| preset | W | GB/s | phase | tok/rank | unsplit meas | unsplit pred | err | DBO meas "
+        "| DBO pred (schedule) | err | speedup meas | speedup pred |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in checks:
+        lines.append(
+            f"| {c['preset']} | {c['world_size']} | {c['link_gbps']:g} | {c['phase']} | "
+            f"{c['tokens_per_rank']} | {c['unsplit_meas_us']:,.0f} | {c['unsplit_pred_us']:,.0f} | "
+            f"{c['unsplit_err']:+.1%} | {c['dbo_meas_us']:,.0f} | {c['dbo_pred_us']:,.0f} "
+            f"({c['candidate']}) | {c['dbo_err']:+.1%} | {c['speedup_meas']:.3f}× | "
+            f"{c['speedup_pred']:.3f}× |")
+    worst = max(max(abs(c["unsplit_err"]), abs(c["dbo_err"])) for c in checks)
+    within = sum(abs(c["unsplit_err"]) <= 0.15 and abs(c["dbo_err"]) <= 0.15 for c in checks)
+    lines += ["", f"{within} of {len(checks)} rows within 15 % on both; worst |error| "
+                  f"{worst:.1%}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+")
+    p.add_argument("--out", required=True, help="the calibration JSON to write")
+    p.add_argument("--md", default=None, help="markdown table of predicted vs measured")
+    p.add_argument("--checks-json", default=None, help="the per-row check as JSON")
+    p.add_argument("--holdout", default=None,
+                   help="fit without the rows of this preset and check on them too")
+    p.add_argument("--slowdown-from", default="deepseek-v2-lite:8:50",
+                   metavar="PRESET:W:GBPS",
+                   help="fit the slowdown of compute overlapping comm on these rows' DBO "
+                        "graphs (the other rows check it)")
+    p.add_argument("--row", default=None, metavar="PHASE:TOKENS:W",
+                   help="with --schedule-out: the row whose calibrated schedule to write")
+    p.add_argument("--schedule-out", default=None)
+    args = p.parse_args(argv)
+    docs, rows = load_rows(args.results)
+    if not rows:
+        print("no rows with calibration data (run bench_moe.py --emulate-ep on a GPU)")
+        return 2
+    fit_rows = [r for r in rows if r.get("preset") != args.holdout] if args.holdout else rows
+    compute, comm = unit_samples(fit_rows)
+    figures, fit_c = fit_compute(compute)
+    figures["comm"], fit_m = fit_comm(comm)
+    ph, w, g = args.slowdown_from.split(":")
+    slow_rows = [r for r in fit_rows if (r.get("preset"), r.get("world_size"), r.get("link_gbps"))
+                 == (ph, int(w), float(g))]
+    slowdown = fit_slowdown(slow_rows, figures) if slow_rows else (1.0, 1.0)
+    checks = check(rows, figures, slowdown)
+    hw = min(r["link_eff_gbps"] for r in rows if r["link_gbps"] >= max(x["link_gbps"] for x in rows))
+    # for DboConfig(calibration=...): the scheduler's classes (attention: the decode figures,
+    # the phase being unknown at compile time) and the link as the cost model's comm formula
+    figures["attention"] = dict(figures["attention.decode"])
+    figures["comm_link"] = {"copy_gbps": hw, "chunk_setup_us": CHUNK_SETUP_US,
+                            "max_chunks": MAX_CHUNKS, "link_us": "launch_us + link_scale * "
+                            "link_us(bytes, min(link, copy_gbps)) + kB * us_per_row"}
+    machine = docs[0]["machine"]
+    cal = {"machine": machine, "measured": [d["date"] for d in docs],
+           "written": datetime.datetime.now().isoformat(timespec="seconds"),
+           "sources": [os.path.relpath(d["path"]) for d in docs], "link": docs[0]["link"],
+           "holdout": args.holdout, "figures": figures,
+           "overlap_slowdown": {"compute": slowdown[0], "comm": slowdown[1]},
+           "overlap_slowdown_from": args.slowdown_from,
+           "fit": {"compute": fit_c, "comm": fit_m},
+           "check": {"rows": len(checks),
+                     "within_15pct": int(sum(abs(c["unsplit_err"]) <= 0.15
+                                             and abs(c["dbo_err"]) <= 0.15 for c in checks)),
+                     "worst_abs_err": float(max(max(abs(c["unsplit_err"]), abs(c["dbo_err"]))
+                                                for c in checks))},
+           "formula": "t = launch_us + max(flops / tflops, bytes / gbps) + rows * us_per_row "
+                      "(per node class; dbo_compile/passes/cost_model.py)"}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(cal, f, indent=1)
+    md = markdown(checks, figures, {"compute": fit_c, "comm": fit_m,
+                                    "overlap_slowdown": slowdown}, machine)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    if args.checks_json:
+        with open(args.checks_json, "w") as f:
+            json.dump(checks, f, indent=1)
+    if args.schedule_out and args.row:
+        ph, tok, w = args.row.split(":")
+        r = next(r for r in rows if (r["phase"], r["tokens_per_rank"], r.get("world_size"))
+                 == (ph, int(tok), int(w)))
+        _, sched = predict_split(row_cost(r, figures), r["calib"], slowdown=slowdown)
+        with open(args.schedule_out, "w") as f:
+            f.write(sched.to_json())
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""The ``deep_gemm`` experts backend: DeepGEMM's m-grouped GEMMs behind ``dbo.grouped_experts``.
+
+``experts_backend="deep_gemm"``, options (``experts_backend_options``):
+
+- ``fp8`` (default ``False``): FP8 e4m3 GEMMs with DeepSeek's block scales, 1x128 per token
+  for the activations (quantised in the op, before each GEMM) and 128x128 per block for the
+  weights (quantised once per weight tensor and kept); bf16 outputs. Accuracy against bf16:
+  measured by ``benchmarks/bench_backends.py`` (README, GPU results).
+- ``expected_m``: the rows per expert DeepGEMM's heuristic plans for (its kernel choice, and
+  so what it JIT-compiles, depends on it); default: an eighth of the rows per expert of the
+  expert-major layout (its static capacity, ``W * max_tokens``), 128 for the rank-major rows.
+  Fixed per weight shape and layout, so a new token count never compiles a new kernel.
+
+The two receive layouts (``dbo_compile.ops.experts``):
+
+- **expert-major** (DeepEP low-latency ``[E_local, W*cap, H]`` + row counts): the *masked*
+  grouped GEMM reads the dispatch's buffer as it is, ``masked_m`` = the counts: gate/up GEMM,
+  SiLU-and-multiply on the valid rows only (a Triton kernel), down GEMM; the rows past the
+  counts stay undefined (DeepGEMM stores whole tiles; the combine never reads them).
+- **rank-major** (``[N, H]`` rows with ids and weights): the *contiguous* grouped GEMM with
+  DeepGEMM's psum layout: the routed slots sorted by expert and gathered into segments that
+  start at multiples of ``get_mk_alignment_for_contiguous_layout()`` (128 on SM90; DeepGEMM
+  does not check it and computes a misaligned segment with the wrong expert), the ``[E]`` end
+  offsets as the layout, then the weighted gather-sum back to rows. Static shapes (the rows
+  are sized for the worst case, ``align(N*K) + 128*E``; DeepGEMM skips the blocks past each
+  segment), no host sync, CUDA-graph capturable.
+
+JIT: DeepGEMM compiles each (kernel, N, K, experts, config) with nvcc on first use (2.5–3.5 s
+each on the H200, cached in ``$DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``). The first call of
+each weight shape and layout compiles; ``CudaGraphRunner.capture()``'s warm-up runs do it, and
+an eager server should run one warm-up step per model before serving. Only SwiGLU without
+biases is served (``supports``); other calls stay on ``"torch"``.
+
+The package is ``deep_gemm`` (``pip install 'dbo_compile[deepgemm]'``: sgl-deep-gemm
+0.1.5.post1 + apache-tvm-ffi 0.1.11 for torch 2.11 + CUDA 13; importing it asserts a CUDA
+install), imported when the backend is asked for; an import failure is an
+:class:`ExpertsOpError` naming the fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dbo_compile.errors import ExpertsOpError
+from dbo_compile.ops.registry import import_optional
+from dbo_compile.ops.experts import (
+    PLAIN,
+    ExpertFn,
+    ExpertsBackend,
+    _sorted_slots,
+    _triton_kernel,
+    _weighted_gather_sum_torch,
+    register_experts_backend,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["deep_gemm_backend", "per_block_cast_fp8", "per_token_cast_fp8"]
+
+_INSTALL = ("pip install 'dbo_compile[deepgemm]' (sgl-deep-gemm 0.1.5.post1 and "
+            "apache-tvm-ffi 0.1.11: torch 2.11, CUDA 13 with nvcc for its JIT, sm90 GPUs)")
+_FP8_MAX = 448.0
+#: rows per expert the contiguous GEMMs plan for by default (a fixed figure: DeepGEMM picks and
+#: JIT-compiles its kernel from it, so it must not follow the step's token count)
+_CONTIGUOUS_EXPECTED_M = 128
+
+
+def _deep_gemm() -> Any:
+    """The ``deep_gemm`` package (optional), or ``ExpertsOpError`` naming what to do."""
+    return import_optional("deep_gemm", ExpertsOpError, "experts backend 'deep_gemm'",
+                           _INSTALL, "experts_backend")
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 casts (DeepSeek's block scales; the rule of DeepGEMM's and DeepEP's casts)
+# --------------------------------------------------------------------------------------------
+
+
+def per_token_cast_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., M, K]`` -> ``(e4m3 [..., M, K], scales fp32 [..., M, K/128])``, one scale per
+    row and 128 columns, ``amax / 448`` (amax clamped to 1e-4); the scales are MN-major
+    (strides ``(..., 1, M)``: the TMA-aligned layout DeepGEMM reads without a transform, for
+    ``M % 4 == 0``)."""
+    *lead, m, k = x.shape
+    blocks = x.float().unflatten(-1, (k // 128, 128))
+    amax = blocks.abs().amax(-1).clamp(min=1e-4)
+    scales = torch.empty((*lead, k // 128, m), dtype=torch.float32, device=x.device)
+    scales = scales.transpose(-2, -1)
+    scales.copy_(amax / _FP8_MAX)
+    q = (blocks / scales.unsqueeze(-1)).flatten(-2).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def per_block_cast_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [G, N, K]`` -> ``(e4m3 [G, N, K], scales fp32 [G, N/128, K/128])``, one scale per
+    128x128 block (``N``, ``K`` multiples of 128)."""
+    g, n, k = w.shape
+    blocks = w.float().view(g, n // 128, 128, k // 128, 128)
+    amax = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-4)
+    scales = amax / _FP8_MAX
+    q = (blocks / scales[:, :, None, :, None]).view(g, n, k).to(torch.float8_e4m3fn)
+    return q, scales.contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels around the GEMMs
+# --------------------------------------------------------------------------------------------
+
+
+def _silu_mul_masked(h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``h [E, M, 2I]`` -> ``[E, M, I]``, computed for the rows below each expert's count."""
+    e, m, two_i = h.shape
+    inter = two_i // 2
+    a = torch.empty((e, m, inter), dtype=h.dtype, device=h.device)
+    built = _triton_kernel() if h.is_cuda else None
+    if built is None:  # CPU (the reference DeepGEMM): every row
+        a.copy_(F.silu(h[..., :inter]) * h[..., inter:])
+        return a
+    triton, kern = built
+    block = min(1024, triton.next_power_of_2(inter))
+    kern["silu_mul"][(e * m, triton.cdiv(inter, block))](h, a, counts, m, inter, BLOCK=block)
+    return a
+
+
+def _silu_mul_rows(h: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """``h [M, 2I]`` -> ``[M, I]``, the rows below ``n_valid`` (a one-element tensor)."""
+    rows, two_i = h.shape
+    inter = two_i // 2
+    built = _triton_kernel() if h.is_cuda else None
+    if built is None:
+        return F.silu(h[:, :inter]) * h[:, inter:]
+    triton, kern = built
+    a = torch.empty((rows, inter), dtype=h.dtype, device=h.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    kern["silu_mul"][(rows, triton.cdiv(inter, block))](h, a, n_valid, max(rows, 1), inter,
+                                                         BLOCK=block)
+    return a
+
+
+# --------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------
+
+
+class _DeepGemm:
+    """A configured ``deep_gemm`` backend (module docstring)."""
+
+    def __init__(self, fp8: bool, expected_m: int | None):
+        self.dg = _deep_gemm()
+        self.fp8, self.expected_m = fp8, expected_m
+        self._weights: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._compiled: set[tuple] = set()
+
+    # -- weights (FP8: quantised once, kept) ---------------------------------------------
+    def _b(self, w: torch.Tensor) -> Any:
+        if not self.fp8:
+            return w
+        key = (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.device)
+        if key not in self._weights:
+            if len(self._weights) > 512:  # weights replaced many times: start over
+                self._weights.clear()
+            self._weights[key] = per_block_cast_fp8(w)
+        return self._weights[key]
+
+    def _a(self, x: torch.Tensor) -> Any:
+        return per_token_cast_fp8(x) if self.fp8 else x
+
+    def _timed(self, what: tuple, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """``fn(*args)``, logging the first call of each kernel shape (DeepGEMM's JIT)."""
+        if what in self._compiled:
+            fn(*args, **kwargs)
+            return
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        self._compiled.add(what)
+        log.info("dbo: deep_gemm: first call of %s took %.2f s (JIT compile on first use)",
+                 what, time.perf_counter() - t0)
+
+    # -- expert-major rows: masked GEMMs --------------------------------------------------
+    def _masked(self, x, counts, w13, w2) -> torch.Tensor:
+        e, m, hidden = x.shape
+        inter = w2.shape[2]
+        expected = self.expected_m or max(1, m // 8)
+        gemm = (self.dg.m_grouped_fp8_fp4_gemm_nt_masked if self.fp8
+                else self.dg.m_grouped_bf16_gemm_nt_masked)
+        x = x.contiguous()
+        counts = counts.contiguous()
+        h = torch.empty((e, m, 2 * inter), dtype=torch.bfloat16, device=x.device)
+        self._timed(("masked", self.fp8, e, 2 * inter, hidden, expected), gemm,
+                    self._a(x), self._b(w13), h, counts, expected)
+        a = _silu_mul_masked(h, counts)
+        y = torch.empty((e, m, hidden), dtype=torch.bfloat16, device=x.device)
+        self._timed(("masked", self.fp8, e, hidden, inter, expected), gemm,
+                    self._a(a), self._b(w2), y, counts, expected)
+        return y
+
+    # -- rank-major rows: contiguous GEMMs with the psum layout ---------------------------
+    def _contiguous(self, x, ids, weights, w13, w2) -> torch.Tensor:
+        n, k = ids.shape
+        e, hidden, inter = w13.shape[0], x.shape[1], w2.shape[2]
+        if n == 0:
+            return torch.zeros_like(x)
+        align = int(self.dg.get_mk_alignment_for_contiguous_layout())
+        order, rows, offs, valid, keys = _sorted_slots(ids, e, with_keys=True)
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))
+        aligned = (counts + align - 1) // align * align
+        starts = torch.cumsum(aligned, 0, dtype=torch.int32) - aligned
+        psum = (starts + counts).to(torch.int32)  # DeepGEMM's [E] end offsets
+        slots = n * k
+        m_pad = -(-slots // align) * align + e * align  # the worst case, static
+        expert = keys.long().clamp(max=e - 1)
+        i = torch.arange(slots, device=x.device)
+        dst = starts.index_select(0, expert) + (i - (offs - counts).index_select(0, expert))
+        dst = torch.where(keys < e, dst, m_pad)  # slots not on this rank: a spare row
+        a = torch.empty((m_pad + 1, hidden), dtype=x.dtype, device=x.device)
+        a.index_copy_(0, dst, x.index_select(0, rows))
+        a = a[:m_pad]
+        expected = self.expected_m or _CONTIGUOUS_EXPECTED_M  # fixed: no JIT per token count
+        gemm = (self.dg.m_grouped_fp8_fp4_gemm_nt_contiguous if self.fp8
+                else self.dg.m_grouped_bf16_gemm_nt_contiguous)
+        h = torch.empty((m_pad, 2 * inter), dtype=torch.bfloat16, device=x.device)
+        self._timed(("contiguous", self.fp8, e, 2 * inter, hidden), gemm, self._a(a),
+                    self._b(w13), h, psum, use_psum_layout=True,
+                    expected_m_for_psum_layout=expected)
+        act = _silu_mul_rows(h, psum[-1:])
+        o = torch.empty((m_pad, hidden), dtype=torch.bfloat16, device=x.device)
+        self._timed(("contiguous", self.fp8, e, hidden, inter), gemm, self._a(act),
+                    self._b(w2), o, psum, use_psum_layout=True,
+                    expected_m_for_psum_layout=expected)
+        pos = torch.empty_like(order)
+        pos.scatter_(0, order, dst)  # each slot's row in the segments
+        w = torch.where(valid, weights.reshape(-1), 0.0)
+        built = _triton_kernel() if x.is_cuda else None
+        if built is None:
+            return _weighted_gather_sum_torch(o, pos.view(n, k).clamp(max=m_pad - 1),
+                                              w.view(n, k), valid, x.dtype)
+        triton, kern = built
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        block_h = min(1024, triton.next_power_of_2(hidden))
+        kern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids.contiguous(),
+                                                       weights.contiguous(), y, hidden, K=k,
+                                                       BLOCK_H=block_h)
+        return y
+
+    def run(self, x, ids, weights, w13, w2, fn: ExpertFn = PLAIN) -> torch.Tensor:
+        if not fn.plain:
+            raise ExpertsOpError("experts backend 'deep_gemm' runs SwiGLU without biases; "
+                                 f"this call has activation={fn.activation!r} or biases (the "
+                                 "compiler keeps such calls on 'torch')")
+        if x.dim() == 3:
+            return self._masked(x, ids, w13, w2)
+        return self._contiguous(x, ids, weights, w13, w2)
+
+    def supports(self, facts: dict) -> str | None:
+        if facts.get("activation", "silu") != "silu" or facts.get("bias"):
+            return "it runs SwiGLU without biases (GPT-OSS's clamped GLU with biases is not)"
+        if facts.get("dtype", torch.bfloat16) != torch.bfloat16 or facts.get(
+                "weight_dtype", torch.bfloat16) != torch.bfloat16:
+            return f"it needs bf16 rows and weights, got {facts.get('dtype')}"
+        dims = [facts.get("hidden", 128), facts.get("intermediate", 128)]
+        unit = 128 if self.fp8 else 64  # SM90: K % 64; FP8 block scales: 128
+        if any(d % unit for d in dims):
+            return f"hidden and intermediate sizes must be multiples of {unit}, got {dims}"
+        return None
+
+
+def _configure(fp8: bool = False, expected_m: int | None = None, **unknown: Any
+               ) -> ExpertsBackend:
+    if unknown:
+        raise ExpertsOpError(f"experts backend 'deep_gemm': unknown option(s) {sorted(unknown)};"
+                             " valid: fp8, expected_m")
+    if not isinstance(fp8, bool):
+        raise ExpertsOpError(f"experts backend 'deep_gemm': fp8={fp8!r} must be a bool")
+    if expected_m is not None and (isinstance(expected_m, bool) or not isinstance(expected_m, int)
+                                   or expected_m < 1):
+        raise ExpertsOpError(f"experts backend 'deep_gemm': expected_m={expected_m!r} must be "
+                             "an int >= 1")
+    impl = _DeepGemm(fp8, expected_m)
+    what = "FP8 (1x128 / 128x128 block scales)" if fp8 else "bf16"
+    return ExpertsBackend("deep_gemm", impl.run,
+                          f"DeepGEMM m-grouped {what}: masked (expert-major), contiguous "
+                          "(rank-major)", supports=impl.supports)
+
+
+def deep_gemm_backend() -> ExpertsBackend:
+    """The registry entry (options: :func:`_configure`)."""
+    def unconfigured(*args: Any, **kwargs: Any) -> Any:
+        raise ExpertsOpError("internal: the deep_gemm backend is used through its spec")
+
+    return ExpertsBackend("deep_gemm", unconfigured, "DeepGEMM m-grouped GEMMs",
+                          configure=_configure)
+
+
+register_experts_backend(deep_gemm_backend())

@@ -1,0 +1,141 @@
+"""What a calibration measures and predicts: the cost model's inputs per node of a compiled
+artifact at any token count, and the step time they predict.
+
+A calibration (``benchmarks/calibrate.py``) times compute stages and comm ops of compiled
+programs on a machine, fits the per-class figures of the calibrated cost model
+(:mod:`dbo_compile.passes.cost_model`: ``t = launch + max(flops / tflops, bytes / gbps) + rows *
+us_per_row`` per node class) to them, and checks the fit on whole steps:
+
+- the **unsplit** program runs its nodes one after another on one stream: its predicted time
+  is the sum of its nodes' costs at the bucket's token count (:func:`predict_unsplit`);
+- a **split** program runs its schedule's units on two streams in host order with the
+  schedule's dependencies: its predicted time is the makespan of that timeline with every
+  unit's cost re-evaluated at the bucket's per-ubatch token count (:func:`predict_split`,
+  :func:`~dbo_compile.schedule.simulate`), the units that overlap the other stream optionally
+  slowed down by fitted factors (:func:`simulate_overlapped`: units are measured alone, and
+  run beside the other stream's kernels in the step).
+
+Features are plain data (``(class, flops, bytes, rows)`` per node, :func:`step_features`), so a
+fit and its predictions run anywhere from a results file, without the graph or a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from dbo_compile.passes.cost_model import CostModel, Figures, predict_us
+from dbo_compile.schedule import COMM, Schedule, simulate
+
+__all__ = ["node_cost", "predict_split", "predict_unsplit", "simulate_overlapped", "step_features",
+           "unit_features"]
+
+Feature = tuple[str, float, float, float]
+
+
+def _features(gm: Any, config: Any, symbols: frozenset, tokens: int, num_ubatches: int,
+              names: set[str] | None = None) -> dict[str, Feature]:
+    cost = CostModel(config.replace(cost_model_tokens=max(tokens, num_ubatches)), symbols,
+                     num_ubatches)
+    out = {}
+    for n in gm.graph.nodes:
+        if names is not None and n.name not in names:
+            continue
+        f = cost.node_features(n)
+        if f is not None:
+            out[n.name] = (f[0], float(f[1]), float(f[2]), float(f[3]))
+    return out
+
+
+def unit_features(artifact: Any, candidate: str, tokens: int) -> dict[int, list[Feature]]:
+    """Per unit id of the split candidate ``candidate`` of ``artifact`` (a compiled
+    :class:`~dbo_compile.runtime.program.DboCompiledModule`), its nodes' features at
+    ``tokens`` tokens per rank (``tokens / num_ubatches`` per ubatch)."""
+    program = artifact.candidates[candidate]
+    n = artifact.config.num_ubatches
+    feats = _features(program.split_gm, artifact.config, artifact.token_symbols, tokens, n)
+    return {u.id: [feats[name] for name in u.nodes if name in feats]
+            for u in program.schedule.units}
+
+
+def unsplit_features(artifact: Any, tokens: int) -> list[Feature]:
+    """The unsplit program's nodes' features at ``tokens`` tokens, in graph order."""
+    feats = _features(artifact.lowered_gm, artifact.config, artifact.token_symbols, tokens, 1)
+    return list(feats.values())
+
+
+def step_features(artifact: Any, candidate: str, tokens: int) -> dict[str, Any]:
+    """Everything a prediction of one bucket needs, as JSON-able data: ``unsplit`` (the
+    unsplit program's features) and ``schedule`` (the candidate's schedule,
+    :meth:`~dbo_compile.schedule.Schedule.to_dict`) with ``features`` per unit id."""
+    program = artifact.candidates[candidate]
+    feats = unit_features(artifact, candidate, tokens)
+    return {"tokens": tokens, "candidate": candidate,
+            "unsplit": [list(f) for f in unsplit_features(artifact, tokens)],
+            "schedule": program.schedule.to_dict(),
+            "features": {str(i): [list(f) for f in fs] for i, fs in feats.items()}}
+
+
+#: a node's cost from its features (µs), or the per-class figures it comes from
+NodeCost = Callable[[Feature], float]
+
+
+def node_cost(figures: dict[str, Any] | NodeCost) -> NodeCost:
+    """The per-node cost function of ``figures`` (``{class: Figures or its fields}``; a
+    callable is returned as it is)."""
+    if callable(figures):
+        return figures
+    figs = {c: f if isinstance(f, Figures) else Figures(**f) for c, f in figures.items()}
+    return lambda f: predict_us(figs, [tuple(f)])
+
+
+def predict_unsplit(figures: dict[str, Any] | NodeCost, step: dict[str, Any]) -> float:
+    """Predicted µs of the unsplit program of ``step`` (:func:`step_features`): its nodes in
+    turn on one stream, comm included. ``figures``: per-class figures, or a cost per node."""
+    cost = node_cost(figures)
+    return sum(cost(tuple(f)) for f in step["unsplit"])
+
+
+Slowdown = float | tuple[float, float]
+
+
+def simulate_overlapped(sched: Schedule, slowdown: Slowdown, rounds: int = 3) -> float:
+    """The makespan of ``sched`` (its units' ``cost_us`` as measured alone) when the units run
+    slower over the part of them that overlaps the other stream: ``slowdown`` = ``(compute,
+    comm)`` factors (a float: compute only). Units are timed alone; in the step, the comm
+    stream's kernels compete with compute for SMs (and SM-holding comm kernels take them), and
+    the comm ops' own kernels wait for SMs that large GEMMs hold. A fixed point of ``rounds``
+    simulations; sets the units' times; ``1``: the plain timeline."""
+    k_compute, k_comm = (slowdown, 1.0) if isinstance(slowdown, (int, float)) else slowdown
+    base = {u.id: u.cost_us for u in sched.units}
+    span = simulate(sched.units, sched.deps)
+    for _ in range(rounds if (k_compute, k_comm) != (1.0, 1.0) else 0):
+        busy = {s: [(u.start_us, u.end_us) for u in sched.units if u.stream == s]
+                for s in {u.stream for u in sched.units}}
+        for u in sched.units:
+            if u.end_us <= u.start_us:
+                continue
+            other = [iv for s, ivs in busy.items() if s != u.stream for iv in ivs]
+            ov = sum(max(0.0, min(u.end_us, b) - max(u.start_us, a)) for a, b in other)
+            k = k_comm if u.stream == COMM else k_compute
+            u.cost_us = base[u.id] * (1 + (k - 1) * min(1.0, ov / (u.end_us - u.start_us)))
+        span = simulate(sched.units, sched.deps)
+    return span
+
+
+def predict_split(figures: dict[str, Any] | NodeCost, step: dict[str, Any],
+                  serial: bool = False, slowdown: Slowdown = 1.0) -> tuple[float, Schedule]:
+    """Predicted µs of the split candidate of ``step``: the makespan of its schedule with the
+    calibrated unit costs (``serial``: every unit on one stream, the "split serial" step;
+    ``slowdown``: of units overlapping the other stream, :func:`simulate_overlapped`), and the schedule
+    with those costs and times (for the viewer)."""
+    cost = node_cost(figures)
+    sched = Schedule.from_dict(copy.deepcopy(step["schedule"]))
+    for u in sched.units:
+        u.cost_us = round(sum(cost(tuple(f)) for f in step["features"][str(u.id)]), 3)
+    if serial:
+        return sum(u.cost_us for u in sched.units), sched
+    sched.predicted_step_us = round(simulate_overlapped(sched, slowdown), 3)
+    sched.serial_us = round(sum(u.cost_us for u in sched.units), 3)
+    sched.meta["calibrated"] = True
+    return sched.predicted_step_us, sched

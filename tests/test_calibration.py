@@ -1,0 +1,96 @@
+"""The calibrated cost model: a calibration file the config points at (validated, part of the
+fingerprint), the per-class formula the scheduler then uses, and the step predictions a
+calibration is checked with (dbo_compile/passes/calibrate.py) agreeing with the schedule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import last_artifact
+from dbo_compile.config import DboConfig
+from dbo_compile.errors import DboConfigError
+from dbo_compile.passes.calibrate import predict_split, predict_unsplit, step_features
+from dbo_compile.passes.cost_model import CostModel, Figures, node_class
+from dbo_compile.runtime.engine import run_step
+from test_emulated import _options, _world_model
+
+FIGURES = {"gemm": {"tflops": 400.0, "gbps": 2000.0, "launch_us": 5.0},
+           "experts": {"tflops": 200.0, "gbps": 1500.0, "launch_us": 40.0},
+           "attention": {"gbps": 1000.0, "launch_us": 8.0, "us_per_row": 0.02},
+           "other": {"gbps": 1800.0, "launch_us": 3.0}}
+
+
+@pytest.fixture
+def calibration(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"machine": "test", "figures": FIGURES}))
+    return str(path)
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "cannot be read"), ("{not json", "cannot be read"), ('{"machine": "x"}', "no 'figures'")])
+def test_a_bad_calibration_file_is_refused(tmp_path, content, match):
+    path = tmp_path / "cal.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DboConfigError, match=f"calibration.*{match}"):
+        DboConfig(calibration=str(path))
+
+
+def test_the_fingerprint_covers_the_calibration_content(tmp_path, calibration):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"figures": {**FIGURES, "gemm": {"tflops": 100.0}}}))
+    same = tmp_path / "same.json"
+    same.write_text(open(calibration).read())
+    fp = [DboConfig(calibration=p).fingerprint() for p in (calibration, str(other), str(same))]
+    assert fp[0] != fp[1] and fp[0] == fp[2] != DboConfig().fingerprint()
+
+
+def _compile(**options):
+    model, _, step = _world_model()
+    cm = torch.compile(model, backend="dbo", options=_options(
+        cost_model_tokens=64, schedule_candidates=False, **options))
+    with torch.no_grad():
+        run_step(cm, step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens)
+    return last_artifact()
+
+
+def test_calibrated_costs_follow_the_class_formula(calibration):
+    art = _compile(calibration=calibration)
+    cost = CostModel(art.config, art.token_symbols, 2)
+    figs = {c: Figures(**f) for c, f in FIGURES.items()}
+    seen = set()
+    for n in art.split_gm.graph.nodes:
+        feats = cost.node_features(n)
+        if feats is None or feats[0] == "comm":
+            continue
+        seen.add(feats[0])
+        assert cost.node_cost_us(n) == pytest.approx(figs[feats[0]].cost_us(*feats[1:]))
+    assert seen == {"gemm", "experts", "attention", "other"}
+    # the attention node's bytes leave out the KV cache it writes in place
+    attn = next(n for n in art.split_gm.graph.nodes if node_class(n) == "attention")
+    cache = next(a for a in attn.all_input_nodes if a.name in attn.meta["dbo"].get("mutates", []))
+    assert cost.node_features(attn)[2] < cost.nbytes(cache.meta["val"])
+
+
+def test_predictions_reproduce_the_schedule_at_its_own_count(calibration):
+    """At the schedule's reference count, the calibrated prediction of the split step is the
+    schedule's own predicted makespan (same features, same formula, same timeline); the
+    unsplit prediction is the sum over the unsplit program's nodes."""
+    art = _compile(calibration=calibration)
+    cand = next(iter(art.candidates))
+    step = step_features(art, cand, 64)
+    comm = {"launch_us": art.config.comm_latency_us, "gbps": art.config.link_gbps}
+    pred, sched = predict_split({**FIGURES, "comm": comm}, step)
+    assert pred == pytest.approx(art.candidates[cand].schedule.predicted_step_us, rel=1e-4)
+    assert [u.name for u in sched.units] == [u.name for u in art.candidates[cand].schedule.units]
+    serial, _ = predict_split({**FIGURES, "comm": comm}, step, serial=True)
+    assert serial >= pred
+    unsplit = predict_unsplit({**FIGURES, "comm": comm}, step)
+    # the unsplit program's compute at 64 tokens vs the split one's two 32-token halves
+    assert unsplit > 0 and len(step["unsplit"]) > 10
+    # the prediction moves with the bucket: more tokens, more time
+    assert predict_split({**FIGURES, "comm": comm}, step_features(art, cand, 1024))[0] > pred

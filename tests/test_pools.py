@@ -1,0 +1,185 @@
+"""Result pools: a comm backend declares how many of its results may be alive and how many of
+its calls may be in flight (``ResultPool``); both schedulers honour it or the graph is compiled
+unsplit with the reason (issue 16, finding 5; docs/design.md invariant 3).
+
+The backend of issue 16's repro: results are zero-copy views of two receive workspaces used in
+turn (call k writes workspace k % 2), so call k + 2 overwrites the result of call k. Without a
+declaration the default list schedule issues layer 1's dispatch of ubatch 0 before layer 0's
+experts of ubatch 1 read their receive: wrong answers. One process, EP = 1 (the rotating
+backend wraps "local"), the tiny DeepSeek-style model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dbo_compile.ops  # noqa: F401
+from conftest import last_artifact
+from dbo_compile.errors import ScheduleError
+from dbo_compile.models.batch import fill_kv_cache, make_step
+from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+from dbo_compile.ops.comm import CommBackend, ResultPool, get_comm_backend, register_comm_backend
+from dbo_compile.passes import stream_assign
+from dbo_compile.schedule import Schedule
+
+CASES = [("list", 2), ("naive", 2), ("list", 3), ("naive", 3), ("list", 4), ("naive", 4)]
+
+
+class Rotating:
+    """Results live in ``slots`` workspaces used round-robin (zero-copy views), shared by the
+    dispatches and the combines (one counter), as in issue 16's repro."""
+
+    def __init__(self, slots: int = 2, capacity: int = 1 << 16):
+        self.base, self.calls = get_comm_backend("local"), 0
+        self.slots = [{} for _ in range(slots)]
+        self.capacity = capacity
+
+    def _place(self, tensors):
+        slot = self.slots[self.calls % len(self.slots)]
+        self.calls += 1
+        out = []
+        for j, t in enumerate(tensors):
+            key = (j, t.dtype)
+            if key not in slot:
+                slot[key] = torch.empty(self.capacity, dtype=t.dtype)
+            v = slot[key][: t.numel()].view(t.shape)
+            v.copy_(t)
+            out.append(v)
+        return out
+
+    def dispatch(self, x, topk_ids, topk_weights, num_experts, group_name):
+        return tuple(self._place(self.base.dispatch(x, topk_ids, topk_weights, num_experts,
+                                                    group_name)))
+
+    def combine(self, y, group_name):
+        return self._place([self.base.combine(y, group_name)])[0]
+
+
+def _register(live: int | None, slots: int = 2) -> None:
+    rot = Rotating(slots)
+    pools = () if live is None else (ResultPool("workspaces", live=live),)
+    register_comm_backend(CommBackend("rotating", rot.dispatch, rot.combine,
+                                      "test: rotating receive workspaces", pools=pools))
+
+
+@pytest.fixture(scope="module")
+def model_and_step():
+    cfg = get_config("tiny", num_layers=2)
+    model = DeepseekMoEModel(cfg, ep_group=None, seed=0)
+    step = make_step(cfg, decode_context_lens=[], prefills=[(0, 64)], block_size=16, seed=0)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    fill_kv_cache(model, step, seed=0)
+    caches = [c.clone() for c in model.kv_caches()]
+    with torch.no_grad():
+        eager = model(step.input_ids, step.positions, step.attn_metadata)
+    return model, step, caches, eager
+
+
+def _run(model_and_step, **options):
+    model, step, caches, eager = model_and_step
+    torch._dynamo.reset()
+    for c, s in zip(model.kv_caches(), caches):
+        c.copy_(s)
+    compiled = torch.compile(model, backend="dbo", options={
+        "split": "always", "schedule_candidates": False, "comm_backend": "rotating", **options})
+    with torch.no_grad():
+        out = compiled(step.input_ids, step.positions, step.attn_metadata)
+    return last_artifact(), (out - eager).abs().max().item()
+
+
+def test_without_a_declaration_the_rotating_backend_gives_wrong_answers(model_and_step):
+    """The negative control: the hazard is real (what the declaration must prevent)."""
+    _register(live=None)
+    art, err = _run(model_and_step, scheduler="list", num_ubatches=2)
+    assert art.is_split and art.stats.split_steps == 1
+    assert err > 1e-2, err
+
+
+@pytest.mark.parametrize("scheduler,n", CASES)
+def test_declared_pool_splits_exactly(model_and_step, scheduler, n):
+    _register(live=2)
+    art, err = _run(model_and_step, scheduler=scheduler, num_ubatches=n)
+    assert art.is_split and art.stats.split_steps == 1, art.reason
+    assert err < 1e-5, err
+    sched = art.schedule
+    (key,) = sched.pools
+    assert sched.pools[key] == {"live": 2, "in_flight": None} and key.startswith("rotating|")
+    assert "rotating" in sched.comm_backends
+    # every call of the pool after the first two waits for the readers of call k - 2
+    plan = stream_assign.pool_plan_of(art.split_gm.graph, sched)
+    stream_assign.check_pools(sched, plan)
+
+
+def test_the_checker_refuses_the_unconstrained_order(model_and_step):
+    """The list schedule compiled without the declaration (the wrong one above) breaks the
+    declared rule: the checker names the call and the reader it may overtake."""
+    _register(live=None)
+    art, _ = _run(model_and_step, scheduler="list", num_ubatches=2)
+    _register(live=2)  # the same backend, declared: the plan the scheduler would honour
+    plan = stream_assign.pool_plan_of(art.split_gm.graph, art.schedule)
+    with pytest.raises(ScheduleError, match="may run before"):
+        stream_assign.check_pools(art.schedule, plan)
+
+
+@pytest.mark.parametrize("scheduler", ["list", "naive"])
+def test_pool_edges_join_readers_to_the_reusing_call(model_and_step, scheduler):
+    """With 3 ubatches the two workspaces bind: the scheduler adds reader -> call edges (a
+    compute stage before a comm call: event edges), recorded in ``hidden_deps``; without them
+    the checker refuses the order."""
+    _register(live=2)
+    art, err = _run(model_and_step, scheduler=scheduler, num_ubatches=3)
+    assert err < 1e-5
+    sched = art.schedule
+    plan = stream_assign.pool_plan_of(art.split_gm.graph, sched)
+    by_id = {u.id: u for u in sched.units}
+    pool_edges = [(a, b) for a, b in sched.hidden_deps if b in plan.pool_of]
+    assert pool_edges, sched.hidden_deps
+    for a, b in pool_edges:  # a reader of the results call b overwrites
+        assert by_id[b].kind == "comm" and any(a in r for r in plan.readers.values())
+    events = set(sched.event_edges)
+    assert any(e in events and by_id[e[0]].stream != by_id[e[1]].stream for e in pool_edges)
+    broken = Schedule.from_dict(sched.to_dict())
+    broken.deps = [e for e in broken.deps if e not in set(pool_edges)]
+    with pytest.raises(ScheduleError, match="may run before"):
+        stream_assign.check_pools(broken, plan)
+
+
+def test_infeasible_pool_is_refused_with_the_reason(model_and_step):
+    """Joined experts read both ubatches' dispatch results at once; a pool keeping one result
+    cannot hold them: compiled unsplit, the reason names the pool, the answer is eager's."""
+    _register(live=1, slots=1)
+    art, err = _run(model_and_step, join_experts=True)
+    assert not art.is_split
+    assert "pool 'workspaces'" in art.reason and "live=1" in art.reason, art.reason
+    assert err < 1e-5
+
+
+def test_infeasible_candidate_is_dropped_primary_kept(model_and_step):
+    """Schedule candidates that cannot honour the pool are dropped; the primary (unjoined)
+    splits."""
+    _register(live=1, slots=1)
+    model, step, caches, eager = model_and_step
+    for c, s in zip(model.kv_caches(), caches):
+        c.copy_(s)
+    compiled = torch.compile(model, backend="dbo", options={
+        "split": "always", "comm_backend": "rotating",
+        "schedule_candidates": ("list+join", "naive")})
+    with torch.no_grad():
+        out = compiled(step.input_ids, step.positions, step.attn_metadata)
+    art = last_artifact()
+    assert art.is_split and "list+join" not in art.candidates, list(art.candidates)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_pool_declaration_enters_the_schedule_fingerprint(model_and_step):
+    _register(live=2)
+    a, _ = _run(model_and_step, scheduler="list", num_ubatches=2)
+    _register(live=3, slots=3)
+    b, _ = _run(model_and_step, scheduler="list", num_ubatches=2)
+    assert a.schedule.fingerprint() != b.schedule.fingerprint()
+
+
+def test_pool_limits_are_checked():
+    with pytest.raises(Exception, match="live=0"):
+        ResultPool("p", live=0)
