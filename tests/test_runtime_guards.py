@@ -382,3 +382,21 @@ def test_graph_break_counts_steps_not_calls():
     assert all(s.split_steps + s.unsplit_steps == 2 for s in stats)
     assert max(s.calls for s in stats) >= 6  # the layer graph ran 3-4 times per step
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+
+
+def test_runner_refuses_a_model_with_graph_breaks():
+    """Under run_step each graph of a broken model votes and runs on its own (above); a FULL
+    CUDA graph needs the whole step in one graph, so capture refuses it with the way out,
+    before capturing anything (not a replay that serves part of the step)."""
+    from dbo_compile.runtime.graphs import CudaGraphRunner, GraphRunnerError
+
+    cfg = get_config("tiny", num_layers=2)
+    model = _BreakingModel(cfg, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    compiled = torch.compile(model, backend="dbo", options={"schedule_candidates": False})
+    runner = CudaGraphRunner(compiled, buckets=[16], max_blocks_per_req=8, block_size=16,
+                             timing_iters=1, device="cpu")
+    with pytest.raises(GraphRunnerError, match=r"one step ran [3-9] compiled graphs.*remove "
+                                               r"the graph breaks"):
+        runner.capture()
+    assert not runner.graphs
