@@ -24,3 +24,14 @@ def test_soak(world_size, steps):
         assert counts[key] == 0, (key, counts["examples"])
     assert counts["splits"] > 0 and counts["unsplit"] > 0
     assert counts["injected_failures"] > 0 and counts["agreed_failures"] >= counts["injected_failures"]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_soak_stops_every_rank_after_the_same_step_when_its_budget_is_spent():
+    counts = run_soak(2, 10_000, seed=1, budget_s=5.0)
+    print(json.dumps({k: v for k, v in counts.items() if k != "examples"}))
+    assert "error" not in counts, counts.get("error")
+    assert 1 <= counts["steps"] < counts["steps_planned"] == 10_000
+    assert counts["divergences"] == 0 and counts["hangs"] == 0
+    assert counts["splits"] + counts["unsplit"] + counts["agreed_failures"] == counts["steps"]

@@ -110,10 +110,13 @@ def _msg(e: BaseException) -> str:
 
 
 def soak_rank(rank: int, world_size: int, steps: int, seed: int, max_tokens: int,
-              p_fail: float, p_veto: float, p_share: float, step_timeout_s: float) -> dict:
+              p_fail: float, p_veto: float, p_share: float, step_timeout_s: float,
+              budget_s: float | None = None) -> dict:
     """One rank of the soak (module docstring): per step a record
     ``(split, padded, error type or "", message hash, cause, injected, vetoed, shared,
-    outputs ok, counter ok, kv ok)``."""
+    outputs ok, counter ok, kv ok)``. ``budget_s``: stop before ``steps`` once that many
+    seconds have passed on any rank (the ranks agree by one all-reduce per step, so that they
+    stop after the same step)."""
     cfg = get_config("tiny", num_layers=2)
     model = faults.FaultyMoEModel(cfg, ep_group=dist.group.WORLD, seed=0, count_load=True)
     ref = faults.FaultyMoEModel(cfg, seed=0, count_load=True)  # every expert local
@@ -124,6 +127,8 @@ def soak_rank(rank: int, world_size: int, steps: int, seed: int, max_tokens: int
     t0 = time.perf_counter()
     t_first = 0.0
     for i in range(steps):
+        if budget_s is not None and i and _out_of_time(time.perf_counter() - t0 > budget_s):
+            break
         # the watchdog: a step that does not end dumps every thread's stack and exits (the
         # first step compiles: ten times the limit)
         faulthandler.dump_traceback_later(step_timeout_s * (10 if i == 0 else 1), exit=True)
@@ -182,7 +187,14 @@ def soak_rank(rank: int, world_size: int, steps: int, seed: int, max_tokens: int
     faulthandler.cancel_dump_traceback_later()
     total = time.perf_counter() - t0
     return {"records": records, "seconds": total,
-            "per_step_ms": 1e3 * (total - t_first) / max(steps - 1, 1)}
+            "per_step_ms": 1e3 * (total - t_first) / max(len(records) - 1, 1)}
+
+
+def _out_of_time(mine: bool) -> bool:
+    """Whether any rank is past the soak's time budget (one all-reduce on the world group)."""
+    flag = torch.tensor([int(mine)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _reason_kind(reason: str) -> str:
@@ -198,28 +210,32 @@ def _reason_kind(reason: str) -> str:
 
 def run_soak(world_size: int, steps: int, seed: int = 0, max_tokens: int = 96,
              p_fail: float = 0.02, p_veto: float = 0.05, p_share: float = 0.1,
-             step_timeout_s: float = 120.0, timeout_s: float | None = None) -> dict:
+             step_timeout_s: float = 120.0, timeout_s: float | None = None,
+             budget_s: float | None = None) -> dict:
     """Run the soak on ``world_size`` Gloo ranks; the counts (a dict, printable as JSON):
-    ``steps, splits, unsplit, vetoes (engine), prefix_shared, injected_failures,
-    agreed_failures, hangs, divergences, wrong_outputs, foreign_errors``, the unsplit steps'
-    reasons, and ``seconds``."""
+    ``steps`` (run: fewer than ``steps_planned`` when ``budget_s`` seconds ran out first),
+    ``splits, unsplit, vetoes (engine), prefix_shared, injected_failures, agreed_failures,
+    hangs, divergences, wrong_outputs, foreign_errors``, the unsplit steps' reasons, and
+    ``seconds``."""
     # hangs are the per-step watchdog's to find (a rank exits with code 1 and its stacks);
     # the job's limit only bounds a run on a machine much slower than expected
     timeout_s = timeout_s or 10 * step_timeout_s + steps * 10.0 * world_size
-    counts: dict[str, Any] = dict(world_size=world_size, steps=steps, seed=seed, splits=0,
+    counts: dict[str, Any] = dict(world_size=world_size, steps=steps, steps_planned=steps,
+                                  seed=seed, splits=0,
                                   unsplit=0, vetoes=0, prefix_shared=0, injected_failures=0,
                                   agreed_failures=0, hangs=0, divergences=0, wrong_outputs=0,
                                   foreign_errors=0, unsplit_reasons={}, examples=[])
     t0 = time.perf_counter()
     try:
         results = run_multirank(soak_rank, world_size, timeout_s=timeout_s, args=(
-            steps, seed, max_tokens, p_fail, p_veto, p_share, step_timeout_s))
+            steps, seed, max_tokens, p_fail, p_veto, p_share, step_timeout_s, budget_s))
     except MultirankError as e:
         text = str(e)
         counts["hangs"] = int("still running" in text or "exit code 1)" in text)
         counts["error"] = str(e)[:2000]
         counts["seconds"] = round(time.perf_counter() - t0, 1)
         return counts
+    counts["steps"] = steps = min(len(r["records"]) for r in results)
     for i in range(steps):
         per_rank = [r["records"][i] for r in results]
         split, padded, reason = per_rank[0][0], per_rank[0][1], per_rank[0][2]
