@@ -14,8 +14,9 @@ Per step and rank: a random token count (0, 1, 2, the thresholds +- 1, or up to
 (the prefix-read veto's case), an engine veto, and for the group an injected failure on one
 rank (an op raising inside a ubatch); see :mod:`dbo_compile.testing.soak`. Prints one JSON line
 per world size with the counts (steps, splits, unsplit, vetoes, prefix_shared,
-injected_failures, agreed_failures, hangs, divergences, wrong_outputs, foreign_errors) and
-exits 1 if hangs, divergences, wrong outputs or foreign errors are not all 0.
+injected_failures, agreed_failures, hangs, divergences, wrong_outputs, foreign_errors, the
+agreed failures by error type) and exits 1 if hangs, divergences, wrong outputs or foreign
+errors are not all 0.
 """
 
 from __future__ import annotations

@@ -215,8 +215,8 @@ def run_soak(world_size: int, steps: int, seed: int = 0, max_tokens: int = 96,
     """Run the soak on ``world_size`` Gloo ranks; the counts (a dict, printable as JSON):
     ``steps`` (run: fewer than ``steps_planned`` when ``budget_s`` seconds ran out first),
     ``splits, unsplit, vetoes (engine), prefix_shared, injected_failures, agreed_failures,
-    hangs, divergences, wrong_outputs, foreign_errors``, the unsplit steps' reasons, and
-    ``seconds``."""
+    hangs, divergences, wrong_outputs, foreign_errors``, the agreed failures by error type
+    (``errors``), the unsplit steps' reasons, and ``seconds``."""
     # hangs are the per-step watchdog's to find (a rank exits with code 1 and its stacks);
     # the job's limit only bounds a run on a machine much slower than expected
     timeout_s = timeout_s or 10 * step_timeout_s + steps * 10.0 * world_size
@@ -224,7 +224,7 @@ def run_soak(world_size: int, steps: int, seed: int = 0, max_tokens: int = 96,
                                   seed=seed, splits=0,
                                   unsplit=0, vetoes=0, prefix_shared=0, injected_failures=0,
                                   agreed_failures=0, hangs=0, divergences=0, wrong_outputs=0,
-                                  foreign_errors=0, unsplit_reasons={}, examples=[])
+                                  foreign_errors=0, errors={}, unsplit_reasons={}, examples=[])
     t0 = time.perf_counter()
     try:
         results = run_multirank(soak_rank, world_size, timeout_s=timeout_s, args=(
@@ -248,6 +248,7 @@ def run_soak(world_size: int, steps: int, seed: int = 0, max_tokens: int = 96,
         errs = [p[3] for p in per_rank]
         if errs[0] and agreed:
             counts["agreed_failures"] += 1
+            counts["errors"][errs[0]] = counts["errors"].get(errs[0], 0) + 1
             # the failing rank's error comes from the injected failure
             counts["wrong_outputs"] += any(p[6] and p[5] != "InjectedFault" for p in per_rank)
         elif not errs[0] and agreed:
