@@ -13,7 +13,9 @@ from dbo_compile.errors import (
     MetadataError,
     ScheduleError,
     UBatchExecutionError,
+    UnknownOptionError,
     UnsplittableGraphError,
+    dbo_error_of,
 )
 from dbo_compile.logs import register_torch_log
 
@@ -25,7 +27,9 @@ __all__ = [
     "MetadataError",
     "ScheduleError",
     "UBatchExecutionError",
+    "UnknownOptionError",
     "UnsplittableGraphError",
+    "dbo_error_of",
 ]
 
 __version__ = "0.1.0"

@@ -21,9 +21,9 @@ from dbo_compile import lowering
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.logs import drop_duplicate_handlers
-from dbo_compile.ops.registry import comm_kind
-from dbo_compile.passes import pipeline
-from dbo_compile.runtime.artifact import CompiledArtifact
+from dbo_compile.ops.registry import comm_group_name, comm_kind
+from dbo_compile.passes import pipeline, token_dim
+from dbo_compile.runtime.artifact import CompiledArtifact, check_groups
 from dbo_compile.runtime.program import UnsplitProgram
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,14 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         mode: ignored (accepted for compatibility with ``torch.compile(mode=...)``).
 
     Raises:
-        DboConfigError: an unknown or invalid option.
+        DboConfigError: an unknown or invalid option; ``dp_group_name`` naming no process
+            group; an EP group of the graph outside the DP vote's group.
         UnsplittableGraphError: only with ``on_unsplittable="raise"``.
     """
     # torch imports this package while parsing TORCH_LOGS and then adds its handler again
     drop_duplicate_handlers(logging.getLogger("dbo_compile"))
     config = pipeline.resolve_device_defaults(DboConfig.from_options(options), example_inputs)
+    check_groups(config, [g for n in gm.graph.nodes if (g := comm_group_name(n)) is not None])
     runner = pipeline.PassRunner()
     try:
         compiled: CompiledArtifact = pipeline.compile_split(gm, example_inputs, config,
@@ -90,9 +92,25 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     has_comm = any(comm_kind(n) is not None for n in gm.graph.nodes)
     # a graph Dynamo traced with symbolic sizes runs at any token count; a static one cannot
     dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
+    token = _token_symbol(specs, gm)
     return UnsplitProgram(pipeline.compile_unsplit(gm, config), reason, config, specs, has_comm,
                           fixed_num_tokens=not dynamic, row_local=row_local,
-                          compile_times=times)
+                          compile_times=times,
+                          output_specs=token_dim.output_specs(gm.graph, token),
+                          unsplit_plan=pipeline.drain_plan(gm.graph, token))
+
+
+def _token_symbol(specs: list | None, gm: fx.GraphModule) -> Any:
+    """The symbol of Dynamo's token dim (dim 0 of the first token input's example value, in
+    the ShapeEnv of the graph's other values), ``None`` for a static graph or no token
+    input."""
+    spec = next((s for s in specs or [] if s.kind == "token"), None)
+    if spec is None:
+        return None
+    node = [n for n in gm.graph.nodes if n.op == "placeholder"][spec.index]
+    value = node.meta.get("example_value")
+    d0 = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() else None
+    return d0.node.expr if isinstance(d0, torch.SymInt) else None
 
 
 def register() -> None:

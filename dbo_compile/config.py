@@ -8,6 +8,8 @@ valid ones.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import hashlib
 import json
 import math
@@ -15,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from dbo_compile.errors import DboConfigError
+from dbo_compile.errors import DboConfigError, UnknownOptionError
 
 _SPLIT_MODES = ("auto", "always", "never")
 _COMPUTE_BACKENDS = ("auto", "aten", "inductor")
@@ -23,6 +25,9 @@ _SCHEDULERS = ("list", "naive")
 _ON_UNSPLITTABLE = ("fallback", "raise")
 #: fields that cannot change the compiled schedule (may differ between ranks)
 _NOT_FINGERPRINTED = ("dump_dir", "check_host_mirrors", "cache_dir")
+#: the token thresholds' defaults (vLLM's); ``None`` in a field resolves to
+#: ``max(default, num_ubatches)``
+_THRESHOLD_DEFAULTS = {"decode_token_threshold": 32, "prefill_token_threshold": 512}
 
 
 @dataclass(frozen=True)
@@ -163,9 +168,11 @@ class DboConfig:
     Attributes:
         num_ubatches: number of micro-batches the token dim is cut into (>= 2).
         decode_token_threshold: a step whose DP ranks are all uniform decode (one token per
-            request) splits only if every rank has ``>=`` this many tokens.
+            request) splits only if every rank has ``>=`` this many tokens. ``None`` (default):
+            ``max(32, num_ubatches)``. Used by ``split="auto"`` only; an explicit value below
+            ``num_ubatches`` is then an error (vLLM's rule).
         prefill_token_threshold: any other step splits only if every rank has ``>=`` this many
-            tokens.
+            tokens. ``None`` (default): ``max(512, num_ubatches)``; as above.
         split: ``"auto"`` (thresholds; the vote also carries a per-rank cost-model preference,
             which nothing computes yet, so today thresholds alone decide), ``"always"`` /
             ``"never"`` force the decision. ``"always"`` skips the thresholds, but vetoes still
@@ -306,11 +313,17 @@ class DboConfig:
             the machine it was measured on): the cost model's figures per op class fitted to
             measured stage and comm times (:mod:`dbo_compile.passes.cost_model`). Its content
             is part of the fingerprint. ``None``: the roofline figures above.
+        step_agreement: end every eager step with one all-reduce on the DP vote's group, so
+            that a rank whose step failed (an op raised in a ubatch) makes every rank raise the
+            same ``UBatchExecutionError`` after issuing its remaining collectives with null
+            payloads (:mod:`dbo_compile.runtime.step_txn`). ``False``: for an engine with its
+            own failure protocol; a failing rank then raises alone and its peers wait in its
+            collectives (a hang). CUDA-graph replays never run it.
     """
 
     num_ubatches: int = 2
-    decode_token_threshold: int = 32
-    prefill_token_threshold: int = 512
+    decode_token_threshold: int | None = None
+    prefill_token_threshold: int | None = None
     split: str = "auto"
     scheduler: str = "list"
     schedule_candidates: bool | tuple[str, ...] = DEFAULT_CANDIDATES
@@ -340,6 +353,7 @@ class DboConfig:
     emulate_capacity_factor: float | None = None
     emulate_comm_sms: int | None = None
     calibration: str | None = None
+    step_agreement: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> DboConfigError:
@@ -347,14 +361,23 @@ class DboConfig:
 
         if not isinstance(self.num_ubatches, int) or self.num_ubatches < 2:
             raise bad("num_ubatches", "must be an int >= 2 (use split='never' to disable DBO)")
-        for name in ("decode_token_threshold", "prefill_token_threshold"):
+        explicit = []
+        for name, default in _THRESHOLD_DEFAULTS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < self.num_ubatches:
+            if value is None:  # resolved deterministically: the fingerprint sees the int
+                object.__setattr__(self, name, max(default, self.num_ubatches))
+                continue
+            explicit.append(name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(name, "must be None or a positive int (tokens)")
+            if self.split == "auto" and value < self.num_ubatches:
                 raise bad(
                     name,
-                    f"must be an int >= num_ubatches ({self.num_ubatches}): every ubatch needs "
-                    "at least one token (vLLM rejects the same configuration)",
+                    f"must be an int >= num_ubatches ({self.num_ubatches}) with split='auto': "
+                    "every ubatch needs at least one token (vLLM rejects the same configuration)",
                 )
+        # which thresholds the caller set (``replace`` re-resolves the others)
+        object.__setattr__(self, "_explicit_thresholds", tuple(explicit))
         for name, choices in (
             ("split", _SPLIT_MODES),
             ("scheduler", _SCHEDULERS),
@@ -370,7 +393,7 @@ class DboConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
-        for name in ("join_experts", "check_host_mirrors"):
+        for name in ("join_experts", "check_host_mirrors", "step_agreement"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         if isinstance(self.schedule_candidates, (list, tuple)):
@@ -486,15 +509,15 @@ class DboConfig:
             raise DboConfigError(
                 f"options must be a dict or a DboConfig, got {type(options).__name__}"
             )
-        valid = cls.field_names()
-        unknown = sorted(k for k in options if k not in valid)
-        if unknown:
-            raise DboConfigError(
-                f"unknown dbo option(s) {unknown}; valid options are: {', '.join(valid)}"
-            )
+        _check_keys(options)
         return cls(**dict(options))
 
     def replace(self, **changes: Any) -> DboConfig:
+        """A copy with ``changes``; thresholds the caller never set stay defaults (resolved
+        again against the new ``num_ubatches``)."""
+        for name in _THRESHOLD_DEFAULTS:
+            if name not in changes and name not in self._explicit_thresholds:
+                changes[name] = None
         return dataclasses.replace(self, **changes)
 
     def fingerprint(self) -> str:
@@ -508,3 +531,31 @@ class DboConfig:
             cached = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
             object.__setattr__(self, "_fingerprint", cached)
         return cached
+
+
+def _check_keys(options: Mapping[str, Any]) -> None:
+    """Raise :class:`UnknownOptionError` for keys that are not fields of ``DboConfig``,
+    naming close matches and the valid options."""
+    valid = DboConfig.field_names()
+    unknown = sorted(k for k in options if k not in valid)
+    if unknown:
+        close = {k: difflib.get_close_matches(str(k), valid, n=1) for k in unknown}
+        hint = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in close.items() if m)
+        raise UnknownOptionError(
+            f"unknown dbo option(s) {unknown}{' (' + hint + ')' if hint else ''}; valid options "
+            f"are: {', '.join(valid)}")
+
+
+def _checked_init(init: Any) -> Any:
+    """``DboConfig(**options)`` names unknown keys like ``from_options`` (the generated
+    ``__init__`` would raise a bare ``TypeError``)."""
+
+    @functools.wraps(init)
+    def __init__(self: DboConfig, *args: Any, **kwargs: Any) -> None:
+        _check_keys(kwargs)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+DboConfig.__init__ = _checked_init(DboConfig.__init__)  # type: ignore[method-assign]

@@ -14,7 +14,17 @@ class DboError(Exception):
 
 
 class DboConfigError(DboError, ValueError):
-    """An option passed through ``torch.compile(..., options=...)`` or ``DboConfig`` is invalid."""
+    """An option passed through ``torch.compile(..., options=...)`` or ``DboConfig`` is invalid.
+
+    Raised inside ``torch.compile`` it reaches the caller wrapped in Dynamo's
+    ``BackendCompilerFailed``, as its ``inner_exception`` (Dynamo raises it ``from None``:
+    ``__cause__`` is ``None``); :func:`dbo_error_of` finds it.
+    """
+
+
+class UnknownOptionError(DboConfigError, TypeError):
+    """An option name that is not a field of ``DboConfig`` (also a ``TypeError``, what the
+    dataclass's own ``__init__`` raised before)."""
 
 
 class UnsplittableGraphError(DboError):
@@ -93,3 +103,28 @@ class VizInputError(DboError, ValueError):
 
 class MultirankError(DboError, RuntimeError):
     """A spawned rank raised, or the ranks did not finish within the timeout."""
+
+
+def dbo_error_of(exc: BaseException) -> DboError | None:
+    """The :class:`DboError` that ``exc`` is or wraps, or ``None``.
+
+    Dynamo wraps a backend's exception in ``BackendCompilerFailed`` with ``from None``, so
+    ``exc.__cause__`` is ``None``: the error is ``exc.inner_exception`` (and ``__context__``).
+    This follows ``inner_exception``, ``__cause__`` and ``__context__``, nearest first::
+
+        try:
+            compiled(*inputs)
+        except Exception as e:
+            err = dbo_error_of(e)   # e.g. the DboConfigError of a bad option
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, DboError):
+            return e
+        todo += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
+    return None

@@ -15,7 +15,9 @@ Graph inputs are classified from Dynamo's sources (``node.meta["grapharg"].sourc
   request (``query_start_loc``, ``seq_lens``, ...): rebuilt per ubatch by the runtime;
 - ``size``: a SymInt input that is the size of another input's dim (dynamic Dynamo graphs);
 - ``scalar``: any other non-tensor input (passed through unchanged); a SymInt that is not a
-  size (a dynamic int argument) is traced as its own symbol, shared by the ubatches.
+  size (a dynamic int argument) is traced as its own symbol, shared by the ubatches;
+- ``host_mirror``: a host copy of a metadata field (``seq_lens_cpu``, ...): the runtime's
+  host decisions read it; a graph reading one is compiled unsplit (it is not cut per ubatch).
 
 Duck shaping is off (``ShapeEnv(duck_shape=False)``): in a pure-decode step the request count
 equals the token count, and the two must stay distinct symbols (``docs/design.md``).
@@ -81,9 +83,16 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
     specs = []
     for i, (node, value, source) in enumerate(zip(placeholders, example_inputs, sources)):
         field = None
+        mirror = None
         for f in FIELD_LAYOUT:
             if source.endswith(f".{f}") or (not source and node.name.endswith(f)):
                 field = f
+            if source.endswith(f".{f}_cpu"):
+                mirror = f
+        if mirror is not None and kinds is None:
+            # the runtime's host copy of a field: never cut per ubatch (_lower refuses it)
+            specs.append(InputSpec(i, node.name, source, "host_mirror", mirror))
+            continue
         if kinds is not None:
             kind = kinds[i]
             if kind == "token" and field is None:
@@ -100,6 +109,11 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
             if m is None and source and not _SHAPE_LIKE.search(source):
                 # a dynamic int argument (a cache's Python step counter, logits_to_keep):
                 # the same for every ubatch, kept symbolic so the graph serves every value
+                specs.append(InputSpec(i, node.name, source, "scalar"))
+                continue
+            if m is None and not node.users:
+                # an unused layout symbol (input_ids.stride()[0] of a strided view, a
+                # storage offset): Dynamo adds it, nothing reads it
                 specs.append(InputSpec(i, node.name, source, "scalar"))
                 continue
             if m is None or m.group("base") not in by_source:
@@ -147,6 +161,40 @@ def _check_scalars_are_not_token_counts(specs: list[InputSpec], placeholders: li
                 "views")
 
 
+def fold_tensorified_floats(gm: fx.GraphModule, example_inputs: Sequence[Any]
+                            ) -> tuple[fx.GraphModule, tuple[tuple[int, float], ...]]:
+    """``gm``, or a copy of it with each float Dynamo passed as a 0-dim float64 tensor and
+    read only by ``.item()`` (``torch.compile(dynamic=True)`` does that to module attributes
+    such as an attention scale or a norm's eps) replaced by its value, and the
+    ``(input index, value)`` pairs folded.
+
+    Re-traced, ``.item()`` would give a data-dependent ``SymFloat`` that ops taking a
+    ``float`` (``dbo.attention``'s ``scale``) refuse. Dynamo did not guard on the value, so
+    the artifact must check it every call (a host read of a CPU tensor) and run the original
+    graph when it changed (``DboCompiledModule.float_guards``).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    folds = []
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        grapharg = node.meta.get("grapharg")
+        if (isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor)
+                and value.dim() == 0 and value.dtype == torch.float64 and value.device.type == "cpu"
+                and getattr(grapharg, "pass_arg_as_tensor", False) and node.users
+                and all(u.op == "call_method" and u.target == "item" for u in node.users)):
+            folds.append((i, float(value)))
+    if not folds:
+        return gm, ()
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copied = [n for n in graph.nodes if n.op == "placeholder"]
+    for i, value in folds:
+        for user in list(copied[i].users):
+            user.replace_all_uses_with(value)
+            graph.erase_node(user)
+    folded = fx.GraphModule(gm, graph)
+    return folded, tuple(folds)
+
+
 @dataclass
 class LoweredGraph:
     """The functional ATen inference graph and what the split needs to know about it.
@@ -156,6 +204,8 @@ class LoweredGraph:
         specs: per-input classification.
         token_symbols: symbols of the token and request dims.
         token_symbol: the symbol of the token dim (``num_tokens``).
+        request_symbols: the symbols of the request dims (``num_reqs``; a subset of
+            ``token_symbols``), so that messages can tell the two apart.
         shape_env: the ShapeEnv the symbols live in.
     """
 
@@ -164,6 +214,7 @@ class LoweredGraph:
     token_symbols: frozenset
     token_symbol: sympy.Symbol | None
     shape_env: ShapeEnv
+    request_symbols: frozenset = frozenset()
 
 
 def _fakeify(specs: list[InputSpec], example_inputs: Sequence[Any],
@@ -265,6 +316,7 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
             "dynamic instead (torch._dynamo.mark_dynamic(input_ids, 0))"
         ) from e
     syms = set()
+    request_syms = set()
     placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     for s in token_specs + request_specs:
         size0 = fakes[s.index].shape[0]
@@ -288,6 +340,8 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
                 "dim dynamic, or write views with -1."
             )
         syms |= expr.free_symbols
+        if s.kind == "request":
+            request_syms |= expr.free_symbols
     for s in specs:
         value = fakes[s.index]
         if s.kind == "scalar" and isinstance(value, torch.SymInt):
@@ -303,7 +357,9 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
             f"AOT lowering changed the number of inputs ({len(specs)} -> {n_in}); aliased "
             "inputs are not supported"
         )
-    return LoweredGraph(aten_gm, specs, frozenset(syms), token_symbol, shape_env)
+    token_free = {token_symbol} if token_symbol is not None else set()
+    return LoweredGraph(aten_gm, specs, frozenset(syms), token_symbol, shape_env,
+                        frozenset(request_syms - token_free))
 
 
 def graph_module(root: torch.nn.Module | fx.GraphModule, graph: fx.Graph,

@@ -13,10 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
-__all__ = ["COMM", "COMPUTE", "RANGE_PREFIX", "SCHEDULE_VERSION", "STREAM_INDEX", "Schedule",
-           "Timeline", "Unit", "annotate_stream", "range_name", "simulate"]
+__all__ = ["COMM", "COMPUTE", "RANGE_PREFIX", "SCHEDULE_VERSION", "STREAM_INDEX", "CommCall",
+           "CommPlan", "NullArg", "Schedule", "Timeline", "Unit", "annotate_stream",
+           "range_name", "simulate"]
 
 COMPUTE, COMM = "compute", "comm"
 SCHEDULE_VERSION = 1
@@ -171,6 +172,55 @@ class Schedule:
             what += (sorted(self.comm_backends), sorted((k, sorted(v.items()))
                                                         for k, v in self.pools.items()))
         return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class NullArg:
+    """A tensor argument of a *null* comm call (the same collective, a payload that routes
+    and adds nothing), made at run time.
+
+    Attributes:
+        shape: per dim ``(a, b)``: the dim is ``a * tokens + b``, ``tokens`` the token count
+            of the call's ubatch (of the step, for an unsplit program).
+        dtype: a ``torch.dtype``.
+        device: where the tensor lives (``"cpu"``, ``"cuda:0"``).
+        fill: its value (``registry.OpInfo.null_fill``).
+    """
+
+    shape: tuple[tuple[int, int], ...]
+    dtype: Any
+    device: str
+    fill: float | int
+
+    def dims(self, tokens: int) -> list[int]:
+        return [a * tokens + b for a, b in self.shape]
+
+
+@dataclass(frozen=True)
+class CommCall:
+    """One collective a program issues, as a rank whose step failed issues it again (its
+    peers wait in it): ``op(*args, **kwargs)`` with each :class:`NullArg` made at run time.
+
+    Attributes:
+        op: the comm op (``torch.ops.dbo.dispatch.default``, ...).
+        args: its positional arguments, tensors as :class:`NullArg`, the rest constants
+            (expert count, group name).
+        ubatch: the ubatch whose token count sizes it (``None``: the step's, unsplit).
+        name: the unit's name (``L0.D1``) or the node's, for messages.
+        kwargs: its keyword arguments, constants (e.g. a bound backend's name).
+    """
+
+    op: Any
+    args: tuple[Any, ...]
+    ubatch: int | None
+    name: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+#: the collectives of one program in issue order (the split program's host order, the
+#: unsplit program's graph order); ``None``: the program issues a collective that has no
+#: null call (a rank failing in it cannot complete its peers' collectives)
+CommPlan = Optional[tuple[CommCall, ...]]
 
 
 def range_name(unit: Unit) -> str:

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["INPUT_KINDS", "InputSpec", "SplitSignature"]
+__all__ = ["INPUT_KINDS", "OUTPUT_KINDS", "ROW_VALID_INPUT", "InputSpec", "OutputSpec",
+           "SplitSignature"]
 
 #: the kinds of graph input (:attr:`InputSpec.kind`)
-INPUT_KINDS = ("shared", "token", "request", "size", "scalar")
+INPUT_KINDS = ("shared", "token", "request", "size", "scalar", "host_mirror")
+#: the name of the input the backend adds to a graph whose state threads must not count padding
+#: rows (bool ``[T]``, ``True`` for real rows; :mod:`dbo_compile.passes.state_threads`); the
+#: artifact appends it to the caller's inputs
+ROW_VALID_INPUT = "dbo_row_valid"
+#: the kinds of graph output (:attr:`OutputSpec.kind`)
+OUTPUT_KINDS = ("token", "shared", "size", "const", "unknown")
 
 
 @dataclass(frozen=True)
@@ -27,8 +34,10 @@ class InputSpec:
         kind: one of :data:`INPUT_KINDS`: ``"shared"`` (weights, KV caches, 0-dim tensors: one
             tensor for all ubatches), ``"token"`` (dim 0 is the token dim, sliced per ubatch),
             ``"request"`` (a request-indexed attention-metadata field, rebuilt per ubatch),
-            ``"size"`` (a SymInt that is the size of another input's dim) or ``"scalar"``
-            (passed through unchanged).
+            ``"size"`` (a SymInt that is the size of another input's dim), ``"scalar"``
+            (passed through unchanged) or ``"host_mirror"`` (a metadata field's host copy,
+            ``<field>_cpu``: the runtime's, never cut per ubatch; a graph reading one is not
+            split).
         field: the ``AttentionMetadata`` field of a ``request``/``token`` metadata input.
         size_of: ``(input index, dim)`` of the tensor dim a ``size`` input measures.
     """
@@ -43,6 +52,32 @@ class InputSpec:
     @property
     def per_ubatch(self) -> bool:
         return self.kind in ("token", "request", "size")
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What one graph output is, so that every entry (the artifact's call, ``run_step``, the
+    CUDA-graph runner) returns it at the caller's real token count ``T`` whatever the
+    program ran at (a DP-padded count, a bucket, ``run_step``'s 2 rows for 1 token).
+
+    Attributes:
+        kind: one of :data:`OUTPUT_KINDS`: ``"token"`` (a tensor whose dim 0 is
+            ``coef * T``: its first ``coef * T`` rows are real), ``"shared"`` (a tensor
+            independent of the token count), ``"size"`` (an int ``coef * T + offset``, e.g.
+            ``input_ids.shape[0]``), ``"const"`` (not a graph value), ``"unknown"`` (any other:
+            an unsplit graph's output the analysis could not classify; rows past ``T`` of a
+            tensor whose dim 0 is the padded count are dropped).
+        coef, offset: as above.
+    """
+
+    kind: str
+    coef: int = 1
+    offset: int = 0
+
+    def size(self, num_tokens: int) -> int:
+        """The value of a ``"size"`` output at ``num_tokens`` tokens (the rows of a
+        ``"token"`` output)."""
+        return self.coef * num_tokens + self.offset
 
 
 @dataclass(frozen=True)

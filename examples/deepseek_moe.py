@@ -109,6 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    from dbo_compile.errors import ModelConfigError
+    from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+
+    try:  # the checks the ranks' model would make, as usage errors (not one traceback per rank)
+        DeepseekMoEModel.check_ep(get_config("tiny", num_layers=args.layers), args.world_size)
+    except ModelConfigError as e:
+        parser.error(f"--layers {args.layers} / --world-size {args.world_size}: {e}")
     if args.decodes < 0 or args.prefill_tokens < 0 or args.decodes + args.prefill_tokens < 1:
         parser.error("--decodes and --prefill-tokens must be >= 0 and give a step of >= 1 token")
     tol = args.tol if args.tol is not None else (1e-5 if args.dtype == "fp32" else 5e-2)

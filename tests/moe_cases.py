@@ -41,3 +41,14 @@ def eager_and_compiled(model, step, options):
         compiled = torch.compile(model, backend="dbo", options=options)
         out = compiled(step.input_ids, step.positions, step.attn_metadata)
     return eager, out, eager_caches, [c.clone() for c in model.kv_caches()]
+
+
+def capture_then_serve(runner, model, step, saved, reset=None):
+    """``runner.capture()``, then the KV caches back to ``saved`` (and ``reset()``: other
+    state the warm-up steps changed), then one served step of ``step``."""
+    runner.capture()
+    for c, s in zip(model.kv_caches(), saved):
+        c.copy_(s)
+    if reset is not None:
+        reset()
+    return runner(step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens)

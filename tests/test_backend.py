@@ -26,6 +26,98 @@ def test_unknown_option_names_the_valid_ones():
         m(torch.randn(3, 4))
 
 
+def test_unknown_option_in_the_constructor_is_a_config_error():
+    """``DboConfig(**options)`` checks the keys as ``from_options`` does (it raised the
+    dataclass's bare TypeError); the error is still a TypeError for existing callers."""
+    with pytest.raises(DboConfigError, match="did you mean 'num_ubatches'.*valid options are"):
+        DboConfig(**{"num_ubatch": 2})
+    with pytest.raises(TypeError):
+        DboConfig(num_ubatch=2)
+
+
+def test_backend_config_error_is_found_by_dbo_error_of():
+    """Dynamo raises BackendCompilerFailed ``from None`` (pinned here: the README says where
+    the DboConfigError is): ``inner_exception`` holds it, and ``dbo_error_of`` finds it."""
+    from dbo_compile import dbo_error_of
+
+    m = torch.compile(nn.Linear(4, 4), backend="dbo", options={"num_ubatch": 2})
+    with pytest.raises(Exception) as info:
+        m(torch.randn(3, 4))
+    e = info.value
+    assert e.__cause__ is None and isinstance(e.inner_exception, DboConfigError)
+    assert isinstance(dbo_error_of(e), DboConfigError)
+    assert dbo_error_of(ValueError("x")) is None
+
+
+def test_thresholds_not_set_follow_num_ubatches_and_are_unused_by_always():
+    """Defaults resolve to max(vLLM's default, num_ubatches): ``split="always"`` with 64
+    ubatches is accepted (it was refused because of decode_token_threshold=32, an option the
+    user never set and "always" does not read); an explicit threshold below num_ubatches is
+    still refused under "auto" (vLLM's rule)."""
+    cfg = DboConfig(split="always", num_ubatches=64)
+    assert (cfg.decode_token_threshold, cfg.prefill_token_threshold) == (64, 512)
+    assert DboConfig(num_ubatches=64).decode_token_threshold == 64
+    assert DboConfig().fingerprint() == DboConfig(decode_token_threshold=32).fingerprint()
+    assert DboConfig().replace(num_ubatches=40).decode_token_threshold == 40
+    assert DboConfig(decode_token_threshold=8).replace(num_ubatches=4).decode_token_threshold == 8
+    with pytest.raises(DboConfigError, match="decode_token_threshold=8"):
+        DboConfig(num_ubatches=16, decode_token_threshold=8)
+
+
+def test_unwritable_dump_dir_warns_and_compiles(tmp_path, caplog):
+    """Diagnostics never fail a compile: a dump_dir below a regular file is a WARNING."""
+    from dbo_compile.models.batch import make_step
+    from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+
+    (tmp_path / "a_file").write_text("")
+    bad = str(tmp_path / "a_file" / "dumps")
+    cfg = get_config("tiny", num_layers=1)
+    model = DeepseekMoEModel(cfg, seed=0)
+    step = make_step(cfg, decode_context_lens=[], prefills=[(0, 16)], block_size=16)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    compiled = torch.compile(model, backend="dbo", options={"dump_dir": bad, "split": "always",
+                                                            "schedule_candidates": False})
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"), torch.no_grad():
+        compiled(step.input_ids, step.positions, step.attn_metadata)
+    assert last_artifact().is_split
+    assert "cannot be written" in caplog.text and bad in caplog.text
+
+
+def test_unknown_dp_group_name_is_a_config_error_at_compile_time():
+    """``dp_group_name`` is resolved when the backend builds its config (it failed at the first
+    step with torch's RuntimeError); the message lists the registered groups. Run in a
+    subprocess: it initialises a one-rank Gloo group."""
+    code = textwrap.dedent("""
+        import datetime, socket, torch, torch.distributed as dist
+        from torch import nn
+        from dbo_compile import DboConfigError, dbo_error_of
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        try:
+            torch.compile(nn.Linear(4, 4), backend="dbo", options={"dp_group_name": "nope"})(
+                torch.randn(3, 4))
+        except Exception as e:
+            assert isinstance(dbo_error_of(e), DboConfigError), e
+            assert "not initialised" in str(dbo_error_of(e))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1, timeout=datetime.timedelta(seconds=60))
+        torch._dynamo.reset()
+        try:
+            torch.compile(nn.Linear(4, 4), backend="dbo", options={"dp_group_name": "nope"})(
+                torch.randn(3, 4))
+            raise SystemExit("accepted")
+        except Exception as e:
+            err = dbo_error_of(e)
+            assert isinstance(err, DboConfigError), e
+            print(err)
+            assert "names no process group" in str(err) and "registered" in str(err)
+        dist.destroy_process_group()
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    print(p.stdout)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
 @pytest.mark.parametrize("bad", [dict(num_ubatches=1), dict(decode_token_threshold=1),
                                  dict(prefill_token_threshold=0), dict(split="sometimes"),
                                  dict(comm_sms=0), dict(link_gbps=0), dict(comm_sms=True),
@@ -253,3 +345,100 @@ def test_record_calls_and_last_called_are_per_thread():
     t.join(timeout=30)
     assert len(calls) == 1 and any(a is xa for a in calls[0][1])  # this thread's call only
     assert seen["other"] is not None and last_called() is not None
+
+
+def _tiny_step(layers=2):
+    from dbo_compile.models.batch import fill_kv_cache, make_step
+    from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+
+    cfg = get_config("tiny", num_layers=layers)
+    model = DeepseekMoEModel(cfg, seed=0)
+    step = make_step(cfg, decode_context_lens=[30] * 8, prefills=[(0, 24)], block_size=16)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    fill_kv_cache(model, step, seed=1)
+    return model, step
+
+
+def _eager(model, step, *inputs):
+    saved = [c.clone() for c in model.kv_caches()]
+    with torch.no_grad():
+        ref = model(*inputs) if inputs else model(step.input_ids, step.positions,
+                                                  step.attn_metadata)
+    for c, s in zip(model.kv_caches(), saved):
+        c.copy_(s)
+    return ref
+
+
+@pytest.mark.parametrize("layout", ["strided", "offset"])
+@pytest.mark.parametrize("entry", ["run_step", "direct"])
+def test_strided_and_offset_token_inputs_split(layout, entry):
+    """x[::2] or a view at storage offset 8 gave Dynamo stride / offset symbols, which made
+    the graph unsplittable ("SymInt input s2 ... is not the size of a graph input"): DBO was
+    off, the answer right. run_step passes dense rows; unused layout symbols are passed
+    through."""
+    from dbo_compile.runtime.engine import run_step
+
+    model, step = _tiny_step()
+    ids, pos = step.input_ids, step.positions
+    if layout == "strided":
+        ids, pos = (torch.stack([t, torch.zeros_like(t)], 1).flatten()[::2] for t in (ids, pos))
+    else:
+        ids, pos = (torch.cat([torch.zeros(8, dtype=t.dtype), t])[8:] for t in (ids, pos))
+    ref = _eager(model, step)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always",
+                                                            "schedule_candidates": False})
+    with torch.no_grad():
+        if entry == "run_step":
+            out = run_step(compiled, ids, pos, step.attn_metadata, step.num_scheduled_tokens)
+        else:  # a dynamic graph, as a server's: Dynamo then adds the layout symbols
+            md = step.attn_metadata
+            for t in (ids, pos, md.slot_mapping, md.query_start_loc, md.seq_lens,
+                      md.num_computed_tokens, md.block_table):
+                torch._dynamo.mark_dynamic(t, 0)
+            out = compiled(ids, pos, md)
+    art = last_artifact()
+    assert art.is_split and art.stats.split_steps == 1, art.reason
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+def test_dynamic_true_splits_and_guards_the_folded_floats(caplog):
+    """torch.compile(dynamic=True) passes float attributes (the attention scale, the norms'
+    eps) as 0-dim tensors read by .item(); re-traced they were SymFloats that dbo.attention
+    refused, so the package's own model ran unsplit. They are folded, and checked per call:
+    an artifact called with another value runs Dynamo's graph unsplit (right answer, a
+    WARNING)."""
+    from dbo_compile.runtime.context import record_calls
+
+    model, step = _tiny_step()
+    ref = _eager(model, step)
+    compiled = torch.compile(model, backend="dbo", dynamic=True,
+                             options={"split": "always", "schedule_candidates": False})
+    with torch.no_grad(), record_calls() as calls:
+        out = compiled(step.input_ids, step.positions, step.attn_metadata)
+    art, args = calls[0]
+    assert art.is_split and art.stats.split_steps == 1, art.reason
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    scale = next(i for i, v in art.float_guards if v == model.layers[0].self_attn.scale)
+    args = list(args)
+    args[scale] = torch.tensor(0.5, dtype=torch.float64)
+    model.layers[0].self_attn.scale = 0.5
+    ref = _eager(model, step)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        out = art(*args)[0]
+    assert art.stats.unsplit_steps == 1 and "float" in art.stats.last_decision
+    assert "changed from the value" in caplog.text
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+def test_unsplit_graph_with_collectives_says_so_at_its_first_step(caplog):
+    from dbo_compile.runtime.engine import run_step
+
+    torch.manual_seed(0)
+    model = SumsOverTokens()
+    x = torch.randn(16, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        compiled(x)
+        compiled(x)
+    assert caplog.text.count("DBO is off for this graph") == 1

@@ -100,6 +100,22 @@ def test_in_process_hit_and_a_config_change_misses(tmp_path):
     assert "lower" in other.compile_times and len(_entries(tmp_path)) == 2
 
 
+def test_an_entry_keeps_what_the_step_guards_need(tmp_path):
+    """An artifact read back carries the KV block sizes (the prefix-read veto), the output
+    specs (the model's structure at the real token count) and both programs' drain plans
+    (the step transaction) as compiled: without them a cached program would split a
+    shared-prefix step or hang its peers when a rank fails (issue 16's guards)."""
+    first = _compile(tmp_path)
+    torch._dynamo.reset()
+    again = _compile(tmp_path)
+    assert "cache_load" in again.compile_times
+    assert first.kv_block_sizes and again.kv_block_sizes == first.kv_block_sizes
+    assert first.output_specs and again.output_specs == first.output_specs
+    for plan in ("split_plan", "unsplit_plan"):
+        made, read = getattr(first, plan), getattr(again, plan)
+        assert made and read == made, plan
+
+
 def test_the_key_sees_the_bound_comm_backend(tmp_path, monkeypatch):
     """The key is taken after the bind pass: the same options that bind another backend (what
     ``comm_backend="auto"`` picks depends on the packages present) read no entry of the first."""

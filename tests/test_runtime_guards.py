@@ -119,6 +119,7 @@ def test_prefix_read_veto_keeps_the_step_unsplit():
     md = step.attn_metadata
     # request 0 reads (as cached prefix) a whole block that request 39 writes this step
     written_block = int(md.slot_mapping[39]) // 16
+    own_block = int(md.block_table[0, 0])
     md.block_table[0, 0] = written_block
     compiled = torch.compile(model, backend="dbo")
     with torch.no_grad():
@@ -126,7 +127,9 @@ def test_prefix_read_veto_keeps_the_step_unsplit():
                  block_size=16)
     art = last_artifact()
     assert art.stats.unsplit_steps == 1 and "prefix_read" in art.stats.last_decision
-    # an engine veto works the same way
+    # an engine veto works the same way (on a step the prefix-read veto, which now runs
+    # without block_size too, passes)
+    md.block_table[0, 0] = own_block
     with torch.no_grad():
         run_step(compiled, step.input_ids, step.positions, md, step.num_scheduled_tokens,
                  vetoes=[lambda m, n: "engine says no"])
@@ -256,3 +259,144 @@ def test_unsplittable_graph_still_votes_and_pads_with_uneven_ranks():
         assert all(kind == "UnsplitProgram" for _, kind, _ in done), done
         assert [d[2] for d in done] == [8, 8, 6], done
     assert [d[0] for d in results[0]] == [3, 8, 6] and [d[0] for d in results[1]] == [8, 5, 6]
+
+
+def _shared_prefix_step(cfg):
+    """Request 0 reads as cached prefix 2 whole blocks (32 of its 36 tokens) that request 1, a
+    fresh 32-token prompt, writes this step: split, the read (ubatch 0) could run before the
+    write (ubatch 1)."""
+    step = make_step(cfg, decode_context_lens=[], prefills=[(32, 4), (0, 32)], block_size=16,
+                     num_blocks=NUM_BLOCKS, seed=0)
+    step.attn_metadata.block_table[0, :2] = step.attn_metadata.block_table[1, :2]
+    return step
+
+
+@pytest.mark.parametrize("entry", ["run_step", "direct", "runner"])
+def test_prefix_read_veto_takes_the_block_size_from_the_kv_cache(entry):
+    """Without ``block_size`` the veto used not to run at all (run_step's default, the
+    README's direct call, CudaGraphRunner's default): the step split and the reader's rows
+    were wrong. The block size is dim 2 of the graph's KV cache."""
+    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.program import last_called
+
+    cfg, model = _model(layers=2)
+    step = _shared_prefix_step(cfg)
+    fill_kv_cache(model, step, seed=1)  # stale values in the shared blocks
+    eager, _ = eager_then_restore(model, step)
+    compiled = torch.compile(model, backend="dbo",
+                             options={"split": "always", "schedule_candidates": False})
+    ids, pos, md, q = step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens
+    saved = [c.clone() for c in model.kv_caches()]
+    with torch.no_grad():
+        if entry == "run_step":
+            out = run_step(compiled, ids, pos, md, q)
+        elif entry == "direct":
+            out = compiled(ids, pos, md)
+        else:
+            runner = CudaGraphRunner(compiled, buckets=[36], timing_iters=1, device="cpu",
+                                     max_blocks_per_req=md.block_table.shape[1])
+            runner.capture()
+            for c, s in zip(model.kv_caches(), saved):
+                c.copy_(s)
+            out = runner(ids, pos, md, q)
+    vote = last_called().last_vote
+    print(entry, vote.should_split, last_called().stats.last_decision[:90])
+    assert last_called().kv_block_sizes == (16,)
+    assert not vote.should_split and "prefix-read veto" in last_called().stats.last_decision
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+
+
+def test_block_size_that_disagrees_with_the_kv_cache_is_a_vote_error():
+    from dbo_compile import DpVoteError
+
+    cfg, model = _model()
+    step = _shared_prefix_step(cfg)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    with torch.no_grad(), pytest.raises(DpVoteError, match="block_size=32 passed.*block size 16"):
+        run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                 step.num_scheduled_tokens, block_size=32)
+
+
+def test_unknown_block_size_vetoes_steps_with_cached_prefixes_and_warns(monkeypatch, caplog):
+    """A graph reading the block table through an op whose block size is unknown: a step of
+    several requests with cached tokens runs unsplit (conservative) and a WARNING says what to
+    pass; a step of fresh prompts still splits."""
+    import dataclasses
+    import logging
+
+    from dbo_compile.ops import registry
+
+    op = torch.ops.dbo.attention.default
+    monkeypatch.setitem(registry._REGISTRY, op,
+                        dataclasses.replace(registry.op_info(op), kv_cache_arg=None))
+    cfg, model = _model()
+    step = _shared_prefix_step(cfg)
+    fresh = make_step(cfg, decode_context_lens=[], prefills=[(0, 20), (0, 20)], block_size=16,
+                      num_blocks=NUM_BLOCKS)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                 step.num_scheduled_tokens)
+        art = last_artifact()
+        assert art.kv_block_sizes == () and art.stats.unsplit_steps == 1
+        assert "without a KV block size" in art.stats.last_decision
+        run_step(compiled, fresh.input_ids, fresh.positions, fresh.attn_metadata,
+                 fresh.num_scheduled_tokens)
+        assert art.stats.split_steps == 1
+    assert caplog.text.count("needs the KV block size") == 1
+
+
+class _BreakingModel(DeepseekMoEModel):
+    """A graph break after every decoder layer (a print, a host read, an unsupported call)."""
+
+    def forward(self, input_ids, positions, attn_metadata):
+        import torch.nn.functional as F
+
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(x, positions, attn_metadata)
+            torch._dynamo.graph_break()
+        return F.linear(self.norm(x), self.lm_head).to(torch.float32)
+
+
+def test_graph_break_counts_steps_not_calls():
+    """The loop body after a break is one artifact called once per layer: one step of 4
+    layers counted split_steps=[4, 0]; steps count once per artifact, calls separately."""
+    from dbo_compile.backend import compiled_artifacts
+
+    cfg = get_config("tiny", num_layers=4)
+    model = _BreakingModel(cfg, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    step = make_step(cfg, decode_context_lens=[30] * 8, prefills=[(0, 24)], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    fill_kv_cache(model, step, seed=1)
+    eager, _ = eager_then_restore(model, step)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always",
+                                                            "schedule_candidates": False})
+    with torch.no_grad():
+        for _ in range(2):
+            out = run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                           step.num_scheduled_tokens)
+    stats = [a.stats for a in compiled_artifacts()]
+    print([(s.split_steps, s.unsplit_steps, s.calls) for s in stats])
+    assert all(s.split_steps + s.unsplit_steps == 2 for s in stats)
+    assert max(s.calls for s in stats) >= 6  # the layer graph ran 3-4 times per step
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+
+
+def test_runner_refuses_a_model_with_graph_breaks():
+    """Under run_step each graph of a broken model votes and runs on its own (above); a FULL
+    CUDA graph needs the whole step in one graph, so capture refuses it with the way out,
+    before capturing anything (not a replay that serves part of the step)."""
+    from dbo_compile.runtime.graphs import CudaGraphRunner, GraphRunnerError
+
+    cfg = get_config("tiny", num_layers=2)
+    model = _BreakingModel(cfg, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    compiled = torch.compile(model, backend="dbo", options={"schedule_candidates": False})
+    runner = CudaGraphRunner(compiled, buckets=[16], max_blocks_per_req=8, block_size=16,
+                             timing_iters=1, device="cpu")
+    with pytest.raises(GraphRunnerError, match=r"one step ran [3-9] compiled graphs.*remove "
+                                               r"the graph breaks"):
+        runner.capture()
+    assert not runner.graphs

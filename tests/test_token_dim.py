@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.lowering import classify_inputs, lower_to_aten
+from dbo_compile.models.deepseek import DeepseekMoEModel
 from dbo_compile.passes.token_dim import annotate_token_dims
 
 
@@ -112,3 +113,39 @@ def test_slice_scatter_off_the_token_dim_is_row_local_on_it_is_not():
     _annotate(off, X)
     with pytest.raises(UnsplittableGraphError):
         _annotate(on, X)
+
+
+class _LastTokenModel(DeepseekMoEModel):
+    def forward(self, input_ids, positions, attn_metadata):
+        logits = super().forward(input_ids, positions, attn_metadata)
+        return logits[(attn_metadata.query_start_loc[1:] - 1).long()]
+
+
+class _MirrorModel(DeepseekMoEModel):
+    def forward(self, input_ids, positions, attn_metadata):
+        logits = super().forward(input_ids, positions, attn_metadata)
+        return logits * (attn_metadata.seq_lens_cpu.max().to(logits.device) > 0)
+
+
+@pytest.mark.parametrize("cls, says, not_says", [
+    (_LastTokenModel, ["query_start_loc", "request dim", "through dbo ops"], ["token dim"]),
+    (_MirrorModel, ["host mirror seq_lens_cpu", "read the device field seq_lens"], ["buffer"]),
+])
+def test_reasons_name_the_request_dim_and_host_mirrors(cls, says, not_says):
+    """A slice of a request-indexed field was reported as "slice along the token dim", and a
+    host mirror read was told to "register it on the module (a buffer)"."""
+    from conftest import last_artifact
+    from dbo_compile.models.batch import make_step
+    from dbo_compile.models.deepseek import get_config
+
+    cfg = get_config("tiny", num_layers=1)
+    model = cls(cfg, seed=0)
+    step = make_step(cfg, decode_context_lens=[30] * 8, prefills=[(0, 8)], block_size=16,
+                     host_mirrors=True)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    with torch.no_grad():
+        compiled(step.input_ids, step.positions, step.attn_metadata)
+    reason = last_artifact().reason
+    print(reason)
+    assert reason and all(s in reason for s in says) and not any(s in reason for s in not_says)

@@ -37,6 +37,7 @@ is ever evicted.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -53,13 +54,15 @@ import torch.fx as fx
 import dbo_compile
 from dbo_compile.config import DboConfig
 from dbo_compile.lowering import graph_module, layer_of, source_name
+from dbo_compile.schedule import CommPlan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "cache_key", "dump_graph", "load_graph", "read_entry", "write_entry"]
+__all__ = ["FORMAT", "cache_key", "dump_graph", "dump_plan", "load_graph", "load_plan",
+           "read_entry", "write_entry"]
 
 #: bump when the entry layout changes (part of the key and checked in every entry)
-FORMAT = 2
+FORMAT = 3
 
 
 @functools.lru_cache(maxsize=1)
@@ -183,6 +186,20 @@ def _load_target(spec: tuple) -> Any:
         return getattr(torch.ops.higher_order, spec[1])
     module = importlib.import_module(spec[1]) if spec[1] != "builtins" else builtins
     return getattr(operator if spec[1] == "operator" else module, spec[2])
+
+
+def dump_plan(plan: CommPlan) -> Any:
+    """A program's :data:`~dbo_compile.schedule.CommPlan` as plain data (its ops by name)."""
+    if plan is None:
+        return None
+    return [dataclasses.replace(call, op=_dump_target(call.op)) for call in plan]
+
+
+def load_plan(data: Any) -> CommPlan:
+    """The :data:`~dbo_compile.schedule.CommPlan` :func:`dump_plan` stored."""
+    if data is None:
+        return None
+    return tuple(dataclasses.replace(call, op=_load_target(call.op)) for call in data)
 
 
 class _Target:

@@ -270,12 +270,19 @@ class MoE(nn.Module):
         rows -> ``[E_local, M, H]`` unweighted (:mod:`dbo_compile.ops.comm`)."""
         return torch.ops.dbo.grouped_experts(recv_x, recv_ids, recv_w, self.w13, self.w2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax gate and top-k: ``x [T, H]`` -> ``(topk_w [T, K] fp32, topk_ids [T, K]
+        int64)`` (global expert ids). Subclasses may observe the routing here (an EPLB-style
+        load counter)."""
         logits = F.linear(x, self.gate).to(torch.float32)  # [T, E]
         probs = torch.softmax(logits, dim=-1)
         topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        return topk_w, topk_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_w, topk_ids = self.route(x)
         # an emulated world names its backend instance (ops.emulated); else the op's own
         backend = {"backend": self.comm_backend} if self.comm_backend else {}
         recv_x, recv_ids, recv_w, handle = torch.ops.dbo.moe_dispatch(
@@ -358,10 +365,7 @@ class DeepseekMoEModel(nn.Module):
             self.ep_size = emulated_world_size
             backend = register_emulated(EmulatedWorld(emulated_world_size, config.num_experts,
                                                       config.top_k))
-        if config.num_experts % self.ep_size:
-            raise ModelConfigError(
-                f"num_experts={config.num_experts} is not divisible by the EP world size "
-                f"{self.ep_size}")
+        self.check_ep(config, self.ep_size)
         self.num_local_experts = config.num_experts // self.ep_size
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
@@ -376,6 +380,19 @@ class DeepseekMoEModel(nn.Module):
         self.seed = seed
         if torch.device(device).type != "meta":
             self.reset_parameters(seed)
+
+    @staticmethod
+    def check_ep(config: DeepseekConfig, ep_size: int) -> None:
+        """Check that ``config``'s experts shard over ``ep_size`` EP ranks (before any process
+        group exists: the example's argument parser calls it).
+
+        Raises:
+            ModelConfigError: ``ep_size < 1`` or ``num_experts % ep_size != 0``.
+        """
+        if ep_size < 1 or config.num_experts % ep_size:
+            raise ModelConfigError(
+                f"num_experts={config.num_experts} is not divisible by the EP world size "
+                f"{ep_size}")
 
     @property
     def local_expert_range(self) -> tuple[int, int]:

@@ -32,7 +32,13 @@ from dbo_compile.ops.comm import (
     register_comm_backend,
     register_lazy_comm_backend,
 )
-from dbo_compile.ops.registry import OpInfo, op_info, register_row_local, registered_ops
+from dbo_compile.ops.registry import (
+    OpInfo,
+    op_info,
+    register_paged_kv_op,
+    register_row_local,
+    registered_ops,
+)
 
 #: our comm ops and their kind (a view of the registry)
 COMM_KIND = {i.op: i.comm for i in registered_ops()
@@ -63,5 +69,6 @@ __all__ = [
     "op_info",
     "register_comm_backend",
     "register_lazy_comm_backend",
+    "register_paged_kv_op",
     "register_row_local",
 ]

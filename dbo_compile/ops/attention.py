@@ -509,4 +509,6 @@ register_op(OpInfo(
     token_args=((0, "q"), (1, "k"), (2, "v"), (4, "slot_mapping")),
     # row t reads the KV cache the other rows of its request wrote: the split orders every
     # ubatch's KV writes before the next ubatch's reads (docs/design.md, invariant 3)
-    row_local=True, flops=_attention_flops))
+    row_local=True, flops=_attention_flops,
+    # [2, num_blocks, block_size, Hkv, D]: the prefix-read veto's block size
+    kv_cache_arg=(3, "kv_cache", 2)))

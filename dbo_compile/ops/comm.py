@@ -73,6 +73,7 @@ receive, :func:`comm_receive`). The scheduler honours the declaration or refuses
 import dataclasses
 import functools
 import logging
+import threading
 from typing import Any, Callable
 
 import torch
@@ -81,7 +82,7 @@ import torch.fx as fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dbo_compile.errors import CommBackendError, CommOpError
+from dbo_compile.errors import CommBackendError, CommOpError, DboError
 from dbo_compile.ops._triton import import_triton
 from dbo_compile.ops.registry import (
     BackendRegistry,
@@ -99,9 +100,11 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "EXPERT_MAJOR",
+    "LEDGER",
     "RANK_MAJOR",
     "CommBackend",
     "CommBackendError",
+    "CommLedger",
     "CommOpError",
     "ResultPool",
     "available_comm_backends",
@@ -185,6 +188,11 @@ class ResultPool:
     ``None`` means no limit. A schedule that cannot honour the limits (e.g. joined experts that
     read three results at once with ``live=2``) is refused: the graph is compiled unsplit with
     the reason.
+
+    A backend raises a :class:`~dbo_compile.errors.DboError` (e.g. ``CommOpError``) only
+    before it posts its collective: a rank whose step fails then issues the collective again
+    with a null payload (its peers wait in it); any other exception means the transport
+    failed (:class:`CommLedger`).
 
     Attributes:
         name: the pool's name within the backend.
@@ -343,7 +351,7 @@ def clear_configured_comm_backends() -> None:
 def abort_pending_receives() -> None:
     """After a step that failed inside the split program: every backend receives what it
     issued and did not receive (``CommBackend.abort``), so that the next step starts with
-    nothing in flight. Called by the runtime (``runtime/program.py``)."""
+    nothing in flight. Called by the step transaction (``runtime/step_txn.py``)."""
     for backend in _REGISTRY.instances():
         if backend.abort is not None:
             try:
@@ -587,6 +595,45 @@ register_lazy_comm_backend("deep_ep", "dbo_compile.ops.deep_ep")
 
 
 # --------------------------------------------------------------------------------------------
+# The ledger of posted collectives (the step transaction's)
+# --------------------------------------------------------------------------------------------
+
+
+class CommLedger(threading.local):
+    """Per thread, while a step transaction holds it open
+    (:mod:`dbo_compile.runtime.step_txn`): how many collectives this rank's ops have posted in
+    the step, and whether one failed after it may have been posted (``broken``).
+
+    Backend contract (:class:`CommBackend`): a backend raises a
+    :class:`~dbo_compile.errors.DboError` (``CommOpError``) only *before* posting its
+    collective; any other exception from it counts as a transport failure, after which the
+    step's remaining collectives cannot be completed (``broken``). Counted on the host when the
+    op runs: under CUDA-graph capture once, at capture time (no transaction is open then)."""
+
+    active: bool = False
+    posted: int = 0
+    broken: bool = False
+
+
+LEDGER = CommLedger()
+
+
+class _posting:
+    """Counts one posted collective in :data:`LEDGER` when the backend call returns."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if LEDGER.active:
+            if exc is None:
+                LEDGER.posted += 1
+            elif not isinstance(exc, DboError):
+                LEDGER.broken = True
+        return False
+
+
+# --------------------------------------------------------------------------------------------
 # Custom ops
 # --------------------------------------------------------------------------------------------
 
@@ -632,7 +679,8 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
             (it serves :func:`moe_dispatch` only).
     """
     impl = _rank_major_backend(group_name, backend, "dbo.dispatch")
-    return impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
+    with _posting():
+        return impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
 
 
 def _rank_major_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name):
@@ -672,7 +720,8 @@ def combine(y: torch.Tensor, group_name: str, backend: str = "") -> torch.Tensor
             :func:`moe_combine` only.
     """
     impl = _rank_major_backend(group_name, backend, "dbo.combine")
-    return impl.combine(y, group_name)
+    with _posting():
+        return impl.combine(y, group_name)
 
 
 def _check_combine_args(y: torch.Tensor, world_size: int) -> None:
@@ -725,9 +774,12 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         CommBackendError: ``backend`` is unknown or cannot be loaded.
     """
     impl = get_comm_backend(backend_for_group(group_name, backend))
-    if impl.handle:
-        return impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name, defer_receive)
-    recv_x, recv_ids, recv_w = impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
+    with _posting():
+        if impl.handle:
+            return impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name,
+                                 defer_receive)
+        recv_x, recv_ids, recv_w = impl.dispatch(x, topk_ids, topk_weights, num_experts,
+                                                 group_name)
     return recv_x, recv_ids, recv_w, _empty_handle(x)
 
 
@@ -766,10 +818,11 @@ def moe_combine(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         CommBackendError: ``backend`` is unknown or cannot be loaded.
     """
     impl = get_comm_backend(backend_for_group(group_name, backend))
-    if impl.handle:
-        return impl.combine(y, topk_ids, topk_weights, recv_ids, recv_weights, handle,
-                            group_name, defer_receive)
-    return impl.combine(y, group_name)
+    with _posting():
+        if impl.handle:
+            return impl.combine(y, topk_ids, topk_weights, recv_ids, recv_weights, handle,
+                                group_name, defer_receive)
+        return impl.combine(y, group_name)
 
 
 @moe_combine.register_fake
@@ -809,15 +862,20 @@ def comm_receive(value: Any, backend: str) -> Any:
 
 register_op(OpInfo(torch.ops.dbo.dispatch.default, comm="dispatch",
                    token_args=((0, "x"), (1, "topk_ids"), (2, "topk_weights")), row_local=True,
-                   backend="comm"))
+                   backend="comm", group_arg=(4, "group_name"),
+                   # null call: no token routed anywhere (id -1, weight 0)
+                   null_fill=(0.0, -1, 0.0)))
 register_op(OpInfo(torch.ops.dbo.combine.default, comm="combine", row_local=True,
-                   backend="comm"))
+                   backend="comm", group_arg=(1, "group_name"), null_fill=(0.0,)))
 register_op(OpInfo(torch.ops.dbo.moe_dispatch.default, comm="dispatch",
                    token_args=((0, "x"), (1, "topk_ids"), (2, "topk_weights")), row_local=True,
-                   backend="comm"))
+                   backend="comm", group_arg=(4, "group_name"), null_fill=(0.0, -1, 0.0)))
+# a null moe_combine is valid for backends whose combine reads y alone (no dispatch handle:
+# the drain is built only for those, passes/pipeline.py)
 register_op(OpInfo(torch.ops.dbo.moe_combine.default, comm="combine",
                    token_args=((1, "topk_ids"), (2, "topk_weights")), row_local=True,
-                   backend="comm"))
+                   backend="comm", group_arg=(6, "group_name"),
+                   null_fill=(0.0, -1, 0.0, -1, 0.0, 0)))
 register_op(OpInfo(comm_receive, wait=True, receive=True, row_local=True))
 
 

@@ -10,7 +10,12 @@ The passes, the cost model and the runtime ask this table, never the op modules 
 - which ops are **row-local** along the token dim (row ``i`` of each output depends only on
   row ``i`` of the token-indexed inputs), so that a graph using them can be split;
 - which ops may be **joined** across the ubatches (:mod:`dbo_compile.passes.join_experts`);
-- the **cost formula** (FLOPs) of an op the cost model cannot derive from ATen rules.
+- the **cost formula** (FLOPs) of an op the cost model cannot derive from ATen rules;
+- for a comm op, which argument names its **process group** and the **null payload** a rank
+  sends when it must issue the collective without data (a rank whose step failed drains its
+  remaining collectives with it, :mod:`dbo_compile.runtime.step_txn`);
+- for an op reading a **paged KV cache**, which argument is the cache and which of its dims
+  the block size (the prefix-read veto takes the block size from there).
 
 Each ``dbo`` op module registers its record next to its ``torch.library.custom_op``
 (:mod:`dbo_compile.ops` imports them all); users declare their own row-local custom ops with
@@ -24,14 +29,18 @@ import importlib
 import operator
 from typing import Any, Callable, Generic, TypeVar
 
+import sympy
 import torch
 import torch.fx as fx
 
-__all__ = ["BackendRegistry", "OpInfo", "backend_spec", "bound_backend", "comm_kind",
-           "comm_nodes", "comm_wait", "import_optional", "is_c10d_wait", "is_getitem",
-           "is_receive", "is_wait", "joinable_ops", "op_arg", "op_has_arg", "op_info",
-           "parse_backend_spec", "register_op", "register_row_local", "registered_ops",
-           "set_op_arg"]
+from dbo_compile.schedule import COMM, CommCall, CommPlan, NullArg, Schedule
+
+__all__ = ["BackendRegistry", "OpInfo", "backend_spec", "bound_backend", "comm_call",
+           "comm_group_name", "comm_kind", "comm_nodes", "comm_plan", "comm_wait",
+           "import_optional", "is_c10d_wait", "is_getitem", "is_receive", "is_wait",
+           "joinable_ops", "kv_block_sizes", "op_arg", "op_has_arg", "op_info",
+           "parse_backend_spec", "register_op", "register_paged_kv_op", "register_row_local",
+           "registered_ops", "set_op_arg"]
 
 #: ``flops(node, size) -> float``: FLOPs of ``node`` with its symbolic sizes evaluated by
 #: ``size(sym_or_int) -> int`` (the cost model's reference token counts)
@@ -60,6 +69,13 @@ class OpInfo:
         backend: the registry the op's ``backend`` argument names (``"comm"``: comm backends,
             ``"experts"``: experts backends), which the compiler binds from the config
             (``DboConfig.comm_backend`` / ``experts_backend``); ``None``: no such argument.
+        group_arg: ``(position, name)`` of a comm op's process-group-name argument.
+        null_fill: for a comm op, the fill value of each tensor argument (in schema order) of
+            a *null* call: the same collective with a payload that routes and adds nothing
+            (``dbo.dispatch``: ``x = 0``, ``topk_ids = -1``, ``topk_weights = 0``). ``None``:
+            the op has no null call (a failed rank cannot drain it).
+        kv_cache_arg: ``(position, name, block_dim)`` of a paged KV cache argument: the
+            block size (tokens per block) is dim ``block_dim`` of its static shape.
     """
 
     op: Any
@@ -71,6 +87,9 @@ class OpInfo:
     joinable: bool = False
     flops: FlopsFormula | None = None
     backend: str | None = None
+    group_arg: tuple[int, str] | None = None
+    null_fill: tuple[float, ...] | None = None
+    kv_cache_arg: tuple[int, str, int] | None = None
 
 
 _REGISTRY: dict[Any, OpInfo] = {}
@@ -90,6 +109,17 @@ def register_row_local(op: Any) -> None:
         op = op.default
     old = _REGISTRY.get(op)
     register_op(dataclasses.replace(old, row_local=True) if old else OpInfo(op, row_local=True))
+
+
+def register_paged_kv_op(op: Any, cache_arg: tuple[int, str], block_dim: int) -> None:
+    """Declare that ``op`` (an ``OpOverload``) reads a paged KV cache at argument
+    ``cache_arg = (position, name)`` whose dim ``block_dim`` is the block size (tokens per
+    block), so that the prefix-read veto (:mod:`dbo_compile.runtime.vetoes`) knows the block
+    size of graphs using it (``dbo.attention`` is declared: ``kv_cache``, dim 2)."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    old = _REGISTRY.get(op) or OpInfo(op)
+    register_op(dataclasses.replace(old, kv_cache_arg=(cache_arg[0], cache_arg[1], block_dim)))
 
 
 def registered_ops() -> list[OpInfo]:
@@ -187,6 +217,95 @@ def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
+def comm_group_name(node: fx.Node) -> str | None:
+    """The process-group name a comm node's op runs over (a constant of the graph), or
+    ``None`` when the op declares no group argument or the argument is not a constant str."""
+    info = op_info(node.target) if node.op == "call_function" else None
+    if info is None or info.group_arg is None:
+        return None
+    name = op_arg(node, info.group_arg[1])
+    return name if isinstance(name, str) else None
+
+
+def kv_block_sizes(graph: fx.Graph) -> tuple[int, ...] | None:
+    """The KV block sizes of every paged-KV op of ``graph`` (declared ``kv_cache_arg``), sorted,
+    without duplicates; ``()`` when the graph has no such op; ``None`` when one's cache shape
+    is not static (the block size cannot be told)."""
+    sizes: set[int] = set()
+    for n in graph.nodes:
+        info = op_info(n.target) if n.op == "call_function" else None
+        if info is None or info.kv_cache_arg is None:
+            continue
+        _, name, dim = info.kv_cache_arg
+        cache = op_arg(n, name)
+        val = cache.meta.get("val", cache.meta.get("example_value")) if isinstance(cache, fx.Node) else None
+        size = val.shape[dim] if isinstance(val, torch.Tensor) and val.dim() > dim else None
+        if not isinstance(size, int):
+            return None
+        sizes.add(int(size))
+    return tuple(sorted(sizes))
+
+
+def comm_call(node: fx.Node, token_symbol: Any, ubatch: int | None, name: str
+              ) -> CommCall | None:
+    """The null call of the comm node ``node`` (:class:`~dbo_compile.schedule.CommCall`):
+    its tensor arguments as :class:`~dbo_compile.schedule.NullArg` (shapes linear in
+    ``token_symbol``, from ``meta["val"]`` or Dynamo's ``meta["example_value"]``; fills from
+    the op's ``null_fill``), the others as the constants they are. ``None`` when the op has
+    no null call, or an argument is a graph value other than a tensor, or a shape is not
+    linear in the token count."""
+    info = op_info(node.target) if node.op == "call_function" else None
+    if info is None or info.comm is None or info.null_fill is None:
+        return None
+    if any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+        return None  # keyword arguments must be constants (a bound backend's name)
+    fills = iter(info.null_fill)
+    args: list[Any] = []
+    for a in node.args:
+        if not isinstance(a, fx.Node):
+            args.append(a)
+            continue
+        val = a.meta.get("val", a.meta.get("example_value"))
+        fill = next(fills, None)
+        shape = [_linear_dim(d, token_symbol) for d in getattr(val, "shape", ())]
+        if not isinstance(val, torch.Tensor) or fill is None or None in shape:
+            return None
+        args.append(NullArg(tuple(shape), val.dtype, str(val.device), fill))
+    return CommCall(node.target, tuple(args), ubatch, name, tuple(sorted(node.kwargs.items())))
+
+
+def comm_plan(graph: fx.Graph, token_symbol: Any, schedule: Schedule | None = None) -> CommPlan:
+    """The collectives a program issues, in order, as null calls
+    (:data:`~dbo_compile.schedule.CommPlan`): the comm units of ``schedule`` in host order
+    (a split program), else the comm nodes of ``graph`` in graph order (an unsplit program).
+    ``None`` when one has no null call (:func:`comm_call`)."""
+    by_name = {n.name: n for n in graph.nodes}
+    if schedule is not None:  # the units that issue a collective (not a receive phase)
+        entries = [(by_name[u.nodes[0]], u.ubatch, u.name) for u in schedule.units
+                   if u.kind == COMM and comm_kind(by_name[u.nodes[0]]) is not None]
+    else:
+        entries = [(n, None, n.name) for n in comm_nodes(graph)]
+    calls = [comm_call(node, token_symbol, ubatch, name) for node, ubatch, name in entries]
+    return None if any(c is None for c in calls) else tuple(calls)
+
+
+def _linear_dim(d: Any, t: Any) -> tuple[int, int] | None:
+    """``(a, b)`` with ``d == a * t + b``, ``None`` if ``d`` is not linear in ``t`` alone."""
+    if isinstance(d, int):
+        return (0, d)
+    expr = sympy.expand(d.node.expr)
+    if t is None or expr.free_symbols - {t}:
+        return None
+    try:
+        poly = sympy.Poly(expr, t)
+    except sympy.PolynomialError:
+        return None
+    if poly.degree() > 1 or not all(c.is_integer for c in poly.all_coeffs()):
+        return None
+    a = int(poly.coeff_monomial(t))
+    return a, int(poly.coeff_monomial(1))
+
+
 def comm_nodes(graph: fx.Graph) -> list[fx.Node]:
     """Issuing comm nodes in graph order."""
     return [n for n in graph.nodes if comm_kind(n) is not None]
@@ -203,7 +322,8 @@ def comm_wait(value: Any) -> Any:
 
 
 register_op(OpInfo(comm_wait, wait=True, row_local=True))
-register_op(OpInfo(torch.ops._c10d_functional.all_to_all_single.default, comm="all_to_all"))
+register_op(OpInfo(torch.ops._c10d_functional.all_to_all_single.default, comm="all_to_all",
+                   group_arg=(3, "group_name")))
 register_op(OpInfo(torch.ops._c10d_functional.wait_tensor.default, wait=True))
 
 

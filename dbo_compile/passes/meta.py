@@ -12,6 +12,13 @@ Keys of ``node.meta["dbo"]`` (a dict):
 - ``comm``: ``"dispatch"`` / ``"combine"`` / ``"all_to_all"`` on communication nodes.
 - ``phase``: ``"issue"`` on a comm node, ``"wait"`` on the wait node that ends it.
 - ``comm_node``: on a wait node, the name of the issue node it waits for.
+- ``thread``: on a node of a state thread (:mod:`dbo_compile.passes.state_threads`) in the
+  split graph, ``(placeholder name, segment index)``; each ubatch's copy of a segment is its
+  own schedule unit.
+- ``state_write``: on the write back of a shared input's new value (``copy_``), the
+  placeholder's name; every reader of the old value is ordered before it.
+- ``field``: on a placeholder of the lowered graph, the ``AttentionMetadata`` field it is
+  (messages name it).
 - ``mutates``: names of the placeholders an in-place op writes (after re-inplacing), e.g. the KV
   cache written by ``dbo.attention``.
 - ``unit``: id of the schedule unit (stage or comm op) the node belongs to.

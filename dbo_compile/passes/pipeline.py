@@ -9,6 +9,8 @@ The ordered pass lists (names as in ``artifact.compile_times`` and in the number
                     reinplace      KV-cache writes back in place (passes/reinplace.py)
                     dead_code      drop what nothing uses
                     token_dim      token dim of every node; reject token-mixing graphs
+                    state_threads  in-place updates of shared inputs from the tokens, replayed
+                                   per ubatch (passes/state_threads.py); padding rows masked
                     find_comm      the comm ops (none: unsplittable, nothing to overlap)
     split graph     split_ubatch   one copy of the body per ubatch (passes/split_ubatch.py)
                     insert_yields  comm ops -> issue + wait (passes/insert_yields.py)
@@ -54,22 +56,38 @@ from dbo_compile.errors import (
     UnsplittableGraphError,
 )
 from dbo_compile.ops import emulated
-from dbo_compile.ops.comm import EXPERT_MAJOR, RANK_MAJOR, ep_world_size, get_comm_backend
+from dbo_compile.ops.comm import (
+    EXPERT_MAJOR,
+    RANK_MAJOR,
+    comm_backend_of,
+    ep_world_size,
+    get_comm_backend,
+)
 from dbo_compile.ops.experts import get_experts_backend
 from dbo_compile.ops.registry import (
     backend_spec,
     bound_backend,
     comm_kind,
     comm_nodes,
+    comm_plan,
+    kv_block_sizes,
     op_arg,
     op_info,
     set_op_arg,
 )
-from dbo_compile.passes import insert_yields, join_experts, reinplace, split_ubatch, stream_assign
+from dbo_compile.passes import (
+    insert_yields,
+    join_experts,
+    reinplace,
+    split_ubatch,
+    state_threads,
+    stream_assign,
+)
 from dbo_compile.passes import token_dim
+from dbo_compile.passes.meta import dbo_meta
 from dbo_compile.runtime.program import DboCompiledModule
 from dbo_compile.schedule import Schedule
-from dbo_compile.signature import InputSpec, SplitSignature
+from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +95,8 @@ log = logging.getLogger(__name__)
 _MOE_OPS = (torch.ops.dbo.moe_dispatch.default, torch.ops.dbo.moe_combine.default)
 
 __all__ = ["CompileState", "GraphPass", "PassRunner", "bind_passes", "compile_split",
-           "compile_unsplit", "lowered_passes", "resolve_device_defaults", "split_passes", "stage_compiler"]
+           "compile_unsplit", "drain_plan", "lowered_passes", "resolve_device_defaults",
+           "split_passes", "stage_compiler"]
 
 
 @dataclass
@@ -90,6 +109,13 @@ class CompileState:
         input_kinds: explicit input kinds for graphs not from Dynamo (``None``: from sources).
         specs: the input classification (``lower``).
         token_symbols: the symbols of the token and request dims (``lower``).
+        token_symbol: the symbol of the token dim (``lower``).
+        request_symbols: the symbols of the request dims (``lower``).
+        output_specs: what each graph output is (``token_dim``).
+        threads: the state threads (in-place updates of shared inputs from the tokens) and
+            token-free writes of shared inputs (``state_threads``).
+        float_guards: ``(input index, value)`` of the floats folded into the graph
+            (``lower``: :func:`~dbo_compile.lowering.fold_tensorified_floats`).
         comms: the issuing comm nodes of the lowered graph (``find_comm``).
         signature: how the split graph maps to the lowered one (``split_ubatch``).
         unit_graphs: per split graph (``id`` of its ``fx.Graph``), the units its schedule
@@ -101,6 +127,11 @@ class CompileState:
     input_kinds: Sequence[str] | None = None
     specs: list[InputSpec] = field(default_factory=list)
     token_symbols: frozenset = frozenset()
+    token_symbol: Any = None
+    request_symbols: frozenset = frozenset()
+    output_specs: tuple[OutputSpec, ...] = ()
+    threads: list = field(default_factory=list)
+    float_guards: tuple[tuple[int, float], ...] = ()
     comms: list[fx.Node] = field(default_factory=list)
     signature: SplitSignature | None = None
     unit_graphs: dict[int, stream_assign.UnitGraph] = field(default_factory=dict)
@@ -368,10 +399,23 @@ def bind_passes(config: DboConfig) -> list[GraphPass]:
 
 def _lower(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
     st.specs = lowering.classify_inputs(gm, st.example_inputs, st.input_kinds)
+    mirror = next((s for s in st.specs if s.kind == "host_mirror"), None)
+    if mirror is not None:
+        raise UnsplittableGraphError(
+            f"the model reads the host mirror {mirror.field}_cpu ({mirror.source}) of the "
+            "attention metadata: mirrors serve the runtime's host decisions and are not cut "
+            f"per ubatch; read the device field {mirror.field} instead")
     if not any(s.kind == "token" for s in st.specs):
         raise UnsplittableGraphError("the graph has no token-indexed tensor input")
+    gm, st.float_guards = lowering.fold_tensorified_floats(gm, st.example_inputs)
     lowered = lowering.lower_to_aten(gm, st.example_inputs, st.specs)
     st.token_symbols = lowered.token_symbols
+    st.token_symbol = lowered.token_symbol
+    st.request_symbols = lowered.request_symbols
+    placeholders = [n for n in lowered.gm.graph.nodes if n.op == "placeholder"]
+    for spec, node in zip(st.specs, placeholders):
+        if spec.field is not None:
+            dbo_meta(node)["field"] = spec.field
     return lowered.gm
 
 
@@ -384,8 +428,15 @@ def _dead_code(gm: fx.GraphModule, st: CompileState) -> None:
 
 
 def _token_dim(gm: fx.GraphModule, st: CompileState) -> None:
-    token_dim.annotate_token_dims(gm.graph, st.token_symbols)
-    token_dim.check_outputs(gm.graph)
+    token_dim.annotate_token_dims(gm.graph, st.token_symbols, st.request_symbols)
+    st.output_specs = token_dim.check_outputs(gm.graph, st.token_symbol)
+
+
+def _state_threads(gm: fx.GraphModule, st: CompileState) -> None:
+    st.threads = state_threads.find_state_threads(gm.graph, st.specs)
+    spec = state_threads.mask_padding_rows(gm.graph, st.threads, st.specs, st.token_symbol)
+    if spec is not None:
+        st.specs = [*st.specs, spec]
 
 
 def _find_comm(gm: fx.GraphModule, st: CompileState) -> None:
@@ -400,7 +451,8 @@ def _find_comm(gm: fx.GraphModule, st: CompileState) -> None:
 
 
 def _split_ubatch(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
-    split_gm, st.signature = split_ubatch.split_ubatch(gm, st.specs, st.config.num_ubatches)
+    split_gm, st.signature = split_ubatch.split_ubatch(gm, st.specs, st.config.num_ubatches,
+                                                       st.threads)
     return split_gm
 
 
@@ -412,7 +464,7 @@ def lowered_passes(config: DboConfig) -> list[GraphPass]:
     """The passes from Dynamo's graph to the lowered (unsplit) graph."""
     return [GraphPass("lower", _lower), GraphPass("reinplace", _reinplace),
             GraphPass("dead_code", _dead_code), GraphPass("token_dim", _token_dim, False),
-            GraphPass("find_comm", _find_comm, False)]
+            GraphPass("state_threads", _state_threads), GraphPass("find_comm", _find_comm, False)]
 
 
 def split_passes(config: DboConfig) -> list[GraphPass]:
@@ -476,7 +528,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     key = None
     if config.cache_dir:
         key = runner.time("cache_key", cache.cache_key, gm, example_inputs, config, input_kinds)
-        found = runner.time("cache_load", _from_cache, key, config, runner)
+        found = runner.time("cache_load", _from_cache, key, gm, config, runner)
         if found is not None:
             found.compile_times = dict(runner.times)
             return found
@@ -581,7 +633,15 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassRunner, 
              "(%.2f s)", config.num_ubatches, len(state.comms), len(schedule.units),
              len(schedule.event_edges), time.perf_counter() - t0)
     compiled = DboCompiledModule(unsplit, program, state.specs, state.signature, config,
-                                 candidates=candidate_programs, compile_times=runner.times)
+                                 candidates=candidate_programs, compile_times=runner.times,
+                                 kv_block_sizes=kv_block_sizes(lowered_gm.graph),
+                                 output_specs=state.output_specs,
+                                 split_plan=drain_plan(primary_gm.graph, state.token_symbol,
+                                                       schedule),
+                                 unsplit_plan=drain_plan(lowered_gm.graph, state.token_symbol),
+                                 float_guards=state.float_guards,
+                                 guard_fallback=compile_unsplit(gm, config)
+                                 if state.float_guards else None)
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
     compiled.program_alias = alias
@@ -645,11 +705,17 @@ def _to_cache(key: str, compiled: DboCompiledModule, programs: dict[str, SplitPr
     cache.write_entry(compiled.config.cache_dir, key, {
         "kind": "split", "specs": compiled.specs, "signature": compiled.signature,
         "lowered": lowered, "units": units, "programs": entries,
-        "alias": compiled.program_alias})
+        "alias": compiled.program_alias, "kv_block_sizes": compiled.kv_block_sizes,
+        "output_specs": compiled.output_specs,
+        "split_plan": cache.dump_plan(compiled.split_plan),
+        "unsplit_plan": cache.dump_plan(compiled.unsplit_plan),
+        "float_guards": compiled.float_guards})
 
 
-def _from_cache(key: str, config: DboConfig, runner: PassRunner) -> DboCompiledModule | None:
-    """The artifact of ``key``'s entry (``None``: no usable entry).
+def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRunner
+                ) -> DboCompiledModule | None:
+    """The artifact of ``key``'s entry (``None``: no usable entry); ``gm``: the bound Dynamo
+    graph (the float guards' fallback compiles it unsplit).
 
     Raises:
         UnsplittableGraphError: the entry says the graph is unsplittable (why, as compiled).
@@ -690,7 +756,14 @@ def _from_cache(key: str, config: DboConfig, runner: PassRunner) -> DboCompiledM
                                      payload["signature"], config,
                                      candidates=_with_carveouts(programs, payload["alias"],
                                                                 config),
-                                     compile_times=runner.times)
+                                     compile_times=runner.times,
+                                     kv_block_sizes=payload["kv_block_sizes"],
+                                     output_specs=payload["output_specs"],
+                                     split_plan=cache.load_plan(payload["split_plan"]),
+                                     unsplit_plan=cache.load_plan(payload["unsplit_plan"]),
+                                     float_guards=payload["float_guards"],
+                                     guard_fallback=compile_unsplit(gm, config)
+                                     if payload["float_guards"] else None)
         compiled.program_alias = payload["alias"]
     except Exception as e:  # noqa: BLE001 - an entry that does not rebuild is ignored
         cache.ignore(config.cache_dir, key, e)
@@ -710,6 +783,19 @@ def _carveout_sms(config: DboConfig) -> int | None:
     if config.comm_sms is not None:
         return config.comm_sms
     return config.emulate_comm_sms or None
+
+
+def drain_plan(graph: fx.Graph, token_symbol: Any, schedule: Schedule | None = None):
+    """The collectives a program issues, as null calls, for the step transaction
+    (:func:`~dbo_compile.ops.registry.comm_plan`; ``schedule``: the split program's host
+    order); ``None`` (not drainable: a failing rank raises at once) when a comm op's backend
+    has a dispatch handle or a receive phase (DeepEP: a null combine needs the handle of a
+    real dispatch), or an op has no null call."""
+    for node in comm_nodes(graph):
+        backend = comm_backend_of(node)
+        if backend is not None and (backend.handle or backend.receive is not None):
+            return None
+    return comm_plan(graph, token_symbol, schedule)
 
 
 def _unit_order(schedule: Schedule) -> tuple:
@@ -760,6 +846,8 @@ def _dump_graph(name: str, gm: fx.GraphModule) -> None:
         log.debug("dbo graph after %s:\n%s", name, gm.graph.python_code("self").src)
 
 
+#: dump dirs already warned about (one WARNING per unwritable directory and process)
+_DUMP_WARNED: set[str] = set()
 #: split graphs compiled in this process (numbers the dumps: a model with graph breaks has
 #: several, compiled in the same order on every rank)
 _SPLIT_GRAPHS = itertools.count()
@@ -778,12 +866,18 @@ def _dump_schedule(schedule: Schedule, code: str, config: DboConfig, graph_no: i
         pass
     if config.dump_dir:
         payload = schedule.to_json()
-        os.makedirs(config.dump_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0
         suffix = "" if candidate is None else "_" + re.sub(r"[^A-Za-z0-9_.]", "-", candidate)
         base = os.path.join(config.dump_dir,
                             f"schedule_rank{rank}_g{graph_no}_{config.fingerprint()}{suffix}")
-        with open(base + ".json", "w") as f:
-            f.write(payload)
-        with open(base + ".py", "w") as f:
-            f.write(code)
+        try:
+            os.makedirs(config.dump_dir, exist_ok=True)
+            with open(base + ".json", "w") as f:
+                f.write(payload)
+            with open(base + ".py", "w") as f:
+                f.write(code)
+        except OSError as e:  # a diagnostic never fails the compile
+            if config.dump_dir not in _DUMP_WARNED:
+                _DUMP_WARNED.add(config.dump_dir)
+                log.warning("dbo: dump_dir=%r cannot be written (%s: %s); schedules are not "
+                            "dumped", config.dump_dir, type(e).__name__, e)

@@ -15,7 +15,9 @@ Algorithm:
   2. Dependencies. Data edges between units (a wait node stands for its issue's unit), plus
      the edges FX cannot see: every access of ubatch ``u`` to an input that some op mutates in
      place (the KV cache) precedes ubatch ``u + 1``'s accesses (``docs/design.md``,
-     invariant 3).
+     invariant 3), and every reader of a state input's old value precedes its write back
+     (:mod:`~dbo_compile.passes.state_threads`; each ubatch's copy of a state-thread segment
+     and each write back is a unit of its own).
   3. List scheduling. Simulate the two in-order streams with the cost model; repeatedly issue
      the ready unit with the earliest possible start (ties: comm first, so the collective is
      launched before the compute it hides behind; then the longest path to the end of the
@@ -109,6 +111,10 @@ def _stage_keys(graph: fx.Graph) -> dict[fx.Node, tuple]:
         u = meta.get("ubatch")
         if meta.get("join") is not None:  # a joined call: its own stage, shared by all ubatches
             keys[n] = ("J", meta["join"])
+        elif meta.get("thread") is not None:  # one ubatch's copy of a state-thread segment
+            keys[n] = ("F", *meta["thread"], u)  # (it reads the previous ubatch's copy)
+        elif meta.get("state_write") is not None:  # the write back of a state thread
+            keys[n] = ("W", meta["state_write"])
         elif u is None:
             keys[n] = ("P",)
         else:
@@ -290,6 +296,16 @@ def unit_graph(graph: fx.Graph) -> UnitGraph:
         for a, b in zip(accesses, accesses[1:]):
             if (a, b) not in deps and a != b:
                 hidden.add((a, b))
+    # hidden deps: every reader of a state input's old value precedes its write back
+    for n in nodes:
+        target = by_name.get(dbo_meta(n).get("state_write") or "")
+        if target is None or n not in node_unit:
+            continue
+        for reader in target.users:
+            r = node_unit.get(reader)
+            if reader is not n and r is not None and r != node_unit[n] and \
+                    (r, node_unit[n]) not in deps:
+                hidden.add((r, node_unit[n]))
     deps |= hidden
     g = nx.DiGraph(sorted(deps))
     g.add_nodes_from(range(len(ordered)))

@@ -21,28 +21,41 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from dbo_compile.config import DboConfig
+from dbo_compile.errors import DboConfigError
 from dbo_compile.metadata import AttentionMetadata, HostCounts
-from dbo_compile.runtime.context import counting, note_call
-from dbo_compile.runtime.padding import WriteBack, pad_args, unpad
+from dbo_compile.runtime.context import counting, current_step_context, note_call, note_outputs
+from dbo_compile.runtime.padding import WriteBack, pad_args, restore_outputs
+from dbo_compile.runtime.step_txn import run_in_transaction, ubatch_token_counts
 from dbo_compile.runtime.vote import VoteResult
-from dbo_compile.signature import InputSpec, SplitSignature
+from dbo_compile.schedule import CommPlan
+from dbo_compile.signature import ROW_VALID_INPUT, InputSpec, OutputSpec, SplitSignature
 
-__all__ = ["CompiledArtifact", "StepDecision", "StepStats", "dp_group"]
+__all__ = ["CompiledArtifact", "StepDecision", "StepStats", "check_groups", "dp_group"]
 
 
 @dataclass
 class StepStats:
     """Counters tests and benchmarks read (``compiled.stats``): the steps served, not the
-    CUDA-graph runner's warm-up steps."""
+    CUDA-graph runner's warm-up steps. ``split_steps`` / ``unsplit_steps`` count steps (a
+    ``run_step`` call, or a direct call), ``calls`` every call."""
 
     split_steps: int = 0
     unsplit_steps: int = 0
     last_decision: str = ""
     reasons: dict[str, int] = field(default_factory=dict)
+    calls: int = 0
+    _last_step: int | None = field(default=None, repr=False)
 
-    def count(self, split: bool, reason: str) -> None:
+    def count(self, split: bool, reason: str, step_id: int | None = None) -> None:
+        """Count one step (``step_id``: the step context's; a graph run several times in one
+        step, after a graph break, counts one step and several ``calls``)."""
         if not counting():  # the CUDA-graph runner's warm-up steps
             return
+        self.calls += 1
+        if step_id is not None:
+            if step_id == self._last_step:
+                return
+            self._last_step = step_id
         if split:
             self.split_steps += 1
         else:
@@ -61,12 +74,15 @@ class StepDecision:
         reason: ``"split"``, or why the step does not split (for logs and ``stats``).
         qlens: tokens per request (host ints) of this rank's step.
         host: the metadata's host counts when the vote read them (the split reuses them).
+        fallback: run the artifact's ``guard_fallback`` (Dynamo's graph, unsplit) instead of
+            ``unsplit``: a value compiled into the programs changed.
     """
 
     vote: VoteResult | None
     reason: str
     qlens: list[int]
     host: HostCounts | None = None
+    fallback: bool = False
 
     @property
     def should_split(self) -> bool:
@@ -81,6 +97,56 @@ def dp_group(config: DboConfig) -> Any:
     if config.dp_group_name:
         return _resolve_process_group(config.dp_group_name)
     return dist.group.WORLD if dist.get_world_size() > 1 else None
+
+
+def _group_names() -> list[str]:
+    """The names of the process groups registered in this process (for messages)."""
+    try:
+        return sorted(str(n) for n in dist.distributed_c10d._world.pg_names.values())
+    except Exception:  # noqa: BLE001 - a private table; only a message depends on it
+        return []
+
+
+def check_groups(config: DboConfig, ep_group_names: Sequence[str]) -> None:
+    """Check at compile time the groups a step will use (deterministic: every rank checks
+    the same): ``dp_group_name`` names a registered group of an initialised
+    ``torch.distributed``, and every EP group the graph's comm ops run over lies inside the
+    DP vote's group (the step agreement on that group must reach every rank that can wait in
+    one of the step's collectives).
+
+    Raises:
+        DboConfigError: what was found, and the registered group names.
+    """
+    name = config.dp_group_name
+    if name is not None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise DboConfigError(
+                f"DboConfig.dp_group_name={name!r}: torch.distributed is not initialised; "
+                "initialise it before the first call, or leave dp_group_name None")
+        try:
+            _resolve_process_group(name)
+        except Exception as e:  # noqa: BLE001 - torch raises RuntimeError / KeyError / ValueError
+            raise DboConfigError(
+                f"DboConfig.dp_group_name={name!r} names no process group of this process "
+                f"({type(e).__name__}); registered: {_group_names()} (pass the group_name of "
+                "the CPU (Gloo) group that carries the DP vote)") from None
+    group = dp_group(config)
+    if group is None:
+        return
+    vote_ranks = set(dist.get_process_group_ranks(group))
+    for ep in sorted(set(ep_group_names)):
+        if not ep:
+            continue
+        try:
+            ranks = set(dist.get_process_group_ranks(_resolve_process_group(ep)))
+        except Exception:  # noqa: BLE001 - an unknown EP group fails in its op, with its message
+            continue
+        if not ranks <= vote_ranks:
+            raise DboConfigError(
+                f"EP group {ep!r} spans ranks {sorted(ranks - vote_ranks)} outside the DP vote's "
+                f"group (ranks {sorted(vote_ranks)}): a rank failing in a step could not tell "
+                "them, and they would wait in its collectives. Pass dp_group_name of a group "
+                "that contains every EP rank")
 
 
 class CompiledArtifact:
@@ -101,6 +167,12 @@ class CompiledArtifact:
         row_local: every output row depends only on the same input row, so padding rows
             cannot change the real rows' results (a split graph always is).
         compile_times: seconds per compile pass, in pipeline order (:mod:`dbo_compile.passes`).
+        output_specs: what each graph output is (:class:`~dbo_compile.signature.OutputSpec`;
+            ``None``: not classified), so that every entry returns outputs at the caller's
+            token count.
+        split_plan / unsplit_plan: the collectives the primary split program / the unsplit
+            program issue, in order (:data:`~dbo_compile.schedule.CommPlan`), which a rank
+            whose step failed issues with null payloads (:mod:`~.step_txn`).
         stats / last_vote / last_slices: what the steps did (the last step's vote and ubatch
             slices).
     """
@@ -109,8 +181,16 @@ class CompiledArtifact:
                  specs: list[InputSpec] | None, reason: str | None, row_local: bool,
                  split_program: Any = None, candidates: dict[str, Any] | None = None,
                  signature: SplitSignature | None = None,
-                 compile_times: dict[str, float] | None = None):
+                 compile_times: dict[str, float] | None = None,
+                 output_specs: Sequence[OutputSpec] | None = None,
+                 split_plan: CommPlan = None, unsplit_plan: CommPlan = None):
         self.unsplit = unsplit
+        self.output_specs = None if output_specs is None else tuple(output_specs)
+        self.split_plan = split_plan
+        self.unsplit_plan = unsplit_plan
+        #: Dynamo's graph, unsplit, for a step where a value compiled into the programs
+        #: changed (``DboCompiledModule.float_guards``)
+        self.guard_fallback: Callable[..., Any] | None = None
         self.config = config
         self.specs = specs
         self.reason = reason
@@ -126,6 +206,9 @@ class CompiledArtifact:
         #: graph-input index of each attention-metadata field the graph takes
         self.metadata_inputs: dict[str, int] = {s.field: s.index for s in specs or []
                                                 if s.field is not None}
+        #: graph-input index of the row-validity input the backend added (``None``: none)
+        self.row_valid_index = next((s.index for s in specs or []
+                                     if s.name == ROW_VALID_INPUT), None)
 
     @property
     def is_split(self) -> bool:
@@ -171,32 +254,77 @@ class CompiledArtifact:
         note_call(self)
         decision = self._decide(args, min_padded, metadata, host, pads_itself)
         self.last_vote = decision.vote
-        self.stats.count(decision.should_split, decision.reason)
+        self.stats.count(decision.should_split, decision.reason,
+                         current_step_context().step_id)
         return decision
 
     def run_decided(self, args: Sequence[Any], decision: StepDecision) -> Any:
         """Run the step as ``decision`` says: pad the token-indexed inputs to the agreed count,
-        run the split or the unsplit program, copy in-place writes back, drop the padding
-        rows of the token-indexed outputs."""
+        run the split or the unsplit program, copy in-place writes back, return the outputs
+        at this call's token count (:func:`~dbo_compile.runtime.padding.restore_outputs`).
+
+        With a vote over several ranks the run is a step transaction
+        (:mod:`~dbo_compile.runtime.step_txn`): a failure on any rank raises the same
+        ``UBatchExecutionError`` on every rank, never a hang.
+        """
         vote = decision.vote
         num_tokens = token_count(args, self.token_index)
-        if vote is None or (not self.is_split and vote.num_tokens_padded == num_tokens):
-            return self.unsplit(*args)  # an unsplit graph at its own size: nothing to pad
+        if vote is None:  # no collective across ranks: nothing to pad or agree on
+            return self._finish(self.unsplit(*args), num_tokens, num_tokens)
         padded = vote.num_tokens_padded
-        padded_args = pad_args(self.specs, args, num_tokens, padded)
-        write_back = WriteBack(args, padded_args, num_tokens)
-        if decision.should_split:
-            outs = self._run_split(padded_args, decision)
-        else:
-            outs = self.unsplit(*padded_args)
-        write_back()
-        token_out = self.token_outputs(len(outs))
-        return tuple(o if t is False else unpad(o, num_tokens, padded)
-                     for o, t in zip(outs, token_out))
+        split = decision.should_split
+        unsplit = self.unsplit
+        if decision.fallback:  # Dynamo's own graph: its inputs only
+            unsplit = lambda *a: self.guard_fallback(*a[:self.row_valid_index])  # noqa: E731
+
+        def run() -> tuple[Any, ...]:
+            if not split and padded == num_tokens:
+                return unsplit(*args)  # at its own size: nothing to pad
+            padded_args = pad_args(self.specs, args, num_tokens, padded)
+            write_back = WriteBack(args, padded_args, num_tokens)
+            outs = self._run_split(padded_args, decision) if split else unsplit(*padded_args)
+            write_back()
+            return outs
+
+        # step_agreement=False: an engine with its own failure protocol (a failing rank
+        # raises alone, as before; its peers wait in its collectives)
+        group = dp_group(self.config) if self.config.step_agreement else None
+        return self._finish(self._txn(run, split, padded, group), num_tokens, padded)
+
+    def _txn(self, run: Callable[[], Any], split: bool, padded: int, group: Any) -> Any:
+        plan = self.split_plan if split else self.unsplit_plan
+        counts = (ubatch_token_counts(padded, self.config.num_ubatches) if split else [padded])
+        what = "the split program" if split else "the unsplit program"
+        return run_in_transaction(run, plan=plan, token_counts=counts, group=group, what=what)
+
+    def _finish(self, outs: Any, num_tokens: int | None, padded: int | None) -> tuple[Any, ...]:
+        """The outputs at ``num_tokens`` (from a run at ``padded``), recorded for
+        :func:`~dbo_compile.runtime.engine.run_step` (:func:`~.context.note_outputs`)."""
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        if num_tokens is not None and padded is not None:
+            outs = restore_outputs(outs, self.output_specs, num_tokens, padded)
+        note_outputs(outs, self.output_specs)
+        return outs
 
     def __call__(self, *args: Any) -> Any:
+        args = self.graph_inputs(args)
         note_call(self, args)
         return self.run_decided(args, self.decide_step(args))
+
+    def graph_inputs(self, args: Sequence[Any], real_rows: int | None = None) -> tuple[Any, ...]:
+        """Dynamo's inputs and those the backend added: ``dbo_row_valid`` (bool ``[T]``,
+        ``True`` for the first ``real_rows`` rows; default every row, but ``run_step``'s
+        padding rows, which the step context names) when the graph's state threads must not
+        count padding rows (:mod:`dbo_compile.passes.state_threads`)."""
+        index = self.row_valid_index
+        if index is None or len(args) > index:
+            return tuple(args)
+        t = args[self.token_index]
+        n = int(t.shape[0])
+        if real_rows is None:
+            ctx = current_step_context()
+            real_rows = ctx.real_rows if ctx.real_rows is not None and ctx.padded_rows == n else n
+        return (*args, torch.arange(n, device=t.device) < real_rows)
 
     # -- what the two artifacts do differently ----------------------------------------------
     def _decide(self, args: Sequence[Any], min_padded: int, metadata: AttentionMetadata | None,

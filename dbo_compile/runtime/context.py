@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -30,24 +31,36 @@ class StepContext:
     Attributes:
         num_scheduled_tokens: tokens scheduled per request this step (host ints, request
             order); ``None``: read them from ``query_start_loc``.
-        block_size: KV-cache block size (tokens) for the prefix-read veto; ``None`` skips it.
+        block_size: KV-cache block size (tokens) for the prefix-read veto; ``None``: the block
+            size of the graph's KV caches (the veto runs on every step with metadata).
         vetoes: engine vetoes, ``(metadata, num_scheduled_tokens) -> reason | None``.
         allow_split: ``False`` vetoes the split on this rank outright.
+        step_id: a number unique to the step in this process (set by :func:`step_context`):
+            a graph called several times in one step (graph breaks) counts one step in its
+            ``stats``. ``None`` (a call outside any step context): every call is a step.
+        real_rows / padded_rows: ``run_step`` padded the step's ``real_rows`` token rows to
+            ``padded_rows`` (Dynamo specialises sizes 0 and 1): a graph called with
+            ``padded_rows`` rows then knows which are padding.
     """
 
     num_scheduled_tokens: Sequence[int] | None = None
     block_size: int | None = None
     vetoes: Sequence[Any] = field(default_factory=tuple)
     allow_split: bool = True
+    step_id: int | None = None
+    real_rows: int | None = None
+    padded_rows: int | None = None
 
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
     "dbo_step_context", default=None)
+_STEP_IDS = itertools.count()
 
 
 @contextlib.contextmanager
 def step_context(**facts: Any) -> Iterator[StepContext]:
     """Make ``StepContext(**facts)`` visible to compiled models called inside the block."""
+    facts.setdefault("step_id", next(_STEP_IDS))
     ctx = StepContext(**facts)
     token = _CURRENT.set(ctx)
     try:
@@ -67,12 +80,13 @@ class _PerThread(threading.local):
     """Per thread (a server may step several models from several threads): the artifact
     called last; while not None (inside :func:`record_calls`) the list every artifact call
     appends ``(artifact, args)`` to; whether calls count in the artifacts' stats; the depth of
-    :func:`traced_only` blocks."""
+    :func:`traced_only` blocks; the last call's outputs and their specs (:func:`note_outputs`)."""
 
     last_called: Any = None
     recorded: list | None = None
     counting: bool = True
     traced_only: int = 0
+    last_outputs: tuple | None = None
 
 
 _THREAD = _PerThread()
@@ -91,6 +105,18 @@ def note_call(artifact: Any, args: Sequence[Any] | None = None) -> None:
     _THREAD.last_called = artifact
     if args is not None and _THREAD.recorded is not None:
         _THREAD.recorded.append((artifact, tuple(args)))
+
+
+def note_outputs(outputs: tuple, specs: Any) -> None:
+    """Record the flat outputs an artifact call returned (and their ``OutputSpec`` tuple,
+    ``None``: unclassified): :func:`~dbo_compile.runtime.engine.run_step` and the CUDA-graph
+    runner find the model's outputs among them by identity."""
+    _THREAD.last_outputs = (outputs, specs)
+
+
+def last_outputs() -> tuple | None:
+    """``(flat outputs, specs)`` of this thread's last artifact call (:func:`note_outputs`)."""
+    return _THREAD.last_outputs
 
 
 def counting() -> bool:

@@ -77,18 +77,25 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from dbo_compile.errors import GraphRunnerError
+from dbo_compile.errors import GraphRunnerError, UBatchExecutionError
 from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata, HostCounts
 from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision
 from dbo_compile.runtime.capture import capture
-from dbo_compile.runtime.context import record_calls, step_context, traced_only, uncounted
+from dbo_compile.runtime.context import (
+    last_outputs,
+    record_calls,
+    step_context,
+    traced_only,
+    uncounted,
+)
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.runtime.padding import join_ubatch_outputs, pad_args
 from dbo_compile.runtime.vote import min_split_tokens, vote_device
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BucketGraphs", "CudaGraphRunner", "GraphRunnerError", "WARMUP_PARTS"]
+__all__ = ["BucketGraphs", "CudaGraphRunner", "GraphRunnerError", "OutputMap",
+           "WARMUP_PARTS"]
 
 #: the parts of a bucket's warm-up time (:attr:`BucketGraphs.warmup_s`), in order
 WARMUP_PARTS = ("record", "probe", "warmup_runs", "capture", "timing", "total")
@@ -123,6 +130,7 @@ class BucketGraphs:
             ``capture``, the captures themselves (CPU: the one eager run); ``timing``, the
             timed replays; ``total``, all of it (with the choice and bookkeeping).
         graph_s: per captured graph, its warm-up calls and capture (seconds).
+        out_map: how the model's return value is built from the graph's flat outputs.
     """
 
     tokens: int
@@ -137,6 +145,7 @@ class BucketGraphs:
     input_pos: dict[str, int] = field(default_factory=dict)
     warmup_s: dict[str, float] = field(default_factory=dict)
     graph_s: dict[str, float] = field(default_factory=dict)
+    out_map: OutputMap | None = None
 
     @property
     def use_split(self) -> bool:
@@ -152,6 +161,69 @@ class BucketGraphs:
         """The fastest split candidate's time (µs), ``None`` when none was timed."""
         split = [t for k, t in self.times_us.items() if k != "unsplit"]
         return min(split) if split else None
+
+
+@dataclass(frozen=True)
+class OutputMap:
+    """The model's return value in terms of the graph's flat outputs, recorded at warm-up:
+    a replay returns the eager structure (tuples, lists, dicts, nesting), not the flat tuple.
+
+    Attributes:
+        tree: the pytree spec of the model's return value.
+        leaves: per leaf ``("out", i)`` (flat graph output ``i``), ``("size", i)`` (graph
+            output ``i``, an int evaluated at the step's token count) or ``("const", value)``.
+    """
+
+    tree: Any
+    leaves: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, ret: Any, tokens: int) -> OutputMap:
+        """Map ``ret`` (what ``run_step`` returned for a synthetic step of ``tokens`` rows) to
+        the flat outputs of the artifact call that made it (:func:`~.context.last_outputs`).
+
+        Raises:
+            GraphRunnerError: a tensor of ``ret`` is no graph output (an input returned
+                as it is, or a tensor made outside the compiled graph): a replay could not
+                refresh it.
+        """
+        record = last_outputs()
+        flat, specs = record if record is not None else ((), None)
+        specs = specs if specs is not None and len(specs) == len(flat) else [None] * len(flat)
+        index = {id(o): i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)}
+        sizes = [i for i, spec in enumerate(specs) if spec is not None and spec.kind == "size"]
+        paths, tree = pytree.tree_flatten_with_path(ret)
+        leaves: list[tuple[str, Any]] = []
+        for path, leaf in paths:
+            if isinstance(leaf, torch.Tensor):
+                if id(leaf) not in index:
+                    raise GraphRunnerError(
+                        f"the model's output {pytree.keystr(path) or '(the return value)'} is "
+                        "no output of the compiled graph (an input returned as it is, or a "
+                        "tensor made outside the graph): a replayed CUDA graph cannot refresh "
+                        "it; compute it inside the model")
+                leaves.append(("out", index[id(leaf)]))
+            elif isinstance(leaf, int) and not isinstance(leaf, bool) and any(
+                    specs[i].size(tokens) == leaf for i in sizes):
+                leaves.append(("size", next(i for i in sizes if specs[i].size(tokens) == leaf)))
+            else:
+                leaves.append(("const", leaf))
+        return cls(tree, tuple(leaves))
+
+    def build(self, static: Sequence[Any], specs: Sequence[Any] | None, n: int,
+              rows: int) -> Any:
+        """The return value of a replay: static outputs cut to the ``n`` real tokens (of the
+        bucket's ``rows``), sizes at ``n``."""
+        specs = specs if specs is not None and len(specs) == len(static) else [None] * len(static)
+        values = []
+        for kind, v in self.leaves:
+            if kind == "out":
+                values.append(_real_rows(static[v], n, rows, specs[v]))
+            elif kind == "size":
+                values.append(specs[v].size(n))
+            else:
+                values.append(v)
+        return pytree.tree_unflatten(values, self.tree)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -179,7 +251,8 @@ class CudaGraphRunner:
             ``compiled(input_ids, positions, attn_metadata, **model_kwargs)``.
         buckets: padded token counts to capture (tokens per rank; each ``>= 2``).
         max_blocks_per_req: block-table width (KV blocks per request) of the static buffers.
-        block_size: KV-cache block size (tokens), passed to the prefix-read veto.
+        block_size: KV-cache block size (tokens), passed to the prefix-read veto; default the
+            block size of the compiled graph's KV caches.
         timing_iters: replays per graph and timing round at warm-up (3 rounds).
         vocab_size: when given, the synthetic warm-up steps carry random token ids below it
             (seeded, the same on every rank), so that MoE routing, and hence the timings the
@@ -248,7 +321,7 @@ class CudaGraphRunner:
             num_computed_tokens=torch.zeros(len(qlens), **i32),
             block_table=torch.zeros(len(qlens), self.max_blocks_per_req, **i32),
             slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
-            max_query_len=max(qlens), max_seq_len=max(qlens))
+            max_query_len=max(qlens, default=0), max_seq_len=max(qlens, default=0))
         if self.vocab_size:
             gen = torch.Generator().manual_seed(tokens)
             ids = torch.randint(0, self.vocab_size, (tokens,), generator=gen).to(dev)
@@ -256,13 +329,14 @@ class CudaGraphRunner:
             ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
         return ids, torch.zeros(tokens, dtype=torch.int64, device=dev), md, qlens
 
-    def _record(self, tokens: int, prefill: bool) -> tuple[Any, list[Any], dict[str, int]]:
-        """Run one synthetic step through the compiled model; its artifact, graph args and
-        the positions of the step's inputs among them."""
+    def _record(self, tokens: int, prefill: bool
+                ) -> tuple[Any, list[Any], dict[str, int], OutputMap]:
+        """Run one synthetic step through the compiled model; its artifact, graph args, the
+        positions of the step's inputs among them, and where the model's outputs come from."""
         ids, pos, md, qlens = self._dummy_step(tokens, prefill)
         with torch.no_grad(), record_calls() as calls, uncounted():
-            run_step(self.compiled, ids, pos, md, qlens, block_size=self.block_size,
-                     **self.model_kwargs)
+            ret = run_step(self.compiled, ids, pos, md, qlens, block_size=self.block_size,
+                           **self.model_kwargs)
         if len(calls) != 1:
             raise GraphRunnerError(
                 f"one step ran {len(calls)} compiled graphs (graph breaks, or not compiled "
@@ -272,7 +346,7 @@ class CudaGraphRunner:
         if not isinstance(art, CompiledArtifact) or art.specs is None:
             raise GraphRunnerError(f"the compiled graph ({type(art).__name__}) has no input "
                                    "classification; compile with backend='dbo'")
-        return art, list(args), self._map_inputs(args, ids, pos, md)
+        return art, list(args), self._map_inputs(args, ids, pos, md), OutputMap.of(ret, tokens)
 
     def capture(self) -> dict[int, BucketGraphs]:
         """Capture and time every bucket (largest first). Call on every rank of the job, in
@@ -293,13 +367,13 @@ class CudaGraphRunner:
         self._copy_plans.clear()
         for tokens in sorted(self.buckets, reverse=True):
             t0 = time.perf_counter()
-            art, args, input_pos = self._record(tokens, prefill=False)
+            art, args, input_pos, out_map = self._record(tokens, prefill=False)
             t1 = time.perf_counter()
             if tokens >= 4:
                 # only which graph Dynamo picks matters: Inductor stages run their traced
                 # ATen ops for the probe's signatures, which no captured graph replays
                 with traced_only():
-                    other, _, _ = self._record(tokens, prefill=True)
+                    other, _, _, _ = self._record(tokens, prefill=True)
                 if other is not art:
                     raise GraphRunnerError(
                         f"bucket {tokens}: a prefill-shaped step ran another compiled graph than "
@@ -307,7 +381,7 @@ class CudaGraphRunner:
                         "max_query_len or the request count); a replayed CUDA graph would "
                         "ignore that. Keep layout-dependent host values out of the model")
             self._check_artifact(art, tokens)
-            bucket = BucketGraphs(tokens, art, args, input_pos=input_pos)
+            bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map)
             bucket.warmup_s.update(record=t1 - t0, probe=time.perf_counter() - t1)
             with torch.no_grad():
                 self._capture_bucket(bucket, cuda)
@@ -377,7 +451,7 @@ class CudaGraphRunner:
         if art.is_split and not never:
             b.split_args = art.split_args(b.args, [1] * b.tokens)
             for name, program in art.candidates.items():
-                self._graph(b, name, _split_fn(program, b.split_args, art.signature.outputs), cuda)
+                self._graph(b, name, _split_fn(program, b.split_args, art, b.tokens), cuda)
         t0 = time.perf_counter()
         b.times_us = self._time(b, _timed(b, art.config.split))
         b.warmup_s["timing"] = time.perf_counter() - t0
@@ -483,6 +557,11 @@ class CudaGraphRunner:
         Raises:
             GraphRunnerError: called before :meth:`capture`.
             DpVoteError: as the compiled model's vote (also for bad metadata or host mirrors).
+            UBatchExecutionError: this rank's step failed between the vote and the replay
+                (copying it into the static buffers): the graph is replayed with padding rows
+                only, so that the peers, who replay the same graph, finish theirs with valid
+                outputs; only this rank raises. A step that runs eagerly (fits no bucket) is
+                a step transaction as ``run_step``'s.
         """
         if not self.graphs:
             raise GraphRunnerError("CudaGraphRunner: call capture() (warm-up) before serving steps")
@@ -518,13 +597,26 @@ class CudaGraphRunner:
         self.last_choice = (tokens, "split" if split else "unsplit")
         name = b.choice if split else "unsplit"
         self.last_graph = name
-        self._load(tokens, input_ids, positions, attn_metadata, decision.qlens, split,
-                   decision.host, validated=True)
+        try:
+            self._load(tokens, input_ids, positions, attn_metadata, decision.qlens, split,
+                       decision.host, validated=True)
+        except Exception as e:  # noqa: BLE001 - the peers replay this graph: replay it too
+            self._replay_padding(b, name, split)
+            raise UBatchExecutionError(
+                f"this rank's step failed before its graph replay ({type(e).__name__}: {e}); "
+                "the graph was replayed with padding rows only (they write nothing), so that "
+                "the other ranks' collectives completed and their outputs are valid; this "
+                "rank's step is aborted, the next step runs normally") from e
         b.graphs[name].replay()
-        static = b.outs[name]
-        outs = tuple(_real_rows(o, n, tokens, token_out)
-                     for o, token_out in zip(static, b.artifact.token_outputs(len(static))))
-        return outs[0] if len(outs) == 1 else outs
+        return b.out_map.build(b.outs[name], b.artifact.output_specs, n, tokens)
+
+    def _replay_padding(self, b: BucketGraphs, name: str, split: bool) -> None:
+        """Replay graph ``name`` of ``b`` on a step of zero tokens (every row padding: slot -1,
+        zero-length requests): this rank takes part in the graph's collectives without data,
+        as its peers, who replay the same graph, expect (a replay cannot stop halfway)."""
+        ids, pos, md, qlens = self._dummy_step(0)
+        self._load(b.tokens, ids, pos, md, qlens, split, None, validated=False)
+        b.graphs[name].replay()
 
     def load_step(self, tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
                   attn_metadata: AttentionMetadata, num_scheduled_tokens: Sequence[int], *,
@@ -594,6 +686,9 @@ class CudaGraphRunner:
         named = {"input_ids": ids, "positions": pos, **md.tensors()}
         for name, i in b.input_pos.items():
             args[i] = named[name]
+        valid = b.artifact.row_valid_index
+        if valid is not None:  # every row of the step is real; the bucket's padding is not
+            args[valid] = torch.ones(int(ids.shape[0]), dtype=torch.bool, device=ids.device)
         return args
 
     def _eager(self, reason: str, ids, pos, md, ctx) -> Any:
@@ -623,9 +718,11 @@ def _timed(b: BucketGraphs, mode: str) -> list[str]:
     return names if len(names) > 1 else []
 
 
-def _split_fn(program: Any, split_args: list[Any], outputs: Sequence[Sequence[int]]):
-    """The split program over static per-ubatch inputs; outputs concatenated in ubatch order."""
-    return lambda: join_ubatch_outputs(program(*split_args), outputs)
+def _split_fn(program: Any, split_args: list[Any], art: CompiledArtifact, tokens: int):
+    """The split program over static per-ubatch inputs; outputs concatenated in ubatch order
+    (sizes at the bucket's ``tokens``)."""
+    outputs, specs = art.signature.outputs, art.output_specs
+    return lambda: join_ubatch_outputs(program(*split_args), outputs, specs, tokens)
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
@@ -639,10 +736,14 @@ def _max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _real_rows(out: Any, n: int, rows: int, token_out: bool | None) -> Any:
-    """The real rows of a token-indexed output (by the split signature; for an unsplit
-    artifact, any output whose dim 0 is the bucket's row count)."""
-    if token_out is False or not isinstance(out, torch.Tensor) or not out.dim():
+def _real_rows(out: Any, n: int, rows: int, spec: Any) -> Any:
+    """The real rows of a token-indexed output (``spec``: its ``OutputSpec``; unclassified:
+    any output whose dim 0 is the bucket's row count)."""
+    if not isinstance(out, torch.Tensor) or not out.dim():
+        return out
+    if spec is not None and spec.kind == "token":
+        return out[: spec.coef * n]
+    if spec is not None and spec.kind != "unknown":
         return out
     return out[:n] if out.shape[0] == rows else out
 

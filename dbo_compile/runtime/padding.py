@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import torch
 
-from dbo_compile.signature import InputSpec
+from dbo_compile.signature import InputSpec, OutputSpec
 
-__all__ = ["WriteBack", "join_ubatch_outputs", "pad_args", "unpad"]
+__all__ = ["WriteBack", "join_ubatch_outputs", "pad_args", "restore_outputs", "unpad"]
 
 
 def pad_args(specs: Sequence[InputSpec], args: Sequence[Any], num_tokens: int,
@@ -64,9 +64,40 @@ def unpad(out: Any, num_tokens: int, padded: int) -> Any:
     return out
 
 
-def join_ubatch_outputs(outs: Sequence[Any], outputs: Sequence[Sequence[int]]) -> tuple[Any, ...]:
+def restore_outputs(outs: Sequence[Any], specs: Sequence[OutputSpec] | None, num_tokens: int,
+                    padded: int) -> tuple[Any, ...]:
+    """The graph's outputs at the caller's ``num_tokens`` from a run at ``padded`` tokens:
+    token outputs cut to their ``coef * num_tokens`` real rows, size outputs evaluated at
+    ``num_tokens``, others as they are (``specs`` ``None`` or an ``"unknown"`` output: rows
+    past ``num_tokens`` of a tensor of ``padded`` rows are dropped)."""
+    if specs is None or len(specs) != len(outs):
+        return tuple(unpad(o, num_tokens, padded) for o in outs)
+    out = []
+    for o, spec in zip(outs, specs):
+        if spec.kind == "token" and isinstance(o, torch.Tensor) and padded != num_tokens:
+            o = o[: spec.coef * num_tokens]
+        elif spec.kind == "size":
+            o = spec.size(num_tokens)
+        elif spec.kind == "unknown":
+            o = unpad(o, num_tokens, padded)
+        out.append(o)
+    return tuple(out)
+
+
+def join_ubatch_outputs(outs: Sequence[Any], outputs: Sequence[Sequence[int]],
+                        specs: Sequence[OutputSpec] | None = None,
+                        num_tokens: int | None = None) -> tuple[Any, ...]:
     """The graph's outputs from the split program's: a token-indexed output (several split
-    outputs, one per ubatch) is concatenated along the token dim in ubatch order; any other is
-    taken as it is. ``outputs`` is ``SplitSignature.outputs``."""
-    return tuple(outs[idx[0]] if len(idx) == 1 else torch.cat([outs[i] for i in idx], dim=0)
-                 for idx in outputs)
+    outputs, one per ubatch) is concatenated along the token dim in ubatch order; a size output
+    (one int per ubatch) is evaluated at the step's ``num_tokens`` (with ``specs``); any other
+    is taken as it is. ``outputs`` is ``SplitSignature.outputs``."""
+    joined = []
+    for i, idx in enumerate(outputs):
+        spec = specs[i] if specs is not None and i < len(specs) else None
+        if spec is not None and spec.kind == "size" and num_tokens is not None:
+            joined.append(spec.size(num_tokens))
+        elif len(idx) == 1:
+            joined.append(outs[idx[0]])
+        else:
+            joined.append(torch.cat([outs[j] for j in idx], dim=0))
+    return tuple(joined)

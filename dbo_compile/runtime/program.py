@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dbo_compile.config import DboConfig
-from dbo_compile.errors import MetadataError, UBatchExecutionError
+from dbo_compile.errors import MetadataError
 from dbo_compile.metadata import (
     AttentionMetadata,
     HostCounts,
@@ -24,14 +24,20 @@ from dbo_compile.metadata import (
     int_list,
     query_lens_from,
 )
-from dbo_compile.ops.comm import abort_pending_receives
 from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision, StepStats, dp_group
-from dbo_compile.runtime.context import current_step_context, last_called, record_calls, uncounted
+from dbo_compile.runtime.context import (
+    counting,
+    current_step_context,
+    last_called,
+    record_calls,
+    uncounted,
+)
 from dbo_compile.runtime.padding import join_ubatch_outputs
 from dbo_compile.runtime.ubatch import cut_step, make_ubatch_slices
 from dbo_compile.runtime.vetoes import check_vetoes
 from dbo_compile.runtime.vote import coordinate_across_dp
-from dbo_compile.signature import InputSpec, SplitSignature
+from dbo_compile.schedule import CommPlan
+from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +62,32 @@ class UnsplitProgram(CompiledArtifact):
         row_local: every output row depends only on the same input row (checked by the
             token-dim analysis), so padding rows cannot change the real rows' results.
         compile_times: seconds per compile pass run before the graph was found unsplittable.
+        output_specs: what each output is (``None``: not classified).
+        unsplit_plan: the collectives ``fn`` issues, in order (``None``: not drainable).
     """
 
     def __init__(self, fn: Callable[..., Any], reason: str, config: DboConfig | None = None,
                  specs: list[InputSpec] | None = None, has_comm: bool = False,
                  fixed_num_tokens: bool = True, row_local: bool = False,
-                 compile_times: dict[str, float] | None = None):
+                 compile_times: dict[str, float] | None = None,
+                 output_specs: Sequence[OutputSpec] | None = None,
+                 unsplit_plan: CommPlan = None):
         super().__init__(unsplit=fn, config=config or DboConfig(), specs=specs, reason=reason,
-                         row_local=row_local, compile_times=compile_times)
+                         row_local=row_local, compile_times=compile_times,
+                         output_specs=output_specs, unsplit_plan=unsplit_plan)
         self.has_comm = has_comm
         self.fixed_num_tokens = fixed_num_tokens
+        self._warned = False
 
     def _decide(self, args: Sequence[Any], min_padded: int, metadata: AttentionMetadata | None,
                 host: HostCounts | None, pads_itself: bool) -> StepDecision:
         """This rank's part of the DP vote (always "no split"); no vote when the graph issues
         no collective, has no token input or runs without a group. ``pads_itself``: the
         caller pads to its own buckets, so the artifact's fixed token count does not apply."""
+        if not self._warned and self.has_comm and counting():
+            # said at compile time too, but a server's log is read by its steps
+            self._warned = True
+            log.warning("dbo: DBO is off for this graph, its steps run unsplit: %s", self.reason)
         group = dp_group(self.config)
         n = None if self.token_index is None else int(args[self.token_index].shape[0])
         if not self.has_comm or n is None or group is None:
@@ -104,6 +120,17 @@ class DboCompiledModule(CompiledArtifact):
             runs the primary; :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` picks one
             per bucket by measurement.
         compile_times: seconds per compile pass (:mod:`dbo_compile.passes.pipeline`).
+        kv_block_sizes: the KV block sizes of the graph's paged-KV ops
+            (:func:`~dbo_compile.ops.registry.kv_block_sizes`), which the prefix-read veto
+            uses when the caller passes no ``block_size``.
+        output_specs: what each graph output is.
+        split_plan / unsplit_plan: the collectives of ``split_program`` / ``unsplit`` in
+            issue order (:mod:`~dbo_compile.runtime.step_txn`).
+        float_guards: ``(input index, value)`` of the floats folded into the programs
+            (``torch.compile(dynamic=True)`` passes float attributes as 0-dim tensors, on
+            whose value Dynamo does not guard): each call compares them (host reads of CPU
+            tensors); a step where one changed runs ``guard_fallback`` (Dynamo's graph,
+            unsplit), with a WARNING the first time.
 
     Attributes:
         fingerprint: the primary schedule's
@@ -111,19 +138,36 @@ class DboCompiledModule(CompiledArtifact):
             which the DP vote compares across ranks.
 
     Raises (per call):
-        DpVoteError: the DP ranks compiled different schedules or configs.
-        UBatchExecutionError: an op of the split program raised; the next step runs normally.
+        DpVoteError: the DP ranks compiled different schedules or configs, or one rank's
+            step failed its checks before the vote (on every rank).
+        UBatchExecutionError: an op of the program raised on some rank (on every rank: the
+            step transaction, :mod:`~dbo_compile.runtime.step_txn`); the next step runs
+            normally.
     """
 
     def __init__(self, unsplit: Callable[..., Any], split_program: Any, specs: list[InputSpec],
                  signature: SplitSignature, config: DboConfig,
                  candidates: dict[str, Any] | None = None,
-                 compile_times: dict[str, float] | None = None):
+                 compile_times: dict[str, float] | None = None,
+                 kv_block_sizes: tuple[int, ...] | None = (),
+                 output_specs: Sequence[OutputSpec] | None = None,
+                 split_plan: CommPlan = None, unsplit_plan: CommPlan = None,
+                 float_guards: Sequence[tuple[int, float]] = (),
+                 guard_fallback: Callable[..., Any] | None = None):
         super().__init__(unsplit=unsplit, config=config, specs=specs, reason=None,
                          row_local=True, split_program=split_program,
                          candidates=candidates or {config.scheduler: split_program},
-                         signature=signature, compile_times=compile_times)
+                         signature=signature, compile_times=compile_times,
+                         output_specs=output_specs, split_plan=split_plan,
+                         unsplit_plan=unsplit_plan)
         self.fingerprint = split_program.schedule.fingerprint()
+        #: the KV block sizes of the graph's paged-KV ops (``()``: none; ``None``: not static),
+        #: which the prefix-read veto uses (set by the pipeline)
+        self.kv_block_sizes = kv_block_sizes
+        self._warned_block_size = False
+        self.float_guards = tuple(float_guards)
+        self.guard_fallback = guard_fallback
+        self._warned_guard = False
 
     @property
     def code(self) -> str:
@@ -134,16 +178,58 @@ class DboCompiledModule(CompiledArtifact):
         return self.split_program.schedule
 
     # -- the guard --------------------------------------------------------------------------
-    @staticmethod
-    def _veto(md: AttentionMetadata | None, qlens: list[int],
+    def _veto(self, md: AttentionMetadata | None, qlens: list[int],
               host: HostCounts | None) -> str | None:
-        """The step's veto (``qlens``: the metadata's query lens, Python ints)."""
+        """The step's veto (``qlens``: the metadata's query lens, Python ints). The
+        prefix-read veto runs on every step with metadata, with the KV block size of the
+        graph's caches (``kv_block_sizes``), or the caller's, which must agree with them.
+
+        Raises:
+            MetadataError: the caller's ``block_size`` is not the KV cache's.
+        """
         ctx = current_step_context()
         if not ctx.allow_split:
             return "engine: allow_split=False"
-        if md is None or (ctx.block_size is None and not ctx.vetoes):
+        if md is None:
             return None
-        return check_vetoes(md, qlens, block_size=ctx.block_size, vetoes=ctx.vetoes, host=host)
+        sizes = self._veto_block_sizes(ctx.block_size)
+        if sizes == () and not ctx.vetoes:
+            return None  # no paged KV read: nothing to veto
+        return check_vetoes(md, qlens, block_size=sizes or None, vetoes=ctx.vetoes, host=host,
+                            unknown_block_size=sizes is None)
+
+    def guard_missed(self, args: Sequence[Any]) -> bool:
+        """A float folded into the programs has another value in ``args`` (``float_guards``)."""
+        missed = [(i, v, float(args[i])) for i, v in self.float_guards if float(args[i]) != v]
+        if missed and not self._warned_guard:
+            self._warned_guard = True
+            log.warning("dbo: float input(s) %s changed from the value(s) compiled into the "
+                        "split program; such steps run Dynamo's graph unsplit", missed)
+        return bool(missed)
+
+    def _veto_block_sizes(self, given: int | None) -> tuple[int, ...] | None:
+        """The block sizes the prefix-read veto checks: the caller's ``given`` (checked against
+        the graph's caches), else the graph's; ``()``: the graph reads no block table;
+        ``None``: it does, through an op whose block size is unknown (warned once)."""
+        known = self.kv_block_sizes
+        if given is not None:
+            if known and given not in known:
+                raise MetadataError(
+                    f"block_size={given} passed, but the graph's KV cache{'s have' if len(known) > 1 else ' has'} "
+                    f"block size {', '.join(map(str, known))} (dim 2 of its [2, num_blocks, "
+                    "block_size, Hkv, D] shape): pass the cache's block size, or none")
+            return (given,)
+        if known:
+            return known
+        if "block_table" not in self.metadata_inputs:
+            return ()
+        if not self._warned_block_size:
+            self._warned_block_size = True
+            log.warning("dbo: the prefix-read veto needs the KV block size: the graph reads the "
+                        "block table through an op not declared with register_paged_kv_op and no "
+                        "block_size was passed; steps with cached prefixes and >= 2 requests run "
+                        "unsplit (pass block_size= or declare the op)")
+        return None
 
     def _decide(self, args: Sequence[Any], min_padded: int, metadata: AttentionMetadata | None,
                 host: HostCounts | None, pads_itself: bool) -> StepDecision:
@@ -161,6 +247,7 @@ class DboCompiledModule(CompiledArtifact):
         local_error = None
         veto = None
         counts = None
+        fallback = False
         try:
             md = None
             if has_md:
@@ -172,10 +259,17 @@ class DboCompiledModule(CompiledArtifact):
                 if sum(qlens) > num_tokens:
                     raise MetadataError(f"{sum(qlens)} scheduled tokens but only {num_tokens} rows")
             veto = self._veto(md, qlens or [], counts) if self.config.split != "never" else None
-        except MetadataError as e:
+            if self.float_guards and self.guard_missed(args):
+                fallback, veto = True, "a float attribute folded into the program changed"
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the vote, never here
             local_error = f"{type(e).__name__}: {e}"
         if qlens is None:  # no metadata (every token its own request), or it failed its checks
-            qlens = [1] * num_tokens if given is None else int_list(given)
+            qlens = [1] * num_tokens
+            if given is not None and local_error is None:
+                try:
+                    qlens = int_list(given)
+                except Exception as e:  # noqa: BLE001 - raised on every rank by the vote
+                    local_error = f"num_scheduled_tokens: {type(e).__name__}: {e}"
         real = sum(qlens) if has_md else num_tokens
         uniform_decode = bool(qlens) and qlens.count(1) == len(qlens)
         vote = coordinate_across_dp(
@@ -183,20 +277,15 @@ class DboCompiledModule(CompiledArtifact):
             group=dp_group(self.config), fingerprint=self.fingerprint,
             num_tokens_padded=max(num_tokens, real, min_padded), local_error=local_error)
         reason = "split" if vote.should_split else (veto or vote.reason or "not split")
-        return StepDecision(vote, reason, qlens, counts if metadata is not None else None)
+        return StepDecision(vote, reason, qlens, counts if metadata is not None else None,
+                            fallback=fallback)
 
     # -- the split --------------------------------------------------------------------------
     def _run_split(self, padded_args: list[Any], decision: StepDecision) -> tuple[Any, ...]:
         split_args = self.split_args(padded_args, decision.qlens)
-        try:
-            outs = self.split_program(*split_args)
-        except Exception as e:  # noqa: BLE001 - re-raised with the ubatch context
-            abort_pending_receives()  # comm ops issued and not received (DeepEP LL hooks)
-            raise UBatchExecutionError(
-                f"the split program failed in a ubatch ({type(e).__name__}: {e}); the step was "
-                "aborted, the next step runs normally"
-            ) from e
-        return join_ubatch_outputs(outs, self.signature.outputs)
+        outs = self.split_program(*split_args)  # a failure: the step transaction's
+        return join_ubatch_outputs(outs, self.signature.outputs, self.output_specs,
+                                   int(padded_args[self.token_index].shape[0]))
 
     def split_args(self, args: Sequence[Any], qlens: list[int], *,
                    host: HostCounts | None = None, validated: bool = False) -> list[Any]:

@@ -32,7 +32,7 @@ from dbo_compile.metadata import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Veto", "VetoRegistry", "check_vetoes", "prefix_read_veto"]
+__all__ = ["Veto", "VetoRegistry", "check_vetoes", "prefix_read_veto", "unknown_block_size_veto"]
 
 #: ``(metadata, num_scheduled_tokens [num_reqs]) -> reason or None``.
 Veto = Callable[[AttentionMetadata, Sequence[int]], "str | None"]
@@ -208,30 +208,57 @@ class VetoRegistry:
         return check_vetoes(metadata, num_scheduled_tokens, vetoes=self)
 
 
+def unknown_block_size_veto(metadata: AttentionMetadata, num_scheduled_tokens: Sequence[int],
+                            host: HostCounts | None = None) -> str | None:
+    """The prefix-read veto when the KV block size cannot be known (the graph reads the block
+    table through an op not declared with :func:`~dbo_compile.ops.register_paged_kv_op`, and
+    the caller passed no ``block_size``): any request with cached tokens might read, as
+    prefix, a block another request writes, so a step of two or more requests where one has
+    ``num_computed_tokens > 0`` is vetoed. Conservative: DBO off for such steps, never a wrong
+    answer. Reads the counts only (``host``, else the mirrors or one device copy)."""
+    if len(num_scheduled_tokens) < 2:
+        return None
+    computed = host_tensor((host if host is not None else metadata.host_counts())[2])
+    if computed.numel() == 0 or int(computed.max()) <= 0:
+        return None
+    r = int(torch.argmax((computed > 0).to(torch.int8)))
+    return (f"prefix-read veto without a KV block size: request {r} has "
+            f"num_computed_tokens={int(computed[r])} and the step has "
+            f"{len(num_scheduled_tokens)} requests; pass block_size= (run_step, "
+            "CudaGraphRunner, step_context) or declare the attention op with "
+            "dbo_compile.ops.register_paged_kv_op so that only real prefix reads veto")
+
+
 def check_vetoes(
     metadata: AttentionMetadata,
     num_scheduled_tokens: Sequence[int] | torch.Tensor,
     *,
-    block_size: int | None = None,
+    block_size: int | Sequence[int] | None = None,
     vetoes: VetoRegistry | Iterable[Veto] = (),
     host: HostCounts | None = None,
+    unknown_block_size: bool = False,
 ) -> str | None:
     """The first reason not to split this step on this rank, or ``None``.
 
-    Runs :func:`prefix_read_veto` first when ``block_size`` is given (with ``host``, the
-    metadata's host counts when the caller has them), then each engine veto in order, each
-    with ``(metadata, num_scheduled_tokens as a list of ints)``. A veto that raises counts as a
-    veto (its exception is logged and named in the reason): raising here, before the DP vote,
-    would leave the other ranks waiting in it.
+    Runs :func:`prefix_read_veto` first when ``block_size`` is given (an int, or several: a
+    model whose KV caches differ, each is checked; with ``host``, the metadata's host counts
+    when the caller has them), or :func:`unknown_block_size_veto` with
+    ``unknown_block_size``, then each engine veto in order, each with ``(metadata,
+    num_scheduled_tokens as a list of ints)``. A veto that raises counts as a veto (its
+    exception is logged and named in the reason): raising here, before the DP vote, would leave
+    the other ranks waiting in it.
 
     Returns:
         ``"<name>: <reason>"`` of the first veto that objects, or ``None``.
     """
-    return _check_vetoes(metadata, int_list(num_scheduled_tokens), block_size, vetoes, host)
+    return _check_vetoes(metadata, int_list(num_scheduled_tokens), block_size, vetoes, host,
+                         unknown_block_size)
 
 
-def _check_vetoes(metadata: AttentionMetadata, counts: list[int], block_size: int | None,
-                  vetoes: VetoRegistry | Iterable[Veto], host: HostCounts | None) -> str | None:
+def _check_vetoes(metadata: AttentionMetadata, counts: list[int],
+                  block_size: int | Sequence[int] | None,
+                  vetoes: VetoRegistry | Iterable[Veto], host: HostCounts | None,
+                  unknown_block_size: bool = False) -> str | None:
     """:func:`check_vetoes` on counts already converted to ints (the compiled model's vote has
     them)."""
     named: list[tuple[str, Veto]]
@@ -239,9 +266,13 @@ def _check_vetoes(metadata: AttentionMetadata, counts: list[int], block_size: in
         named = vetoes.items()
     else:
         named = [(getattr(v, "__name__", repr(v)), v) for v in vetoes]
-    if block_size is not None:
-        named = [("prefix_read",
-                  lambda md, n: _prefix_read_veto(md, n, block_size, host))] + named
+    sizes = [] if block_size is None else (
+        [block_size] if isinstance(block_size, int) else list(block_size))
+    prefix = [("prefix_read", lambda md, n, bs=bs: _prefix_read_veto(md, n, bs, host))
+              for bs in sizes]
+    if unknown_block_size and not sizes:
+        prefix = [("prefix_read", lambda md, n: unknown_block_size_veto(md, n, host))]
+    named = prefix + named
     for name, veto in named:
         try:
             reason = veto(metadata, counts)
