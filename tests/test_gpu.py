@@ -172,8 +172,9 @@ def _runner_checks(rank, world, dev, dist, H, B, preset="deepseek-v2-lite",
                                       decode_ctx=100 + 17 * i, prompt=256 + 64 * i)
             kv = [c.clone() for c in model.kv_caches()]
             group_max = max(n0, n1) if world > 1 else n
-            ref = model(*_pad_rows(step.input_ids, step.positions, step.attn_metadata,
-                                   group_max))[:n].clone()
+            tokens, md = _pad_rows({"input_ids": step.input_ids, "positions": step.positions},
+                                   step.attn_metadata, group_max)
+            ref = model(tokens["input_ids"], tokens["positions"], md)[:n].clone()
             kv_ref = [c.clone() for c in model.kv_caches()]
             for c, c0 in zip(model.kv_caches(), kv):
                 c.copy_(c0)
@@ -183,7 +184,9 @@ def _runner_checks(rank, world, dev, dist, H, B, preset="deepseek-v2-lite",
                 torch.cuda.synchronize()
             res[f"runner/{i}"] = H.rel_err(out, ref)
             res[f"runner/{i}/graph"] = [runner.last_choice, runner.eager_steps]
-            res[f"runner/{i}/kv_max_abs"] = max(float((c - r).abs().max())
+            # bf16 rounding of the later layers' K/V (their inputs went through the MoE layers
+            # before), against each cache's scale; a missed or stray write is O(1) of it
+            res[f"runner/{i}/kv_max_rel"] = max(H.rel_err(c, r)["max_rel"]
                                                 for c, r in zip(model.kv_caches(), kv_ref))
         res["runner/same_graphs"] = all(
             dict(runner.graphs[t].graphs) == graphs[t] for t in graphs)
@@ -244,7 +247,7 @@ def test_runner_serves_new_steps_from_captured_buckets(gpu_results):
             err = res[f"runner/{i}"]
             assert err["finite"] and err["max_rel"] < MAX_REL, (rank, i, err)
             assert err["rows_off_5pct"] <= MAX_ROWS_OFF, (rank, i, err)
-            assert res[f"runner/{i}/kv_max_abs"] < 0.125, (rank, i, res[f"runner/{i}/kv_max_abs"])
+            assert res[f"runner/{i}/kv_max_rel"] < MAX_REL, (rank, i, res[f"runner/{i}/kv_max_rel"])
         assert res["runner/same_graphs"] and res["runner/new_artifacts"] == 0
 
 
