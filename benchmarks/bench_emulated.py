@@ -270,7 +270,7 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
         runner.load_step(n, ids, pos, md, qlens, split=True)
         program = art.candidates[b.best_candidate]
         serial, nocomm = H.serial_and_nocomm(
-            program, _split_fn(program, b.split_args, art.signature.outputs))
+            program, _split_fn(program, b.split_args, art, b.tokens))
         if args.eager:
             t["unsplit_eager"] = timer(lambda: art.unsplit(*b.args), iters=3)
             t["dbo_eager"] = timer(lambda: run_step(cmodel, ids, pos, md, qlens, block_size=16),

@@ -299,7 +299,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
                 torch.cuda.synchronize()
             row[f"num_{name}_vs_unsplit"] = H.rel_err(b.outs[name][0][:tokens], ref)
         program = art.candidates[b.best_candidate]
-        split_fn = _split_fn(program, b.split_args, art.signature.outputs)
+        split_fn = _split_fn(program, b.split_args, art, b.tokens)
         serial, nocomm = H.serial_and_nocomm(program, split_fn)
 
         def nocomm_streams():

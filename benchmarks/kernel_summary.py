@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             op_tables = {"unsplit": op_table(lambda: art.unsplit(*b.args), args.reps),
                          "split": op_table(_split_fn(art.candidates[b.best_candidate], b.split_args,
-                                                     art.signature.outputs), args.reps)}
+                                                     art, b.tokens), args.reps)}
     if dist.get_rank() == 0:
         print_tables(tables, args.top,
                      f"{args.phase} {args.tokens} tok/rank, compute_backend={args.compute_backend}, "
