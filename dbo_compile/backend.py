@@ -66,8 +66,12 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     # torch imports this package while parsing TORCH_LOGS and then adds its handler again
     drop_duplicate_handlers(logging.getLogger("dbo_compile"))
     config = pipeline.resolve_device_defaults(DboConfig.from_options(options), example_inputs)
-    check_groups(config, [g for n in gm.graph.nodes if (g := comm_group_name(n)) is not None])
     runner = pipeline.PassRunner()
+    # one flat graph for every pass: nested compile regions (a decoder layer Dynamo traced
+    # once and called per layer) are inlined first
+    if runner.time("inline_regions", lowering.inline_regions, gm):
+        gm.recompile()
+    check_groups(config, [g for n in gm.graph.nodes if (g := comm_group_name(n)) is not None])
     try:
         compiled: CompiledArtifact = pipeline.compile_split(gm, example_inputs, config,
                                                             runner=runner)

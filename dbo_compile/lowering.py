@@ -26,6 +26,7 @@ equals the token count, and the two must stay distinct symbols (``docs/design.md
 from __future__ import annotations
 
 import logging
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -276,6 +277,8 @@ def lower_to_aten(gm: fx.GraphModule, example_inputs: Sequence[Any],
             ``dynamic=True`` or write the view with ``-1``. Also raised, with the cause, when
             the re-trace itself fails (e.g. a data-dependent ``.item()`` of a 0-dim input).
     """
+    if inline_regions(gm):  # the backend inlined them already; a direct caller may not have
+        gm.recompile()
     shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
     fakes = _fakeify(specs, example_inputs, fake_mode)
@@ -407,6 +410,93 @@ def _aot_trace(gm: fx.GraphModule, fakes: Sequence[Any]) -> fx.GraphModule:
         aot_module_simplified(gm, list(fakes), fw_compiler=fw_compiler,
                               keep_inference_input_mutations=True)
     return captured["gm"]
+
+
+def inline_regions(gm: fx.GraphModule) -> int:
+    """Inline every ``invoke_subgraph`` call of Dynamo's graph in place; returns how many.
+
+    A decoder layer marked with :func:`torch.compiler.nested_compile_region` is traced by
+    Dynamo once and called as ``invoke_subgraph(subgraph, identifier, *operands)`` at every
+    layer that reuses the trace (Dynamo's subgraph reuse: a 61-layer graph traces one layer,
+    not 61). Every pass here works on one flat graph, so the calls are replaced by copies of
+    their subgraph's nodes (the ``getitem`` users by the copied outputs), as Dynamo's own
+    ``inline_invoke_subgraph`` option does, and each copy's ``nn_module_stack`` is rewritten
+    from the call site that traced the subgraph to its own call site (``layers.0`` ->
+    ``layers.7``), so that :func:`_trace_by_layers` still sees one run per decoder layer and
+    lowers the repeated ones once. Nested regions are inlined first.
+    """
+    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    if hop is None:
+        return 0
+    calls = list(gm.graph.find_nodes(op="call_function", target=hop))
+    if not calls:
+        return 0
+    traced_at: dict[str, str | None] = {}  # subgraph -> the innermost module path of its trace
+    count = 0
+    for node in calls:
+        sub = getattr(gm, str(node.args[0].target))
+        if str(node.args[0].target) not in traced_at:
+            count += inline_regions(sub)
+            traced_at[str(node.args[0].target)] = _innermost_path(node)
+        _inline_call(gm, node, sub, traced_at[str(node.args[0].target)])
+        count += 1
+    for target in traced_at:
+        gm.delete_submodule(target)
+    return count
+
+
+def _innermost_path(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else None
+
+
+def _moved_stack(inner: dict, outer: dict, traced_at: str | None, here: str | None) -> dict:
+    """``inner`` (a subgraph node's module stack, traced at ``traced_at``) as seen from a call
+    at ``here`` under ``outer``: paths under ``traced_at`` move under ``here``."""
+
+    def move(s: Any) -> Any:
+        if isinstance(s, str) and traced_at and here and s.startswith(traced_at):
+            return here + s[len(traced_at):]
+        return s
+
+    stack = dict(outer)
+    for key, (path, *rest) in inner.items():
+        stack.setdefault(move(key), (move(path), *rest))
+    return stack
+
+
+def _inline_call(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule,
+                 traced_at: str | None) -> None:
+    here, outer = _innermost_path(node), node.meta.get("nn_module_stack") or {}
+    env: dict[fx.Node, Any] = dict(zip(sub.graph.find_nodes(op="placeholder"), node.args[2:]))
+    with gm.graph.inserting_before(node):
+        for n in sub.graph.nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            if n.op == "get_attr":  # a constant of the subgraph: hoisted onto gm
+                name = f"_region_{str(node.args[0].target)}_{n.target.replace('.', '_')}"
+                if not hasattr(gm, name):
+                    setattr(gm, name, getattr(sub, n.target))
+                env[n] = gm.graph.get_attr(name)
+                env[n].meta = dict(n.meta)
+                continue
+            env[n] = gm.graph.node_copy(n, lambda a: env[a])
+            if "nn_module_stack" in n.meta:
+                env[n].meta["nn_module_stack"] = _moved_stack(
+                    n.meta["nn_module_stack"], outer, traced_at, here)
+    outputs = sub.graph.output_node().args[0]
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(env.get(outputs[user.args[1]], outputs[user.args[1]]))
+            gm.graph.erase_node(user)
+    if node.users:
+        raise UnsplittableGraphError(
+            f"a nested compile region's result is used other than by index at {node.name}; "
+            "return a tuple of tensors from the region")
+    get_attr = node.args[0]
+    gm.graph.erase_node(node)
+    if not get_attr.users:
+        gm.graph.erase_node(get_attr)
 
 
 #: a module path that is an element of a ModuleList (``L['self'].layers.3``, ``...layers[3]``)

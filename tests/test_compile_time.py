@@ -18,6 +18,7 @@ import torch.fx as fx
 import dbo_compile.lowering as lowering
 from conftest import last_artifact
 from dbo_compile.errors import UnsplittableGraphError
+from dbo_compile.models import deepseek
 from dbo_compile.passes import stream_assign
 from dbo_compile.schedule import COMM, COMPUTE, Timeline, Unit, predecessors
 from moe_cases import MIXED_CUT, build, eager_and_compiled
@@ -79,6 +80,87 @@ def test_identical_layers_are_traced_once_and_lower_to_the_whole_graph(monkeypat
     for x, y in zip(ca, cb):  # each layer's KV-cache write lands in its own cache
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert all(x.count_nonzero() for x in ca)
+
+
+def _dynamo_graph(model, args):
+    """Dynamo's graph of ``model`` (as the backend receives it) and its example inputs."""
+    seen = {}
+
+    def recorder(gm, example_inputs):
+        seen["gm"], seen["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model, backend=recorder)(*args)
+    return seen["gm"], seen["inputs"]
+
+
+def _layer_runs(gm):
+    """The decoder layers of ``gm``'s nodes in graph order, consecutive repeats merged."""
+    runs = []
+    for n in gm.graph.nodes:
+        layer = lowering.layer_of(n) if n.op not in ("placeholder", "output") else None
+        if layer is not None and (not runs or runs[-1] != layer):
+            runs.append(layer)
+    return runs
+
+
+@pytest.mark.skipif(deepseek._decoder_layer_region is None,
+                    reason="this torch's Dynamo does not reuse a compile region's trace")
+def test_dynamo_traces_one_decoder_layer_and_the_backend_inlines_the_calls(monkeypatch):
+    """The decoder layer is a compile region: Dynamo's graph calls one subgraph per layer, and
+    inline_regions makes it the flat graph Dynamo traces without the region (same ops, each
+    copy under its own layer's module path), with the same logits and KV-cache writes."""
+    model, step = build(MIXED_CUT, layers=4)
+    args = (step.input_ids, step.positions, step.attn_metadata)
+    gm, inputs = _dynamo_graph(model, args)
+    hop = torch.ops.higher_order.invoke_subgraph
+    calls = list(gm.graph.find_nodes(op="call_function", target=hop))
+    assert len(calls) == 4 and len({c.args[0].target for c in calls}) == 1  # traced once
+    assert lowering.inline_regions(gm) == 4
+    gm.recompile()
+    assert not list(gm.graph.find_nodes(op="call_function", target=hop))
+    assert not any(isinstance(m, fx.GraphModule) for m in gm.children())
+    gm.graph.lint()
+    torch._dynamo.reset()
+    monkeypatch.setattr(deepseek, "_decoder_layer_region", None)
+    flat, flat_inputs = _dynamo_graph(model, args)
+    assert _ops(gm) == _ops(flat)
+    assert _layer_runs(gm) == _layer_runs(flat) == [f"L['self'].layers.{i}" for i in range(4)]
+    for n in gm.graph.nodes:  # a copy's submodules are its own layer's (layers.3.self_attn)
+        paths = [p for p, *_ in (n.meta.get("nn_module_stack") or {}).values()]
+        layer = lowering.layer_of(n)
+        if layer is not None and n.op != "placeholder":
+            assert all(p.startswith(layer) for p in paths[paths.index(layer):]), (n, paths)
+    results = []
+    for g, xs in ((gm, inputs), (flat, flat_inputs)):
+        for c in model.kv_caches():
+            c.zero_()
+        with torch.no_grad():
+            logits = g(*xs)[0]
+        results.append((logits, [c.clone() for c in model.kv_caches()]))
+    (a, ca), (b, cb) = results
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for x, y in zip(ca, cb):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert all(x.count_nonzero() for x in ca)
+
+
+def test_without_compile_regions_the_graph_is_inlined_to_nothing(monkeypatch):
+    """Under ``dynamic=True`` (and on a torch whose Dynamo does not reuse regions) the layers
+    are traced flat: nothing to inline, and the backend splits the graph as before."""
+    model, step = build(MIXED_CUT, layers=2)
+    torch._dynamo.reset()
+    seen = {}
+
+    def recorder(gm, example_inputs):
+        seen["calls"] = lowering.inline_regions(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model, backend=recorder, dynamic=True)(
+            step.input_ids, step.positions, step.attn_metadata)
+    assert seen["calls"] == 0
 
 
 class _SharedStateLayer(torch.nn.Module):

@@ -32,6 +32,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,6 +67,26 @@ def _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, bloc
             f"dbo.attention: kv_cache has shape {tuple(kv_cache.shape)}, expected "
             f"[2, num_blocks, block_size, {hkv}, {d}]"
         )
+    check_metadata_shapes(t, slot_mapping, query_start_loc, seq_lens, block_table)
+
+
+def check_metadata_shapes(num_tokens: Any, slot_mapping: torch.Tensor,
+                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          block_table: torch.Tensor) -> None:
+    """The shapes the attention metadata must have for ``num_tokens`` query rows: ``slot_mapping``
+    int64 ``[T]``, ``seq_lens [R]``, ``query_start_loc [R + 1]``, ``block_table [R, W]``, int32
+    or int64 request fields.
+
+    A model calls it once before its decoder layers (:class:`~dbo_compile.models.deepseek.
+    DeepseekMoEModel`): under Dynamo the comparisons make the metadata's sizes expressions of
+    the token and request symbols before a compile region is traced, which Dynamo's reuse of
+    a region's trace needs (a relation first found inside the region leaves the stamped-out
+    calls a symbol the graph no longer has).
+
+    Raises:
+        AttentionOpError: a shape, rank or dtype that disagrees.
+    """
+    t = num_tokens
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != t or slot_mapping.dtype != torch.int64:
         raise AttentionOpError(
             f"dbo.attention: slot_mapping must be int64 [{t}], got {slot_mapping.dtype} "

@@ -2,7 +2,9 @@
 
 The ordered pass lists (names as in ``artifact.compile_times`` and in the numbered dumps)::
 
-    Dynamo graph    bind_backends  the config's comm / experts backends into the ops' ``backend``
+    Dynamo graph    inline_regions (the backend, before anything reads the graph) the calls of
+                                   nested compile regions inlined (lowering.inline_regions)
+                    bind_backends  the config's comm / experts backends into the ops' ``backend``
                                    argument (before lowering: the fake shapes are the backend's)
     lowered graph   lower          lowering: classify the inputs, functional ATen graph with a
                                    symbolic token dim (AOTAutograd)
