@@ -207,7 +207,7 @@ def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Ti
     ref = model.emulated_reference() if args.check else None
     options = {"comm_backend": "emulated", "emulate_world_size": w, "emulate_link_gbps": gbps,
                "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
-               "compute_backend": args.compute_backend, "sm_carveout_candidates": (),
+               "compute_backend": args.compute_backend, "sm_carveout_candidates": args.carveouts,
                "schedule_candidates": args.candidate_names, "dp_group_name": None}
     if args.latency_us:
         options["emulate_latency_us"] = args.latency_us
@@ -395,6 +395,10 @@ def main(args) -> int:
         args.buckets or ("decode:64,decode:128,decode:256,decode:512,decode:1024,"
                          "prefill:2048,prefill:4096,prefill:8192" if cuda
                          else "decode:32,prefill:64")).split(","))]
+    # SM carve-outs (the comm kernels' SMs held from compute) only where asked: the copy
+    # engines of the emulated link hold none
+    args.carveouts = (() if args.carveout_candidates == "default"
+                      else tuple(int(v) for v in args.carveout_candidates.split(",") if v))
     args.candidate_names = {"all": True, "none": False}.get(
         args.candidates, tuple(v for v in args.candidates.split(",") if v))
     args.out_dir = os.path.dirname(os.path.abspath(args.json))
@@ -404,7 +408,8 @@ def main(args) -> int:
     setup = (f"{preset}, {args.layers} MoE layers, vocab {args.vocab}, bf16, emulated EP world "
              f"(comm_backend=emulated), experts={kernels['experts']}, "
              f"attention={kernels['attention']}, compute_backend={args.compute_backend}, "
-             f"candidates={args.candidates}, no carve-out candidates")
+             f"candidates={args.candidates}, carve-out candidates "
+             f"{','.join(map(str, args.carveouts)) or 'none'}")
     log(f"[emulated] {machine} torch {torch.__version__}: {setup}")
     doc = {"machine": machine, "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "torch": torch.__version__, "setup": setup, "command": " ".join(sys.argv),
