@@ -473,6 +473,9 @@ def _inline_call(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule,
         for n in sub.graph.nodes:
             if n.op in ("placeholder", "output"):
                 continue
+            if _float_for_tensor(n, env):  # Dynamo's stamp-out passed the float itself
+                env[n] = env[n.args[0]]
+                continue
             if n.op == "get_attr":  # a constant of the subgraph: hoisted onto gm
                 name = f"_region_{str(node.args[0].target)}_{n.target.replace('.', '_')}"
                 if not hasattr(gm, name):
@@ -497,6 +500,22 @@ def _inline_call(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule,
     gm.graph.erase_node(node)
     if not get_attr.users:
         gm.graph.erase_node(get_attr)
+
+
+def _float_for_tensor(n: fx.Node, env: dict[fx.Node, Any]) -> bool:
+    """``n`` is ``ph.item()`` of a subgraph placeholder traced as a 0-dim tensor (a float
+    attribute Dynamo passed as a tensor: ``dynamic=True``, or a float that changed between
+    calls) whose operand at this call is the float itself: torch 2.13's stamp-out of a reused
+    region resolves a captured float attribute to its value, not to the tensor. The value is
+    what ``.item()`` would read."""
+    if n.op != "call_method" or n.target != "item" or not n.args:
+        return False
+    ph = n.args[0]
+    if not isinstance(ph, fx.Node) or ph.op != "placeholder":
+        return False
+    operand = env.get(ph)
+    value = operand.meta.get("example_value") if isinstance(operand, fx.Node) else operand
+    return isinstance(value, (float, torch.SymFloat))
 
 
 #: a module path that is an element of a ModuleList (``L['self'].layers.3``, ``...layers[3]``)

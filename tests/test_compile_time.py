@@ -21,7 +21,8 @@ from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.models import deepseek
 from dbo_compile.passes import stream_assign
 from dbo_compile.schedule import COMM, COMPUTE, Timeline, Unit, predecessors
-from moe_cases import MIXED_CUT, build, eager_and_compiled
+from dbo_compile.models.batch import fill_kv_cache
+from moe_cases import MIXED_CUT, build, eager_and_compiled, eager_then_restore
 
 
 def _lower_both(model, args, monkeypatch):
@@ -161,6 +162,89 @@ def test_without_compile_regions_the_graph_is_inlined_to_nothing(monkeypatch):
         torch.compile(model, backend=recorder, dynamic=True)(
             step.input_ids, step.positions, step.attn_metadata)
     assert seen["calls"] == 0
+
+
+def _compiled_matches_eager(model, step, calls=1, before_call=None):
+    """Compile ``model`` with the default options; per call (``before_call(k)`` first) the
+    logits equal eager's; returns the artifacts."""
+    from dbo_compile.backend import compiled_artifacts, reset_artifacts
+
+    torch._dynamo.reset()
+    reset_artifacts()
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    for k in range(calls):
+        if before_call is not None:
+            before_call(k)
+        eager, _ = eager_then_restore(model, step)
+        with torch.no_grad():
+            out = compiled(step.input_ids, step.positions, step.attn_metadata)
+        torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    return compiled_artifacts()
+
+
+def test_more_distinct_layers_than_dynamo_reuses_by_default_compile():
+    """Each layer reads a constant of its own (10 variants of the region; Dynamo keeps 8 by
+    default and raised at the 9th): every layer traced, split, right."""
+    model, step = build(MIXED_CUT, layers=10)
+    for i, layer in enumerate(model.layers):
+        layer.mlp.routed_scaling_factor = 1.0 + 0.1 * i
+    arts = _compiled_matches_eager(model, step)
+    assert len(arts) == 1 and arts[0].is_split
+
+
+def test_a_float_attribute_that_changes_between_calls():
+    """A float attribute the region reads changes: Dynamo recompiles with it as a tensor, and
+    its stamp-out of the reused region passes the later layers the float itself; the inlining
+    reads the float where the subgraph read the tensor (a crash before)."""
+    model, step = build(MIXED_CUT, layers=4)
+
+    def scale(k):
+        for layer in model.layers:
+            layer.mlp.routed_scaling_factor = 1.5 + 0.5 * k
+
+    arts = _compiled_matches_eager(model, step, calls=3, before_call=scale)
+    assert all(a.is_split for a in arts)
+
+
+def test_dense_first_layers_are_a_second_kind_of_region(monkeypatch):
+    """``first_k_dense_replace=2`` (DeepSeek-V2/V3's dense first layers; building it failed
+    before: the dense MLP's ``w13`` was taken for routed experts): two layer kinds, two
+    traces under regions, split, eager's answer."""
+    cfg = deepseek.get_config("tiny", num_layers=5, first_k_dense_replace=2)
+    model = deepseek.DeepseekMoEModel(cfg, seed=0)
+    assert model.routed_expert_params() == {f"layers.{i}.mlp.{w}" for i in (2, 3, 4)
+                                            for w in ("w13", "w2")}
+    _, step = build(MIXED_CUT, layers=5)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    fill_kv_cache(model, step, seed=0)
+    if deepseek._decoder_layer_region is not None:
+        gm, _ = _dynamo_graph(model, (step.input_ids, step.positions, step.attn_metadata))
+        calls = list(gm.graph.find_nodes(op="call_function",
+                                         target=torch.ops.higher_order.invoke_subgraph))
+        assert len(calls) == 5 and len({c.args[0].target for c in calls}) == 2
+    arts = _compiled_matches_eager(model, step)
+    assert len(arts) == 1 and arts[0].is_split
+
+
+class _BreakingMoE(deepseek.MoE):
+    def route(self, x):
+        topk = super().route(x)
+        torch._dynamo.graph_break()  # a host read, a print: Dynamo cuts the graph here
+        return topk
+
+
+def test_a_layer_that_breaks_the_graph_compiles_without_regions():
+    """A region refuses a graph break inside it; ``compile_regions=False`` traces the layers
+    flat: the pieces compile (the ones without a comm op unsplit) and the answer is eager's."""
+    cfg = deepseek.get_config("tiny", num_layers=2)
+    model = deepseek.DeepseekMoEModel(cfg, seed=0, compile_regions=False)
+    _, step = build(MIXED_CUT, layers=2)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    fill_kv_cache(model, step, seed=0)
+    for layer in model.layers:
+        layer.mlp.__class__ = _BreakingMoE
+    arts = _compiled_matches_eager(model, step)
+    assert len(arts) > 1 and any(a.is_split for a in arts)
 
 
 class _SharedStateLayer(torch.nn.Module):

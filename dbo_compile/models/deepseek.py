@@ -323,7 +323,9 @@ def _decoder_layer(layer: "DecoderLayer", x: torch.Tensor, positions: torch.Tens
 #: ``None`` where it does not (an older Dynamo traces every call into a subgraph of its own,
 #: slower than the flat trace)
 _decoder_layer_region = (
-    torch.compiler.nested_compile_region(_decoder_layer)
+    # a trace per distinct layer (constants it reads differ: a per-layer index, scale), past
+    # Dynamo's default of 8 variants too, where a region would raise
+    torch.compiler.nested_compile_region(_decoder_layer, max_reuse_entries=1 << 16)
     if importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is not None else None)
 
 
@@ -340,6 +342,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DeepseekConfig, layer_idx: int, ep_rank: int, ep_size: int,
                  group_name: str, dtype: torch.dtype, device: Any, comm_backend: str = "") -> None:
         super().__init__()
+        self.compile_region = True  # DeepseekMoEModel(compile_regions=...)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype, device)
         self.self_attn = Attention(cfg, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype, device)
@@ -357,7 +360,7 @@ class DecoderLayer(nn.Module):
         # request symbols before the region is traced (check_metadata_shapes says why)
         check_metadata_shapes(x.shape[0], md.slot_mapping, md.query_start_loc, md.seq_lens,
                               md.block_table)
-        layer = _decoder_layer_region if _use_region() else _decoder_layer
+        layer = _decoder_layer_region if self.compile_region and _use_region() else _decoder_layer
         return layer(self, x, positions, md.slot_mapping, md.query_start_loc, md.seq_lens,
                      md.block_table)
 
@@ -383,6 +386,10 @@ class DeepseekMoEModel(nn.Module):
             ``E / W`` experts of rank 0 and its comm ops name the emulated backend's instance
             for ``W`` (default link figures; ``comm_backend="emulated"`` re-binds the config's).
             The whole step equals :meth:`emulated_reference` run unsplit.
+        compile_regions: under Dynamo each decoder layer is a compile region (one layer of
+            each kind traced, the trace reused: :meth:`DecoderLayer.forward`). ``False`` traces
+            every layer: for a layer that breaks the graph (a host read, a ``print`` in a
+            subclass's ``route``), which a region refuses (``UncapturedHigherOrderOpError``).
 
     Raises:
         ModelConfigError: ``config.num_experts`` is not divisible by the EP world size, or
@@ -391,7 +398,8 @@ class DeepseekMoEModel(nn.Module):
 
     def __init__(self, config: DeepseekConfig, ep_group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 seed: int = 0, emulated_world_size: int | None = None) -> None:
+                 seed: int = 0, emulated_world_size: int | None = None,
+                 compile_regions: bool = True) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -422,6 +430,8 @@ class DeepseekMoEModel(nn.Module):
                          backend)
             for i in range(config.num_layers)
         ])
+        for layer in self.layers:
+            layer.compile_region = compile_regions
         self.norm = RMSNorm(config.hidden_size, config.rms_eps, dtype, device)
         self.lm_head = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
@@ -456,13 +466,14 @@ class DeepseekMoEModel(nn.Module):
         this rank's range.
         """
         start, stop = self.local_expert_range
+        routed = self.routed_expert_params()
         for name, p in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.fill_(1.0)
                 continue
             gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             full_shape = list(p.shape)
-            expert = name.endswith("mlp.w13") or name.endswith("mlp.w2")
+            expert = name in routed
             if expert:
                 full_shape[0] = self.config.num_experts
             w = torch.randn(full_shape, generator=gen, dtype=torch.float32)
@@ -471,6 +482,12 @@ class DeepseekMoEModel(nn.Module):
             if expert:
                 w = w[start:stop]
             p.copy_(w.to(p.dtype))
+
+    def routed_expert_params(self) -> set[str]:
+        """Names of the routed experts' stacked weights (``layers.<i>.mlp.w13`` / ``.w2`` of
+        the MoE layers; not a dense layer's MLP, whose weights are named alike)."""
+        return {f"{name}.{w}" for name, m in self.named_modules() if isinstance(m, MoE)
+                for w in ("w13", "w2")}
 
     @torch.no_grad()
     def load_state_from_full(self, full: DeepseekMoEModel) -> None:
@@ -483,9 +500,10 @@ class DeepseekMoEModel(nn.Module):
             raise ModelConfigError("load_state_from_full needs an EP=1 model of the same config")
         start, stop = self.local_expert_range
         src = dict(full.named_parameters())
+        routed = self.routed_expert_params()
         for name, p in self.named_parameters():
             w = src[name]
-            if name.endswith("mlp.w13") or name.endswith("mlp.w2"):
+            if name in routed:
                 w = w[start:stop]
             p.copy_(w.to(device=p.device, dtype=p.dtype))
 
@@ -506,9 +524,10 @@ class DeepseekMoEModel(nn.Module):
         ref.to_empty(device=self.embed_tokens.device)
         ref.eval()
         src = dict(self.named_parameters())
+        routed = self.routed_expert_params()
         for name, p in ref.named_parameters():
             w = src[name]
-            if name.endswith("mlp.w13") or name.endswith("mlp.w2"):
+            if name in routed:
                 w = w.repeat(self.emulated_world_size, 1, 1)
             p.copy_(w)
         for mine, theirs in zip(self.layers, ref.layers):
