@@ -53,7 +53,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 #: columns of the table, in pipeline order; a pass a tree does not have is left blank
 _PASSES = ("inline_regions", "bind_backends", "lower", "reinplace", "dead_code", "token_dim",
-           "find_comm", "split_ubatch", "insert_yields", "join_experts", "stream_assign", "codegen", "unsplit")
+           "find_comm", "split_ubatch", "insert_yields", "join_experts", "stream_assign",
+           "codegen", "unsplit")
 
 
 def _one(num_layers: int, candidates: bool, cache_dir: str | None = None) -> dict:

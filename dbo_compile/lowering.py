@@ -434,11 +434,12 @@ def inline_regions(gm: fx.GraphModule) -> int:
     traced_at: dict[str, str | None] = {}  # subgraph -> the innermost module path of its trace
     count = 0
     for node in calls:
-        sub = getattr(gm, str(node.args[0].target))
-        if str(node.args[0].target) not in traced_at:
+        target = str(node.args[0].target)
+        sub = getattr(gm, target)
+        if target not in traced_at:
             count += inline_regions(sub)
-            traced_at[str(node.args[0].target)] = _innermost_path(node)
-        _inline_call(gm, node, sub, traced_at[str(node.args[0].target)])
+            traced_at[target] = _innermost_path(node)
+        _inline_call(gm, node, sub, traced_at[target])
         count += 1
     for target in traced_at:
         gm.delete_submodule(target)

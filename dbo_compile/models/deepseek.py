@@ -353,14 +353,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``. Under Dynamo a compile region (:func:`_use_region`): one
-        layer of each kind is traced and the trace reused for the others (61 layers: 4.7 s of
-        Dynamo on our 2-core CPU instead of 8.7 s); the backend inlines the calls
-        (:func:`dbo_compile.lowering.inline_regions`)."""
-        # outside the region: the metadata's sizes become expressions of the token and
-        # request symbols before the region is traced (check_metadata_shapes says why)
-        check_metadata_shapes(x.shape[0], md.slot_mapping, md.query_start_loc, md.seq_lens,
-                              md.block_table)
-        layer = _decoder_layer_region if self.compile_region and _use_region() else _decoder_layer
+        layer of each kind is traced and the trace reused for the others (61 layers: 3.4 s of
+        Dynamo on our 2-core CPU instead of 9.6 s, ``benchmarks/compile_time.py``); the
+        backend inlines the calls (:func:`dbo_compile.lowering.inline_regions`)."""
+        layer = _decoder_layer
+        if self.compile_region and _use_region():
+            # outside the region: the metadata's sizes become expressions of the token and
+            # request symbols before the region is traced (check_metadata_shapes says why)
+            check_metadata_shapes(x.shape[0], md.slot_mapping, md.query_start_loc,
+                                  md.seq_lens, md.block_table)
+            layer = _decoder_layer_region
         return layer(self, x, positions, md.slot_mapping, md.query_start_loc, md.seq_lens,
                      md.block_table)
 

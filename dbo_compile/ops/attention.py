@@ -77,11 +77,11 @@ def check_metadata_shapes(num_tokens: Any, slot_mapping: torch.Tensor,
     int64 ``[T]``, ``seq_lens [R]``, ``query_start_loc [R + 1]``, ``block_table [R, W]``, int32
     or int64 request fields.
 
-    A model calls it once before its decoder layers (:class:`~dbo_compile.models.deepseek.
-    DeepseekMoEModel`): under Dynamo the comparisons make the metadata's sizes expressions of
-    the token and request symbols before a compile region is traced, which Dynamo's reuse of
-    a region's trace needs (a relation first found inside the region leaves the stamped-out
-    calls a symbol the graph no longer has).
+    A decoder layer that is a compile region calls it before entering the region
+    (:meth:`~dbo_compile.models.deepseek.DecoderLayer.forward`): under Dynamo the comparisons
+    make the metadata's sizes expressions of the token and request symbols before the region
+    is traced, which Dynamo's reuse of a region's trace needs (a relation first found inside
+    the region leaves the stamped-out calls a symbol the graph no longer has).
 
     Raises:
         AttentionOpError: a shape, rank or dtype that disagrees.
