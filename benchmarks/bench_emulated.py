@@ -289,6 +289,8 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
                 _sync()
         for name, (g, _) in extra.items():
             t[name] = timer(g.replay)
+        if args.kernels and torch.cuda.is_available() and "split_nocomm" in extra:
+            _kernel_tables(args, b, extra["split_nocomm"][0], phase, n)
         del extra
         # the routed remote rows of one step of the DBO graph vs the link's capacity
         E.reset_stats()
@@ -333,6 +335,19 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
         "timing_mode": "graph" if torch.cuda.is_available() else "eager",
     })
     return row
+
+
+def _kernel_tables(args, b, nocomm_graph, phase: str, n: int) -> None:
+    """Print where the split program's time goes: kernels by name in the unsplit graph, the
+    split graph without comm (``split``) and the DBO graph (``dbo``, both streams)."""
+    from kernel_summary import kernel_table, print_tables
+
+    tables = {"unsplit": kernel_table(b.graphs["unsplit"], 3),
+              "split": kernel_table(nocomm_graph, 3),
+              "dbo": kernel_table(b.graphs[b.best_candidate], 3)}
+    print_tables(tables, args.kernels, f"[kernels] {phase} {n} tok/rank, split = "
+                 f"{b.best_candidate} without comm, dbo = {b.best_candidate}")
+    sys.stdout.flush()
 
 
 def _profile(args, graph, program, row) -> None:

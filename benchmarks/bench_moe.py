@@ -151,6 +151,9 @@ def parse(argv=None):
                    help="skip the unit timings and features benchmarks/calibrate.py fits")
     e.add_argument("--unit-reps", type=int, default=3)
     e.add_argument("--calibration", default=None, help="option calibration (a JSON file)")
+    e.add_argument("--kernels", type=int, default=0, metavar="TOP",
+                   help="print per-kernel tables (calls, µs) of the unsplit graph, the split "
+                        "graph without comm and the DBO graph of every bucket, TOP rows")
     e.add_argument("--profile", default=None, metavar="PHASE:TOKENS:W",
                    help="write a profiler trace of the DBO graph of that bucket (and its "
                         "schedule) beside --json")

@@ -42,7 +42,8 @@ def kernel_table(graph, reps: int) -> dict[str, list[float]]:
 
     graph.replay()
     torch.cuda.synchronize()
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             graph.replay()
@@ -80,20 +81,22 @@ def op_table(fn, reps: int) -> dict[str, list[float]]:
 
 
 def print_tables(tables: dict[str, dict[str, list[float]]], top: int, title: str) -> None:
+    """``tables``: ``{"unsplit": table, "split": table, ...more}`` (calls and µs per kernel
+    name); rows sorted by split minus unsplit µs, one column pair per table."""
     print(title)
     for name, t in tables.items():
         print(f"{name}: {sum(r[0] for r in t.values()):.0f} kernels, "
               f"{sum(r[1] for r in t.values()):,.0f} µs of kernel time")
-    names = set(tables["unsplit"]) | set(tables["split"])
+    names = set().union(*tables.values())
     rows = sorted(names, key=lambda n: -(tables["split"].get(n, [0, 0])[1]
                                           - tables["unsplit"].get(n, [0, 0])[1]))
     w = max([60] + [len(n) for n in rows[:top]])
-    print(f"{'kernel':{w}s} {'n unsplit':>9s} {'µs unsplit':>10s} {'n split':>8s} "
-          f"{'µs split':>9s} {'Δ µs':>8s}")
+    print(f"{'kernel':{w}s} " + " ".join(f"{'n ' + k:>10.10s} {'µs ' + k:>11.11s}" for k in tables)
+          + f" {'Δ µs':>8s}")
     for n in rows[:top]:
-        u = tables["unsplit"].get(n, [0, 0.0])
-        s = tables["split"].get(n, [0, 0.0])
-        print(f"{n:{w}s} {u[0]:9.0f} {u[1]:10.0f} {s[0]:8.0f} {s[1]:9.0f} {s[1] - u[1]:8.0f}")
+        cells = [tables[k].get(n, [0, 0.0]) for k in tables]
+        d = tables["split"].get(n, [0, 0.0])[1] - tables["unsplit"].get(n, [0, 0.0])[1]
+        print(f"{n:{w}s} " + " ".join(f"{c[0]:10.0f} {c[1]:11.0f}" for c in cells) + f" {d:8.0f}")
 
 
 def main(argv=None) -> int:

@@ -350,12 +350,17 @@ def test_split_program_under_cuda_sanitizer():
 
 
 @needs_cuda
+@pytest.mark.parametrize("path", ["sorted", "fused"])
 @pytest.mark.parametrize("rows", [1, 300, 4096])
-def test_grouped_experts_cuda_kernel_matches_loop(rows):
-    """dbo.grouped_experts on CUDA (sort, grouped GEMM, Triton SiLU-mul and weighted
-    gather-sum) against the reference loop: the split-vs-unsplit checks cannot see an error
-    that both programs share. The grouped GEMM's uncomputed rows are poisoned with NaN."""
+def test_grouped_experts_cuda_kernel_matches_loop(rows, path, monkeypatch):
+    """dbo.grouped_experts on CUDA, both paths (sorted: sort, grouped GEMM, Triton SiLU-mul
+    and weighted gather-sum; fused: align, two Triton GEMMs, gather-sum) against the reference
+    loop: the split-vs-unsplit checks cannot see an error that both programs share. The
+    grouped GEMM's uncomputed rows are poisoned with NaN."""
+    from dbo_compile.ops import fused_moe
     from dbo_compile.ops.experts import experts_loop
+
+    monkeypatch.setenv(fused_moe.PATH_ENV, path)
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     e, k, h, inter = 8, 6, 512, 384
@@ -381,6 +386,43 @@ def test_grouped_experts_cuda_kernel_matches_loop(rows):
     assert torch.isfinite(got).all()
     err = (got - ref).abs().max() / ref.abs().max().clamp(min=1e-6)
     assert err < 0.02, float(err)
+
+
+@needs_cuda
+def test_experts_path_is_measured_once_and_captures(monkeypatch):
+    """The automatic choice times both paths at a shape's first eager call and keeps it: a
+    capture afterwards (no host sync allowed) replays the same answer; a shape first seen
+    inside a capture takes the static rule and captures too."""
+    from dbo_compile.ops import fused_moe
+
+    monkeypatch.delenv(fused_moe.PATH_ENV, raising=False)
+    monkeypatch.setattr(fused_moe, "_CHOICE", {})
+    g = torch.Generator(device="cuda").manual_seed(0)
+    e, k, h, inter = 8, 6, 512, 384
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, inter, device="cuda", generator=g) / inter ** 0.5).to(torch.bfloat16)
+
+    def call(rows):
+        x = torch.randn(rows, h, device="cuda", generator=g).to(torch.bfloat16)
+        ids = torch.randint(-1, e, (rows, k), device="cuda", generator=g)
+        w = torch.rand(rows, k, device="cuda", generator=g)
+        return x, ids, w
+
+    first = call(64)
+    want = torch.ops.dbo.grouped_experts(*first, w13, w2)
+    assert len(fused_moe._CHOICE) == 1
+    unseen = call(96)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            got = torch.ops.dbo.grouped_experts(*first, w13, w2)
+            torch.ops.dbo.grouped_experts(*unseen, w13, w2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(fused_moe._CHOICE) == 1  # the unseen shape was not measured inside the capture
+    torch.testing.assert_close(got, want)
 
 
 @needs_cuda

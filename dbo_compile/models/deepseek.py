@@ -278,7 +278,9 @@ class MoE(nn.Module):
         load counter)."""
         logits = F.linear(x, self.gate).to(torch.float32)  # [T, E]
         probs = torch.softmax(logits, dim=-1)
-        topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        # unsorted: the slots' order is never read (every consumer sums over them), and on
+        # CUDA the sort is a kernel of its own (bitonicSortKVInPlace, 4.4 µs per call at decode)
+        topk_w, topk_ids = torch.topk(probs, self.top_k, dim=-1, sorted=False)
         if self.norm_topk_prob:
             topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
         return topk_w, topk_ids

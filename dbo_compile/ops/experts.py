@@ -36,7 +36,11 @@ Kernels:
   rows past the last expert's offset are not computed) with a Triton SiLU-and-multiply between
   them (rows past the last routed slot skipped), then a weighted gather-sum back to rows — a
   Triton kernel that reads each local slot's output row once and writes ``y`` once. 10 kernel
-  launches besides the sort's (without Triton: the same algorithm in torch ops).
+  launches besides the sort's (without Triton: the same algorithm in torch ops). Small calls
+  (decode) take the **fused** path instead where it is faster (:mod:`dbo_compile.ops.
+  fused_moe`: an align kernel, two Triton grouped GEMMs reading the rows through the sorted
+  slot list with SiLU in the first one's epilogue, the same gather-sum; 4 launches), measured
+  once per shape at its first eager call (``fused_moe.prefer_fused``).
   Another activation or biases: the same algorithm with torch ops between the grouped GEMMs.
   Expert-major rows: the valid rows compacted (offsets from the counts), the two grouped GEMMs,
   the rows written back in place (torch ops; ``deep_gemm``'s masked GEMM reads the layout as
@@ -58,6 +62,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from dbo_compile.errors import ExpertsOpError
+from dbo_compile.ops import fused_moe
 from dbo_compile.ops._triton import import_triton
 from dbo_compile.ops.comm import ep_size_of_rows
 from dbo_compile.ops.registry import BackendRegistry, OpInfo, register_op
@@ -379,6 +384,8 @@ def _grouped_cuda(x, ids, weights, w13, w2) -> torch.Tensor:
         return grouped_reference(x, ids, weights, w13, w2)
     if ids.shape[0] == 0:
         return torch.zeros_like(x)
+    if fused_moe.prefer_fused(x, ids, weights, w13, w2):  # small calls: 4 kernels, not 14
+        return fused_moe.fused_experts(x, ids, weights, w13, w2)
     return _grouped_triton(x, ids, weights, w13, w2)
 
 

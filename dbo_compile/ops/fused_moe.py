@@ -1,0 +1,349 @@
+"""The routed experts of small steps in three Triton kernels (the ``grouped`` CUDA path's
+decode kernels, :func:`dbo_compile.ops.experts.grouped_experts` picks them).
+
+At decode a step's routed experts see a few dozen rows each; there the sorted path (slot keys,
+CUB's radix sort, the offsets, a gather, two ``torch._grouped_mm`` with SiLU between them, the
+weighted gather-sum: 14 kernels) is launch- and latency-bound, and a split step pays it twice
+(one H200, emulated EP-8 decode 256, 4 layers: the sort's kernels 262 µs and the grouped GEMMs
+604 µs of a 2,387 µs split program; each grouped GEMM took ~38 µs at 96 and at 192 rows per
+expert, i.e. its 88 tiles read the weights at a fraction of HBM bandwidth). This module does the
+same work the way vLLM's ``fused_moe`` Triton kernel does (``moe_align_block_size``, then
+grouped GEMMs that read their rows through the sorted slot list):
+
+1. **align** (grid ``E``): program ``e`` counts every expert's slots (a histogram of the ids),
+   places its expert's tiles after the padded counts of the experts before it (each expert's
+   rows padded to ``BLOCK_M``, so that a tile has one expert), and writes the sorted slot list
+   (padding rows: the sentinel ``N*K``), each slot's sorted position (the inverse permutation
+   the gather-sum reads) and the expert of each tile (``-1`` past the last one). Stable: slots
+   of one expert keep their order.
+2. **gate/up + SiLU** (grid ``tiles x cdiv(I, BLOCK_N)``): ``x`` rows gathered through the slot
+   list (``slot // K``), both halves of ``w13[e]`` in one program, ``silu(gate) * up`` from the
+   fp32 accumulators, stored bf16 at the sorted rows (no ``[rows, 2I]`` intermediate, no
+   separate gather or activation kernel).
+3. **down** (grid ``tiles x cdiv(H, BLOCK_N)``): ``a @ w2[e].T`` per tile, bf16.
+
+The weighted gather-sum is :mod:`dbo_compile.ops.experts`' ``wgs`` kernel. Four launches per
+call instead of 14; static shapes (the grids are bounded by ``N*K`` slots), no host sync,
+CUDA-graph capturable. The align kernel reads all ``N*K`` ids once per expert, so the path
+serves calls up to :data:`MAX_SLOTS` slots (the caller keeps the sorted path beyond).
+
+Numerics: the same products as the sorted path, accumulated in fp32; the gate/up values go
+into SiLU unrounded (the sorted path rounds them to bf16 first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from dbo_compile.errors import ExpertsOpError
+from dbo_compile.ops._triton import import_triton
+
+__all__ = ["FusedConfig", "MAX_SLOTS", "STATIC_SLOTS", "fused_config", "fused_experts",
+           "prefer_fused", "supports"]
+
+#: the largest ``N*K`` the fused path serves (its align kernel reads all ids once per expert)
+MAX_SLOTS = int(os.environ.get("DBO_FUSED_MOE_MAX_SLOTS", 65536))
+#: without a measurement (a call first seen inside a CUDA-graph capture): the fused path up to
+#: this many slots. One H200 (``benchmarks/bench_experts.py``, 2026-12-01): the fused path won
+#: up to 3,072 local slots and lost from 4,096 in every shape (V2-Lite EP 1 and emulated EP 8,
+#: V3 emulated EP 8); ``N*K`` >= the local slots, so this errs towards the sorted path
+STATIC_SLOTS = 3072
+#: ``DBO_EXPERTS_PATH``: ``auto`` (measure once per shape), ``fused``, ``sorted``
+PATH_ENV = "DBO_EXPERTS_PATH"
+_CHOICE: dict[tuple, bool] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+    """Tile shape of the fused experts' GEMMs.
+
+    Attributes:
+        block_m: rows per tile (each expert's rows are padded to a multiple); >= 16.
+        block_n: output columns per program (of ``I`` for gate/up, of ``H`` for down); >= 16.
+        block_k: reduction step; >= 16.
+        num_warps, num_stages: Triton launch options.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ExpertsOpError(f"fused experts config: {name}={v} must be a power of two "
+                                     f">= 16 (tl.dot's tile)")
+
+
+def fused_config(slots: int, num_experts: int) -> FusedConfig:
+    """The tile shape for a call of ``slots = N*K`` slots over ``num_experts`` local experts
+    (shapes only: capturable). ``DBO_FUSED_MOE_CONFIG=bm,bn,bk,warps,stages`` overrides it
+    (tuning runs)."""
+    env = os.environ.get("DBO_FUSED_MOE_CONFIG")
+    if env:
+        return FusedConfig(*(int(v) for v in env.split(",")))
+    return FusedConfig()
+
+
+def supports(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the fused path serves this call: CUDA (or Triton's interpreter), rank-major
+    rows, 16-bit or fp32 activations and weights of one dtype, at most :data:`MAX_SLOTS`
+    slots, Triton importable."""
+    return (x.dim() == 2 and ids.numel() <= MAX_SLOTS and x.dtype == w13.dtype == w2.dtype
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and _kernels() is not None)
+
+
+def prefer_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether this call should take the fused path: within :func:`supports`, and faster.
+
+    Which path is faster depends on the local rows per expert, which only the data has (the
+    fused path wins at a few dozen rows per expert, the sorted path's CUTLASS grouped GEMM at
+    hundreds). So the first call of each shape outside a CUDA-graph capture (the runner's
+    warm-up, an eager step) times both paths on its own inputs (5 calls each, CUDA events, one
+    device sync) and the choice is kept for the shape; a shape first seen inside a capture gets
+    the static rule (``ids.numel() <= STATIC_SLOTS``). ``DBO_EXPERTS_PATH=fused|sorted`` fixes
+    the choice."""
+    if not supports(x, ids, w13, w2):
+        return False
+    mode = os.environ.get(PATH_ENV, "auto")
+    if mode in ("fused", "sorted"):
+        return mode == "fused"
+    if mode != "auto":
+        raise ExpertsOpError(f"{PATH_ENV}={mode!r}: expected auto, fused or sorted")
+    key = (x.device, x.dtype, tuple(x.shape), tuple(ids.shape), tuple(w13.shape),
+           tuple(w2.shape))
+    choice = _CHOICE.get(key)
+    if choice is None:
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return ids.numel() <= STATIC_SLOTS
+        choice = _CHOICE[key] = _fused_is_faster(x, ids, weights, w13, w2)
+    return choice
+
+
+def _fused_is_faster(x, ids, weights, w13, w2, reps: int = 5) -> bool:
+    from dbo_compile.ops.experts import _grouped_triton
+
+    def timed(fn) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    fused = timed(lambda: fused_experts(x, ids, weights, w13, w2))
+    sorted_ = timed(lambda: _grouped_triton(x, ids, weights, w13, w2))
+    return fused < sorted_
+
+
+@functools.cache
+def _kernels():
+    mods = import_triton()
+    if mods is None:
+        return None
+    triton, tl = mods
+
+    @triton.jit
+    def moe_align_kernel(ids_ptr, sorted_ptr, pos_ptr, tile_expert_ptr, nk, E, num_tiles,
+                         BLOCK_M: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr):
+        e = tl.program_id(0)
+        lanes = tl.arange(0, BLOCK)
+        # pass 1: every expert's count (slots elsewhere, id < 0, fall in bin E)
+        counts = tl.zeros([BINS], tl.int32)
+        for s0 in range(0, nk, BLOCK):
+            offs = s0 + lanes
+            k = tl.load(ids_ptr + offs, mask=offs < nk, other=-1)
+            k = tl.where(k >= 0, k, E).to(tl.int32)
+            counts += tl.histogram(k, BINS)
+        bins = tl.arange(0, BINS)
+        padded = tl.where(bins < E, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        start = tl.sum(tl.where(bins < e, padded, 0), 0)
+        mine = tl.sum(tl.where(bins == e, counts, 0), 0)
+        mine_padded = tl.sum(tl.where(bins == e, padded, 0), 0)
+        # the expert of each of its tiles; program 0 marks the tiles past the last expert's
+        t_lanes = tl.arange(0, BLOCK)
+        for t0 in range(0, mine_padded // BLOCK_M, BLOCK):
+            t = t0 + t_lanes
+            tl.store(tile_expert_ptr + start // BLOCK_M + t, e + t * 0,
+                     mask=t < mine_padded // BLOCK_M)
+        if e == 0:
+            total_tiles = tl.sum(padded, 0) // BLOCK_M
+            for t0 in range(0, num_tiles, BLOCK):
+                t = t0 + t_lanes
+                tl.store(tile_expert_ptr + t, t * 0 - 1, mask=(t >= total_tiles) & (t < num_tiles))
+        # pass 2: the expert's slots in order, at start + rank
+        seen = start * 0
+        for s0 in range(0, nk, BLOCK):
+            offs = s0 + lanes
+            k = tl.load(ids_ptr + offs, mask=offs < nk, other=-1)
+            hit = k == e
+            rank = seen + tl.cumsum(hit.to(tl.int32), 0) - 1
+            p = start + rank
+            tl.store(sorted_ptr + p, offs.to(tl.int32), mask=hit)
+            tl.store(pos_ptr + offs, p.to(tl.int32), mask=hit)
+            seen += tl.sum(hit.to(tl.int32), 0)
+        # padding rows of its last tile: the sentinel slot (never loaded, never stored)
+        pad = tl.arange(0, BLOCK_M)
+        tl.store(sorted_ptr + start + mine + pad, nk + pad * 0, mask=mine + pad < mine_padded)
+
+    @triton.jit
+    def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, sorted_ptr, tile_expert_ptr, nk, H, I,
+                           stride_xm, stride_we, stride_wn, stride_wk,
+                           K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+        pid_m = tl.program_id(0)
+        e = tl.load(tile_expert_ptr + pid_m)
+        if e < 0:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(sorted_ptr + rows)
+        ok = slot < nk
+        tok = tl.where(ok, slot // K, 0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < I
+        kk = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_xm + kk[None, :]
+        w_base = w_ptr + e.to(tl.int64) * stride_we + kk[:, None] * stride_wk
+        g_ptrs = w_base + n[None, :] * stride_wn
+        u_ptrs = w_base + (n + I)[None, :] * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = kk + k0 < H
+            a = tl.load(a_ptrs, mask=ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if DOT_FP32:
+                a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(a_ptr + rows.to(tl.int64)[:, None] * I + n[None, :],
+                 act.to(a_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def moe_down_kernel(a_ptr, w_ptr, o_ptr, sorted_ptr, tile_expert_ptr, nk, H, I,
+                        stride_we, stride_wn, stride_wk,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_FP32: tl.constexpr):
+        pid_m = tl.program_id(0)
+        e = tl.load(tile_expert_ptr + pid_m)
+        if e < 0:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok = tl.load(sorted_ptr + rows) < nk
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < H
+        kk = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * I + kk[None, :]
+        w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + kk[:, None] * stride_wk
+                  + n[None, :] * stride_wn)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_ok = kk + k0 < I
+            a = tl.load(a_ptrs, mask=ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if DOT_FP32:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        tl.store(o_ptr + rows.to(tl.int64)[:, None] * H + n[None, :],
+                 acc.to(o_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
+
+    interpreted = type(moe_align_kernel).__name__ == "InterpretedFunction"
+    return triton, {"align": moe_align_kernel, "gate_up": moe_gate_up_kernel,
+                    "down": moe_down_kernel}, interpreted
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int):
+    """``(sorted_slots, pos, tile_expert)`` of the slots ``ids [N, K]`` (int, ``-1`` = not
+    here) over ``num_experts`` experts, each expert's rows padded to ``block_m``:
+    ``sorted_slots [P]`` int32 (slot index ``n*K + k``; padding rows ``N*K``), ``pos [N*K]``
+    int32 (the sorted row of each local slot; others undefined), ``tile_expert [P /
+    block_m]`` int32 (``-1`` past the last tile), ``P`` the static bound ``N*K + E*(block_m -
+    1)`` rounded up to ``block_m``."""
+    triton, kern, _ = _kernels()
+    nk = ids.numel()
+    tiles = triton.cdiv(nk + num_experts * (block_m - 1), block_m)
+    sorted_slots = torch.empty(tiles * block_m, dtype=torch.int32, device=ids.device)
+    pos = torch.empty(nk, dtype=torch.int32, device=ids.device)
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=ids.device)
+    bins = triton.next_power_of_2(num_experts + 1)
+    block = max(128, min(1024, 16384 // bins))
+    kern["align"][(num_experts,)](ids.contiguous(), sorted_slots, pos, tile_expert, nk,
+                                  num_experts, tiles, BLOCK_M=block_m, BINS=bins, BLOCK=block)
+    return sorted_slots, pos, tile_expert
+
+
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor,
+                  config: FusedConfig | None = None) -> torch.Tensor:
+    """``dbo.grouped_experts`` (SwiGLU, no biases, rank-major rows) by the fused kernels.
+
+    Args:
+        x: ``[N, H]`` rows (the token dim ``N``), bf16/fp16/fp32, unit stride in ``H``.
+        ids: ``[N, K]`` int local expert per slot in ``[-1, E)``; ``-1``: not on this rank.
+        weights: ``[N, K]`` fp32 routing weights (read only where ``ids >= 0``).
+        w13: ``[E, 2I, H]``, w2: ``[E, H, I]`` (any strides), the dtype of ``x``.
+        config: tile shape (default :func:`fused_config`).
+
+    Returns:
+        ``y [N, H]`` of ``x.dtype``: ``y[n] = sum_k weights[n, k] * f_{ids[n, k]}(x[n])``
+        accumulated in fp32; rows with no local slot are zeros.
+
+    Raises:
+        ExpertsOpError: Triton is missing or the call is outside :func:`supports`.
+    """
+    from dbo_compile.ops.experts import _triton_kernel as _sorted_kernels
+
+    if not supports(x, ids, w13, w2):
+        raise ExpertsOpError(
+            f"fused experts: cannot serve x {tuple(x.shape)} {x.dtype}, {ids.numel()} slots "
+            f"(max {MAX_SLOTS}), w13 {w13.dtype}, w2 {w2.dtype} (Triton "
+            f"{'missing' if _kernels() is None else 'present'}); use the sorted path")
+    triton, kern, interpreted = _kernels()
+    n, k = ids.shape
+    e, hidden, inter = w13.shape[0], x.shape[1], w2.shape[2]
+    if n == 0:
+        return torch.zeros_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # wgs writes every row
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    ids = ids.contiguous()
+    cfg = config or fused_config(ids.numel(), e)
+    sorted_slots, pos, tile_expert = align(ids, e, cfg.block_m)
+    rows = sorted_slots.numel()
+    tiles = tile_expert.numel()
+    dot_fp32 = x.dtype == torch.float32 or interpreted
+    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    kern["gate_up"][(tiles, triton.cdiv(inter, cfg.block_n))](
+        x, w13, act, sorted_slots, tile_expert, ids.numel(), hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
+        K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_FP32=dot_fp32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    o = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    kern["down"][(tiles, triton.cdiv(hidden, cfg.block_n))](
+        act, w2, o, sorted_slots, tile_expert, ids.numel(), hidden, inter,
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_FP32=dot_fp32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _, skern = _sorted_kernels()
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    skern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids, weights.contiguous(), y,
+                                                    hidden, K=k, BLOCK_H=block_h)
+    return y

@@ -1,0 +1,126 @@
+"""The fused experts path (``dbo_compile/ops/fused_moe.py``): its three Triton kernels under
+Triton's CPU interpreter against the reference loop, the align kernel's layout, and the choice
+between the fused and the sorted path."""
+
+import pytest
+import torch
+
+from dbo_compile.errors import ExpertsOpError
+from dbo_compile.ops import fused_moe
+
+_FUSED_CHECK = """
+import torch
+from test_experts import _case
+from dbo_compile.ops.experts import experts_loop
+from dbo_compile.ops.fused_moe import FusedConfig, fused_experts
+cases = (  # seed, dtype, rows, H, I, experts, K, tile shape
+    (0, torch.float32, 40, 32, 16, 4, 3, FusedConfig(16, 16, 16)),
+    (1, torch.bfloat16, 70, 40, 24, 5, 3, FusedConfig(16, 16, 32)),  # H, I not tile multiples
+    (2, torch.float32, 1, 32, 16, 4, 3, FusedConfig(32, 32, 16)),    # one row
+    (3, torch.float32, 90, 32, 16, 2, 4, FusedConfig(16, 16, 16)),   # experts over many tiles
+)
+for seed, dtype, n, h, inter, e, k, cfg in cases:
+    x, ids, w, w13, w2 = _case(n=max(n, 5), h=h, inter=inter, e=e, k=k, seed=seed, dtype=dtype)
+    x, ids, w = x[:n], ids[:n], w[:n]
+    w = w + 1.0  # slots on another rank carry a weight too: the kernels must mask by id
+    got = fused_experts(x, ids, w, w13, w2, cfg).float()
+    ref = experts_loop(x.float(), ids, w, w13.float(), w2.float())
+    err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), (seed, dtype, err)
+    assert bool(((ids >= 0).any(1) | (got.abs().sum(1) == 0)).all())  # no-slot rows: zeros
+# strided weights (a transposed view) and column-major rows read through their strides
+x, ids, w, w13, w2 = _case(n=30, seed=4)
+w13t = w13.transpose(1, 2).contiguous().transpose(1, 2)
+xs = x.t().contiguous().t()
+torch.testing.assert_close(fused_experts(xs, ids, w, w13t, w2, FusedConfig(16, 16, 16)),
+                           fused_experts(x, ids, w, w13, w2, FusedConfig(16, 16, 16)))
+# an expert with no slot, every slot elsewhere
+ids2 = ids.clone(); ids2[ids2 == 1] = 2
+ref = experts_loop(x, ids2, w, w13, w2)
+torch.testing.assert_close(fused_experts(x, ids2, w, w13, w2, FusedConfig(16, 16, 16)), ref,
+                           rtol=1e-5, atol=1e-5)
+none = torch.full_like(ids, -1)
+assert fused_experts(x, none, w, w13, w2, FusedConfig(16, 16, 16)).abs().max() == 0
+print("ok")
+"""
+
+_ALIGN_CHECK = """
+import torch
+from dbo_compile.ops.fused_moe import align
+g = torch.Generator().manual_seed(0)
+for n, k, e, bm in ((37, 3, 5, 16), (200, 6, 8, 32), (3, 2, 4, 16)):
+    ids = torch.randint(-1, e, (n, k), generator=g)
+    sorted_slots, pos, tile_expert = align(ids, e, bm)
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat[flat >= 0], minlength=e)
+    padded = (counts + bm - 1) // bm * bm
+    start = torch.cumsum(padded, 0) - padded
+    tiles = int(padded.sum()) // bm
+    assert sorted_slots.numel() % bm == 0 and tile_expert.numel() == sorted_slots.numel() // bm
+    assert sorted_slots.numel() >= flat.numel() + e * (bm - 1) - bm + 1
+    for x in range(e):
+        rows = sorted_slots[int(start[x]):int(start[x]) + int(padded[x])]
+        mine = torch.nonzero(flat == x).reshape(-1).to(torch.int32)
+        assert torch.equal(rows[:int(counts[x])], mine), x        # stable: slot order kept
+        assert bool((rows[int(counts[x]):] == flat.numel()).all())  # padding: the sentinel
+        assert bool((tile_expert[int(start[x]) // bm:(int(start[x]) + int(padded[x])) // bm] == x).all())
+        assert torch.equal(pos[mine.long()], torch.arange(int(start[x]), int(start[x]) + int(counts[x]), dtype=torch.int32))
+    assert bool((tile_expert[tiles:] == -1).all())
+print("ok")
+"""
+
+
+def test_fused_kernels_match_loop_in_interpreter():
+    """Gate/up + SiLU and down GEMMs over the aligned slots, then the weighted gather-sum,
+    against the reference loop: fp32 and bf16, H and I not multiples of the tiles, one row,
+    experts spanning several tiles, strided weights and rows, an expert with no slot, no slot
+    at all."""
+    from triton_interp import run_interpreted
+
+    assert run_interpreted(_FUSED_CHECK).strip().endswith("ok")
+
+
+def test_align_layout_in_interpreter():
+    """The align kernel's layout: each expert's slots in their order at its padded start, the
+    padding rows the sentinel ``N*K``, the inverse permutation, the expert of each tile and
+    ``-1`` past the last."""
+    from triton_interp import run_interpreted
+
+    assert run_interpreted(_ALIGN_CHECK).strip().endswith("ok")
+
+
+@pytest.mark.parametrize("bad", [dict(block_m=24), dict(block_n=8), dict(block_k=0)])
+def test_tile_shape_is_validated(bad):
+    with pytest.raises(ExpertsOpError, match="power of two"):
+        fused_moe.FusedConfig(**bad)
+
+
+def test_path_choice_override_and_static_rule(monkeypatch):
+    """``DBO_EXPERTS_PATH`` fixes the choice, a bad value raises; without a measurement (not
+    CUDA here) the static slot rule decides; calls outside :func:`supports` never take it."""
+    pytest.importorskip("triton")
+    x = torch.zeros(4, 16)
+    w13, w2 = torch.zeros(2, 32, 16), torch.zeros(2, 16, 16)
+    small = torch.zeros(4, 2, dtype=torch.int64)
+    big = torch.zeros(fused_moe.STATIC_SLOTS // 2 + 1, 2, dtype=torch.int64)
+    w = torch.zeros(4, 2)
+    monkeypatch.delenv(fused_moe.PATH_ENV, raising=False)
+    assert fused_moe.prefer_fused(x, small, w, w13, w2)
+    assert not fused_moe.prefer_fused(torch.zeros(big.shape[0], 16), big, w, w13, w2)
+    assert not fused_moe.prefer_fused(x.double(), small, w, w13, w2)  # dtype outside supports
+    monkeypatch.setenv(fused_moe.PATH_ENV, "sorted")
+    assert not fused_moe.prefer_fused(x, small, w, w13, w2)
+    monkeypatch.setenv(fused_moe.PATH_ENV, "fused")
+    assert fused_moe.prefer_fused(torch.zeros(big.shape[0], 16), big, w, w13, w2)
+    monkeypatch.setenv(fused_moe.PATH_ENV, "fast")
+    with pytest.raises(ExpertsOpError, match="auto, fused or sorted"):
+        fused_moe.prefer_fused(x, small, w, w13, w2)
+
+
+def test_fused_experts_refuses_what_it_cannot_serve():
+    pytest.importorskip("triton")
+    x = torch.zeros(4, 16, dtype=torch.float64)
+    with pytest.raises(ExpertsOpError, match="sorted path"):
+        fused_moe.fused_experts(x, torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2),
+                                torch.zeros(2, 32, 16, dtype=torch.float64),
+                                torch.zeros(2, 16, 16, dtype=torch.float64))
