@@ -42,7 +42,7 @@ import torch
 from dbo_compile.errors import ExpertsOpError
 from dbo_compile.ops._triton import import_triton
 
-__all__ = ["FusedConfig", "MAX_SLOTS", "STATIC_SLOTS", "fused_config", "fused_experts",
+__all__ = ["FusedConfig", "MAX_SLOTS", "STATIC_SLOTS", "choices", "fused_config", "fused_experts",
            "prefer_fused", "supports"]
 
 #: the largest ``N*K`` the fused path serves (its align kernel reads all ids once per expert)
@@ -55,6 +55,7 @@ STATIC_SLOTS = 3072
 #: ``DBO_EXPERTS_PATH``: ``auto`` (measure once per shape), ``fused``, ``sorted``
 PATH_ENV = "DBO_EXPERTS_PATH"
 _CHOICE: dict[tuple, bool] = {}
+_TIMES: dict[tuple, dict[str, float]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +109,8 @@ def prefer_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     Which path is faster depends on the local rows per expert, which only the data has (the
     fused path wins at a few dozen rows per expert, the sorted path's CUTLASS grouped GEMM at
     hundreds). So the first call of each shape outside a CUDA-graph capture (the runner's
-    warm-up, an eager step) times both paths on its own inputs (5 calls each, CUDA events, one
-    device sync) and the choice is kept for the shape; a shape first seen inside a capture gets
+    warm-up, an eager step) times both paths on its own inputs (each captured in a CUDA graph
+    and replayed, :func:`choices` keeps the figures) and the choice is kept for the shape; a shape first seen inside a capture gets
     the static rule (``ids.numel() <= STATIC_SLOTS``). ``DBO_EXPERTS_PATH=fused|sorted`` fixes
     the choice."""
     if not supports(x, ids, w13, w2):
@@ -130,21 +131,45 @@ def prefer_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 
 def _fused_is_faster(x, ids, weights, w13, w2, reps: int = 5) -> bool:
+    """Time both paths as the step runs them, in a CUDA graph (``reps`` calls captured, the
+    median of 3 replays): eager timing would charge the sorted path's 14 host launches, which
+    a graph replay does not pay. Records the figures in :func:`choices`."""
     from dbo_compile.ops.experts import _grouped_triton
 
     def timed(fn) -> float:
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # compiles the Triton kernels outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(3):
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / reps)
+        del graph
+        return sorted(times)[1]
 
     fused = timed(lambda: fused_experts(x, ids, weights, w13, w2))
     sorted_ = timed(lambda: _grouped_triton(x, ids, weights, w13, w2))
+    _TIMES[(tuple(x.shape), tuple(ids.shape), tuple(w13.shape))] = {
+        "fused_us": round(fused, 1), "sorted_us": round(sorted_, 1)}
     return fused < sorted_
+
+
+def choices() -> dict[str, dict[str, float]]:
+    """The measured shapes so far: ``"x [N, H] ids [N, K] w13 [E, 2I, H]"`` -> ``{"fused_us",
+    "sorted_us"}`` (µs per call in a CUDA graph, this process)."""
+    return {f"x {list(a)} ids {list(b)} w13 {list(c)}": v for (a, b, c), v in _TIMES.items()}
 
 
 @functools.cache
