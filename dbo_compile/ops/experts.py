@@ -38,8 +38,8 @@ Kernels:
   Triton kernel that reads each local slot's output row once and writes ``y`` once. 10 kernel
   launches besides the sort's (without Triton: the same algorithm in torch ops). Small calls
   (decode) take the **fused** path instead where it is faster (:mod:`dbo_compile.ops.
-  fused_moe`: two align kernels, two Triton grouped GEMMs reading the rows through the sorted
-  slot list with SiLU in the first one's epilogue, the same gather-sum; 5 launches), measured
+  fused_moe`: an align kernel, two Triton grouped GEMMs reading the rows through the sorted
+  slot list with SiLU in the first one's epilogue, the same gather-sum; 4 launches), measured
   once per shape at its first eager call (``fused_moe.prefer_fused``).
   Another activation or biases: the same algorithm with torch ops between the grouped GEMMs.
   Expert-major rows: the valid rows compacted (offsets from the counts), the two grouped GEMMs,
@@ -384,7 +384,7 @@ def _grouped_cuda(x, ids, weights, w13, w2) -> torch.Tensor:
         return grouped_reference(x, ids, weights, w13, w2)
     if ids.shape[0] == 0:
         return torch.zeros_like(x)
-    if fused_moe.prefer_fused(x, ids, weights, w13, w2):  # small calls: 5 kernels, not 14
+    if fused_moe.prefer_fused(x, ids, weights, w13, w2):  # small calls: 4 kernels, not 14
         return fused_moe.fused_experts(x, ids, weights, w13, w2)
     return _grouped_triton(x, ids, weights, w13, w2)
 

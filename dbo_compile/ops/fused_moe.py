@@ -1,4 +1,4 @@
-"""The routed experts of small steps in a few Triton kernels (the ``grouped`` CUDA path's
+"""The routed experts of small steps in three Triton kernels (the ``grouped`` CUDA path's
 decode kernels, :func:`dbo_compile.ops.experts.grouped_experts` picks them).
 
 At decode a step's routed experts see a few dozen rows each; there the sorted path (slot keys,
@@ -10,23 +10,22 @@ expert, i.e. its 88 tiles read the weights at a fraction of HBM bandwidth). This
 same work the way vLLM's ``fused_moe`` Triton kernel does (``moe_align_block_size``, then
 grouped GEMMs that read their rows through the sorted slot list):
 
-1. **align** (two kernels over chunks of the ``N*K`` slots): each chunk's histogram of expert
-   ids, then each chunk places its slots at ``start[e] + (expert e's slots in earlier chunks)
-   + rank in the chunk``, where ``start`` follows the experts' counts padded to ``BLOCK_M``
-   (so that a tile has one expert); writes the sorted slot list (padding rows: the sentinel
-   ``N*K``), each slot's sorted position (the inverse permutation the gather-sum reads) and
-   the expert of each tile (``-1`` past the last one). Stable: slots of one expert keep their
-   order.
+1. **align** (grid ``E``): program ``e`` counts every expert's slots (a histogram of the ids),
+   places its expert's tiles after the padded counts of the experts before it (each expert's
+   rows padded to ``BLOCK_M``, so that a tile has one expert), and writes the sorted slot list
+   (padding rows: the sentinel ``N*K``), each slot's sorted position (the inverse permutation
+   the gather-sum reads) and the expert of each tile (``-1`` past the last one). Stable: slots
+   of one expert keep their order.
 2. **gate/up + SiLU** (grid ``tiles x cdiv(I, BLOCK_N)``): ``x`` rows gathered through the slot
    list (``slot // K``), both halves of ``w13[e]`` in one program, ``silu(gate) * up`` from the
    fp32 accumulators, stored bf16 at the sorted rows (no ``[rows, 2I]`` intermediate, no
    separate gather or activation kernel).
 3. **down** (grid ``tiles x cdiv(H, BLOCK_N)``): ``a @ w2[e].T`` per tile, bf16.
 
-The weighted gather-sum is :mod:`dbo_compile.ops.experts`' ``wgs`` kernel. Five launches per
+The weighted gather-sum is :mod:`dbo_compile.ops.experts`' ``wgs`` kernel. Four launches per
 call instead of 14; static shapes (the grids are bounded by ``N*K`` slots), no host sync,
-CUDA-graph capturable. Each place program reads every chunk's counts, so the path serves calls
-up to :data:`MAX_SLOTS` slots (the caller keeps the sorted path beyond).
+CUDA-graph capturable. The align kernel reads all ``N*K`` ids once per expert, so the path
+serves calls up to :data:`MAX_SLOTS` slots (the caller keeps the sorted path beyond).
 
 Numerics: the same products as the sorted path, accumulated in fp32; the gate/up values go
 into SiLU unrounded (the sorted path rounds them to bf16 first).
@@ -46,7 +45,7 @@ from dbo_compile.ops._triton import import_triton
 __all__ = ["FusedConfig", "MAX_SLOTS", "STATIC_SLOTS", "choices", "fused_config", "fused_experts",
            "prefer_fused", "supports"]
 
-#: the largest ``N*K`` the fused path serves (each align program reads every chunk's counts)
+#: the largest ``N*K`` the fused path serves (its align kernel reads all ids once per expert)
 MAX_SLOTS = int(os.environ.get("DBO_FUSED_MOE_MAX_SLOTS", 65536))
 #: without a measurement (a call first seen inside a CUDA-graph capture): the fused path up to
 #: this many slots. One H200 (``benchmarks/bench_experts.py``, 2026-12-01): the fused path won
@@ -181,58 +180,47 @@ def _kernels():
     triton, tl = mods
 
     @triton.jit
-    def moe_count_kernel(ids_ptr, counts_ptr, nk, E, BINS: tl.constexpr, CH: tl.constexpr):
-        """``counts[c, :]``: chunk ``c``'s slots per expert (slots elsewhere in bin ``E``)."""
-        c = tl.program_id(0)
-        offs = c * CH + tl.arange(0, CH)
-        k = tl.load(ids_ptr + offs, mask=offs < nk, other=-1)
-        k = tl.where(k >= 0, k, E).to(tl.int32)
-        tl.store(counts_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(k, BINS))
-
-    @triton.jit
-    def moe_place_kernel(ids_ptr, counts_ptr, sorted_ptr, pos_ptr, tile_expert_ptr, nk, E,
-                         num_chunks, num_tiles, BLOCK_M: tl.constexpr, BINS: tl.constexpr,
-                         CH: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr):
-        """Chunk ``c``'s slots at ``start[e] + (expert e's slots in earlier chunks) + rank in
-        the chunk``; program 0 also writes the tiles' experts and the padding sentinels."""
-        c = tl.program_id(0)
+    def moe_align_kernel(ids_ptr, sorted_ptr, pos_ptr, tile_expert_ptr, nk, E, num_tiles,
+                         BLOCK_M: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr):
+        e = tl.program_id(0)
+        lanes = tl.arange(0, BLOCK)
+        # pass 1: every expert's count (slots elsewhere, id < 0, fall in bin E)
+        counts = tl.zeros([BINS], tl.int32)
+        for s0 in range(0, nk, BLOCK):
+            offs = s0 + lanes
+            k = tl.load(ids_ptr + offs, mask=offs < nk, other=-1)
+            k = tl.where(k >= 0, k, E).to(tl.int32)
+            counts += tl.histogram(k, BINS)
         bins = tl.arange(0, BINS)
-        total = tl.zeros([BINS], tl.int32)
-        before = tl.zeros([BINS], tl.int32)
-        for c0 in range(0, num_chunks, CB):
-            rows = c0 + tl.arange(0, CB)
-            cnt = tl.load(counts_ptr + rows[:, None] * BINS + bins[None, :],
-                          mask=(rows < num_chunks)[:, None], other=0)
-            total += tl.sum(cnt, 0)
-            before += tl.sum(tl.where((rows < c)[:, None], cnt, 0), 0)
-        padded = tl.where(bins < E, (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
-        start = tl.cumsum(padded, 0) - padded
-        offs = c * CH + tl.arange(0, CH)
-        k = tl.load(ids_ptr + offs, mask=offs < nk, other=-1)
-        valid = k >= 0
-        key = tl.where(valid, k, E).to(tl.int32)
-        onehot = (key[:, None] == bins[None, :]).to(tl.int32)  # [CH, BINS]
-        rank = tl.sum(tl.cumsum(onehot, 0) * onehot, 1) - 1
-        p = tl.sum(onehot * (start + before)[None, :], 1) + rank
-        tl.store(sorted_ptr + p, offs.to(tl.int32), mask=valid)
-        tl.store(pos_ptr + offs, p.to(tl.int32), mask=valid)
-        if c == 0:
-            end = start + padded
-            n_tiles = tl.sum(padded, 0) // BLOCK_M
-            lanes = tl.arange(0, BLOCK_M)
-            for t0 in range(0, num_tiles, TB):
-                t = t0 + tl.arange(0, TB)
-                first = t * BLOCK_M
-                # the expert holding a tile: the number of experts that end at or before it
-                e_of = tl.sum(((end[None, :] <= first[:, None]) & (bins < E)[None, :]).to(tl.int32), 1)
-                live = t < n_tiles
-                tl.store(tile_expert_ptr + t, tl.where(live, e_of, -1), mask=t < num_tiles)
-                mine = (e_of[:, None] == bins[None, :]).to(tl.int32)  # [TB, BINS]
-                e_start = tl.sum(mine * start[None, :], 1)
-                e_count = tl.sum(mine * total[None, :], 1)
-                row = first[:, None] + lanes[None, :]  # [TB, BLOCK_M]
-                tl.store(sorted_ptr + row, nk + row * 0,
-                         mask=live[:, None] & (row - e_start[:, None] >= e_count[:, None]))
+        padded = tl.where(bins < E, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        start = tl.sum(tl.where(bins < e, padded, 0), 0)
+        mine = tl.sum(tl.where(bins == e, counts, 0), 0)
+        mine_padded = tl.sum(tl.where(bins == e, padded, 0), 0)
+        # the expert of each of its tiles; program 0 marks the tiles past the last expert's
+        t_lanes = tl.arange(0, BLOCK)
+        for t0 in range(0, mine_padded // BLOCK_M, BLOCK):
+            t = t0 + t_lanes
+            tl.store(tile_expert_ptr + start // BLOCK_M + t, e + t * 0,
+                     mask=t < mine_padded // BLOCK_M)
+        if e == 0:
+            total_tiles = tl.sum(padded, 0) // BLOCK_M
+            for t0 in range(0, num_tiles, BLOCK):
+                t = t0 + t_lanes
+                tl.store(tile_expert_ptr + t, t * 0 - 1, mask=(t >= total_tiles) & (t < num_tiles))
+        # pass 2: the expert's slots in order, at start + rank
+        seen = start * 0
+        for s0 in range(0, nk, BLOCK):
+            offs = s0 + lanes
+            k = tl.load(ids_ptr + offs, mask=offs < nk, other=-1)
+            hit = k == e
+            rank = seen + tl.cumsum(hit.to(tl.int32), 0) - 1
+            p = start + rank
+            tl.store(sorted_ptr + p, offs.to(tl.int32), mask=hit)
+            tl.store(pos_ptr + offs, p.to(tl.int32), mask=hit)
+            seen += tl.sum(hit.to(tl.int32), 0)
+        # padding rows of its last tile: the sentinel slot (never loaded, never stored)
+        pad = tl.arange(0, BLOCK_M)
+        tl.store(sorted_ptr + start + mine + pad, nk + pad * 0, mask=mine + pad < mine_padded)
 
     @triton.jit
     def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, sorted_ptr, tile_expert_ptr, nk, H, I,
@@ -302,9 +290,9 @@ def _kernels():
         tl.store(o_ptr + rows.to(tl.int64)[:, None] * H + n[None, :],
                  acc.to(o_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
 
-    interpreted = type(moe_count_kernel).__name__ == "InterpretedFunction"
-    return triton, {"count": moe_count_kernel, "place": moe_place_kernel,
-                    "gate_up": moe_gate_up_kernel, "down": moe_down_kernel}, interpreted
+    interpreted = type(moe_align_kernel).__name__ == "InterpretedFunction"
+    return triton, {"align": moe_align_kernel, "gate_up": moe_gate_up_kernel,
+                    "down": moe_down_kernel}, interpreted
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -321,14 +309,9 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     pos = torch.empty(nk, dtype=torch.int32, device=ids.device)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=ids.device)
     bins = triton.next_power_of_2(num_experts + 1)
-    ch = max(16, min(1024, 8192 // bins))  # the [CH, BINS] one-hot rank of the place kernel
-    chunks = triton.cdiv(nk, ch)
-    counts = torch.empty(chunks, bins, dtype=torch.int32, device=ids.device)
-    ids = ids.contiguous()
-    kern["count"][(chunks,)](ids, counts, nk, num_experts, BINS=bins, CH=ch)
-    kern["place"][(chunks,)](ids, counts, sorted_slots, pos, tile_expert, nk, num_experts, chunks,
-                             tiles, BLOCK_M=block_m, BINS=bins, CH=ch,
-                             CB=max(1, min(64, 4096 // bins)), TB=max(1, min(64, 4096 // bins)))
+    block = max(128, min(1024, 16384 // bins))
+    kern["align"][(num_experts,)](ids.contiguous(), sorted_slots, pos, tile_expert, nk,
+                                  num_experts, tiles, BLOCK_M=block_m, BINS=bins, BLOCK=block)
     return sorted_slots, pos, tile_expert
 
 
