@@ -18,6 +18,7 @@ cases = (  # seed, dtype, rows, H, I, experts, K, tile shape
     (1, torch.bfloat16, 70, 40, 24, 5, 3, FusedConfig(16, 16, 32)),  # H, I not tile multiples
     (2, torch.float32, 1, 32, 16, 4, 3, FusedConfig(32, 32, 16)),    # one row
     (3, torch.float32, 90, 32, 16, 2, 4, FusedConfig(16, 16, 16)),   # experts over many tiles
+    (5, torch.float32, 700, 32, 16, 5, 3, FusedConfig(16, 16, 16)),  # ids over several blocks
 )
 for seed, dtype, n, h, inter, e, k, cfg in cases:
     x, ids, w, w13, w2 = _case(n=max(n, 5), h=h, inter=inter, e=e, k=k, seed=seed, dtype=dtype)
@@ -48,7 +49,8 @@ _ALIGN_CHECK = """
 import torch
 from dbo_compile.ops.fused_moe import align
 g = torch.Generator().manual_seed(0)
-for n, k, e, bm in ((37, 3, 5, 16), (200, 6, 8, 32), (3, 2, 4, 16)):
+# small; several blocks of ids; many tiles past one store block; 200 experts
+for n, k, e, bm in ((37, 3, 5, 16), (200, 6, 8, 32), (3, 2, 4, 16), (2000, 4, 3, 16), (50, 8, 200, 16)):
     ids = torch.randint(-1, e, (n, k), generator=g)
     sorted_slots, pos, tile_expert = align(ids, e, bm)
     flat = ids.reshape(-1)
