@@ -37,7 +37,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -49,7 +48,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
-from dbo_compile.runtime import capture as cg_capture  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
 from dbo_compile.testing import measure as cg  # noqa: E402
 
@@ -70,23 +68,6 @@ def parse(argv=None):
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
-
-
-def _time_graph(fn, iters: int) -> tuple[float, object]:
-    """Capture ``fn`` as a CUDA graph; the median of ``iters`` replays in µs, and its output."""
-    graph, out = cg_capture.capture(fn, warmup=2)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    del graph
-    return statistics.median(times), out
 
 
 def _versions() -> dict:
@@ -166,12 +147,12 @@ def _model_rows(model, args, buckets, results, t_start, write):
                         row.update(predicted_dbo_us=art.schedule.predicted_step_us,
                                    comm_backends=art.schedule.comm_backends)
                         restore()
-                        t_u, out_u = _time_graph(lambda: art.unsplit(*args_u), args.iters)
+                        t_u, out_u = H.time_graph(lambda: art.unsplit(*args_u), args.iters)
                         u = out_u[0] if isinstance(out_u, (tuple, list)) else out_u
                         row.update(unsplit_graph_us=round(t_u, 1), err_unsplit=H.rel_err(u, ref))
                         del out_u, u
                         restore()
-                        t_s, out_s = _time_graph(sstep, args.iters)
+                        t_s, out_s = H.time_graph(sstep, args.iters)
                         row.update(dbo_graph_us=round(t_s, 1), speedup=round(t_u / t_s, 3),
                                    err_dbo=H.rel_err(out_s[0], ref))
                         del sstep, out_s
@@ -226,7 +207,7 @@ def _expert_rows(model, sizes, cap, results, args, write, t_start, extra=True):
                 outs = {}
                 for name, fn in calls.items():
                     fn()  # JIT / FP8 weight cast outside the timing
-                    row[name + "_us"], outs[name] = _time_graph(fn, args.iters)
+                    row[name + "_us"], outs[name] = H.time_graph(fn, args.iters)
                     row[name + "_us"] = round(row[name + "_us"], 1)
                 valid = [(i, int(cnt[i])) for i in range(e)]
                 pick = lambda y: torch.cat([y[i, :n] for i, n in valid]).float()  # noqa: E731
@@ -276,8 +257,8 @@ def _hf_row(args, results, write):
     with torch.no_grad():
         _, w, ids = block.gate(x)
         rx, rid, rw, _ = torch.ops.dbo.moe_dispatch(x, ids.long(), w.float(), 128, "")
-        t_dense, dense = _time_graph(lambda: block._dense_experts(rx, rid, rw), args.iters)
-        t_grouped, grouped = _time_graph(lambda: block._local_experts(rx, rid, rw), args.iters)
+        t_dense, dense = H.time_graph(lambda: block._dense_experts(rx, rid, rw), args.iters)
+        t_grouped, grouped = H.time_graph(lambda: block._local_experts(rx, rid, rw), args.iters)
     row.update(dense_masked_us=round(t_dense, 1), grouped_us=round(t_grouped, 1),
                speedup=round(t_dense / t_grouped, 2),
                rel_err=float((grouped.float() - dense.float()).norm() / dense.float().norm()))

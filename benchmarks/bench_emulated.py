@@ -52,7 +52,7 @@ import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import emulated as E  # noqa: E402
-from dbo_compile.ops import fused_moe  # noqa: E402
+from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
 from dbo_compile.ops.comm import payload_layout  # noqa: E402
 from dbo_compile.ops.registry import bound_backend, comm_kind  # noqa: E402
 from dbo_compile.passes.calibrate import step_features  # noqa: E402
@@ -334,7 +334,7 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
         "eta": ((serial_t - dbo_t) / (serial_t - hideable)
                 if hideable and serial_t and serial_t > hideable else None),
         "timing_mode": "graph" if torch.cuda.is_available() else "eager",
-        "experts_paths": fused_moe.choices(),
+        "experts_paths": experts_path_choices(),
     })
     return row
 

@@ -19,13 +19,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
+import os
 import sys
 
 import torch
 
-from dbo_compile.ops import fused_moe
-from dbo_compile.ops.experts import _grouped_triton
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import moe_harness as H  # noqa: E402
+
+from dbo_compile.ops import fused_moe  # noqa: E402
+from dbo_compile.ops.experts import _grouped_fused, _grouped_triton  # noqa: E402
 
 # (name, H, I, local experts, K, fan-out F: rows per token 1 + F; 0 = EP 1)
 SHAPES = {"v2lite-ep8": (2048, 1408, 8, 6, 6), "v2lite-ep1": (2048, 1408, 64, 6, 0),
@@ -48,30 +52,6 @@ def make_call(shape: str, tokens: int, device, seed: int = 0):
     w13 = torch.randn(e, 2 * inter, h, generator=g, device=device, dtype=torch.bfloat16) / h ** 0.5
     w2 = torch.randn(e, h, inter, generator=g, device=device, dtype=torch.bfloat16) / inter ** 0.5
     return x, ids, w, w13, w2
-
-
-def graph_time(fn, reps: int, iters: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
 
 
 def configs(sweep: bool):
@@ -103,17 +83,17 @@ def main(argv=None) -> int:
             row = {"shape": shape, "tokens": tokens, "slots": ids.numel(),
                    "local_slots": int((ids >= 0).sum())}
             ref = _grouped_triton(x, ids, w, w13, w2).float()
-            row["sorted_us"] = graph_time(lambda: _grouped_triton(x, ids, w, w13, w2),
-                                          args.reps, args.iters)
+            row["sorted_us"] = H.time_graph(lambda: _grouped_triton(x, ids, w, w13, w2),
+                                            args.iters, args.reps)[0]
             if ids.numel() <= 4 * fused_moe.MAX_SLOTS:
                 cands = [None] + configs(args.sweep)
                 best = None
                 for cfg in cands:
                     try:
-                        got = fused_moe.fused_experts(x, ids, w, w13, w2, cfg).float()
+                        got = _grouped_fused(x, ids, w, w13, w2, cfg).float()
                         err = float((got - ref).abs().max() / ref.abs().max())
-                        t = graph_time(lambda: fused_moe.fused_experts(x, ids, w, w13, w2, cfg),
-                                       args.reps, args.iters)
+                        t = H.time_graph(lambda: _grouped_fused(x, ids, w, w13, w2, cfg),
+                                         args.iters, args.reps)[0]
                     except Exception as e:  # noqa: BLE001
                         print(f"  {shape} T={tokens} {cfg}: {type(e).__name__}: {e}"[:300])
                         continue

@@ -79,7 +79,7 @@ import moe_harness as H  # noqa: E402
 from dbo_compile import DboConfig  # noqa: E402
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import comm as _comm  # noqa: E402
-from dbo_compile.ops import fused_moe  # noqa: E402
+from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
 from dbo_compile.runtime import capture as cg_capture  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
 from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, _split_fn  # noqa: E402
@@ -367,7 +367,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
         "eta_vs_nocomm_streams": ((serial_t - dbo_t) / (serial_t - max(streams, comm_t))
                                   if streams and serial_t > max(streams, comm_t) else None),
         "timing_mode": "graph" if cuda else "eager",
-        "experts_paths": fused_moe.choices(),
+        "experts_paths": experts_path_choices(),
     })
     return row
 

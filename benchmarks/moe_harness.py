@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ import torch
 import dbo_compile.ops  # noqa: F401
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops import comm as _comm
+from dbo_compile.runtime import capture as cg_capture
 from dbo_compile.testing import measure
 
 try:  # (the harness also measures trees before the emulated backend: the split price's "before")
@@ -208,3 +210,27 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"max_abs": float(diff.max()), "max_rel": float(diff.max() / scale),
             "mean_abs": float(diff.mean()), "rows_off_5pct": float(row_bad.float().mean()),
             "finite": bool(torch.isfinite(a).all())}
+
+
+def time_graph(fn, iters: int, reps: int = 1) -> tuple[float, Any]:
+    """Capture ``reps`` calls of ``fn`` as one CUDA graph (after warm-up calls); the median of
+    ``iters`` CUDA-event-timed replays in µs per call, and the last call's output."""
+    def calls():
+        out = None
+        for _ in range(reps):
+            out = fn()
+        return out
+
+    graph, out = cg_capture.capture(calls, warmup=2)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    del graph
+    return statistics.median(times), out

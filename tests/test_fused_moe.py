@@ -1,18 +1,19 @@
-"""The fused experts path (``dbo_compile/ops/fused_moe.py``): its three Triton kernels under
-Triton's CPU interpreter against the reference loop, the align kernel's layout, and the choice
-between the fused and the sorted path."""
+"""The fused experts path (``dbo_compile/ops/fused_moe.py`` and the gather-sum of
+``ops/experts.py``): its Triton kernels under Triton's CPU interpreter against the reference
+loop, the align kernel's layout, and the choice between the fused and the sorted path."""
 
 import pytest
 import torch
 
 from dbo_compile.errors import ExpertsOpError
-from dbo_compile.ops import fused_moe
+from dbo_compile.ops import experts, fused_moe
 
 _FUSED_CHECK = """
 import torch
 from test_experts import _case
 from dbo_compile.ops.experts import experts_loop
-from dbo_compile.ops.fused_moe import FusedConfig, fused_experts
+from dbo_compile.ops.experts import _grouped_fused as fused_experts
+from dbo_compile.ops.fused_moe import FusedConfig
 cases = (  # seed, dtype, rows, H, I, experts, K, tile shape
     (0, torch.float32, 40, 32, 16, 4, 3, FusedConfig(16, 16, 16)),
     (1, torch.bfloat16, 70, 40, 24, 5, 3, FusedConfig(16, 16, 32)),  # H, I not tile multiples
@@ -104,25 +105,25 @@ def test_path_choice_override_and_static_rule(monkeypatch):
     x = torch.zeros(4, 16)
     w13, w2 = torch.zeros(2, 32, 16), torch.zeros(2, 16, 16)
     small = torch.zeros(4, 2, dtype=torch.int64)
-    big = torch.zeros(fused_moe.STATIC_SLOTS // 2 + 1, 2, dtype=torch.int64)
+    big = torch.zeros(experts.STATIC_FUSED_SLOTS // 2 + 1, 2, dtype=torch.int64)
     w = torch.zeros(4, 2)
-    monkeypatch.delenv(fused_moe.PATH_ENV, raising=False)
-    assert fused_moe.prefer_fused(x, small, w, w13, w2)
-    assert not fused_moe.prefer_fused(torch.zeros(big.shape[0], 16), big, w, w13, w2)
-    assert not fused_moe.prefer_fused(x.double(), small, w, w13, w2)  # dtype outside supports
-    monkeypatch.setenv(fused_moe.PATH_ENV, "sorted")
-    assert not fused_moe.prefer_fused(x, small, w, w13, w2)
-    monkeypatch.setenv(fused_moe.PATH_ENV, "fused")
-    assert fused_moe.prefer_fused(torch.zeros(big.shape[0], 16), big, w, w13, w2)
-    monkeypatch.setenv(fused_moe.PATH_ENV, "fast")
+    monkeypatch.delenv(experts.EXPERTS_PATH_ENV, raising=False)
+    assert experts._prefer_fused(x, small, w, w13, w2)
+    assert not experts._prefer_fused(torch.zeros(big.shape[0], 16), big, w, w13, w2)
+    assert not experts._prefer_fused(x.double(), small, w, w13, w2)  # dtype outside supports
+    monkeypatch.setenv(experts.EXPERTS_PATH_ENV, "sorted")
+    assert not experts._prefer_fused(x, small, w, w13, w2)
+    monkeypatch.setenv(experts.EXPERTS_PATH_ENV, "fused")
+    assert experts._prefer_fused(torch.zeros(big.shape[0], 16), big, w, w13, w2)
+    monkeypatch.setenv(experts.EXPERTS_PATH_ENV, "fast")
     with pytest.raises(ExpertsOpError, match="auto, fused or sorted"):
-        fused_moe.prefer_fused(x, small, w, w13, w2)
+        experts._prefer_fused(x, small, w, w13, w2)
 
 
-def test_fused_experts_refuses_what_it_cannot_serve():
+def test_fused_kernels_refuse_what_they_cannot_serve():
     pytest.importorskip("triton")
     x = torch.zeros(4, 16, dtype=torch.float64)
     with pytest.raises(ExpertsOpError, match="sorted path"):
-        fused_moe.fused_experts(x, torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2),
-                                torch.zeros(2, 32, 16, dtype=torch.float64),
-                                torch.zeros(2, 16, 16, dtype=torch.float64))
+        fused_moe.expert_outputs(x, torch.zeros(4, 2, dtype=torch.int64),
+                                 torch.zeros(2, 32, 16, dtype=torch.float64),
+                                 torch.zeros(2, 16, 16, dtype=torch.float64))

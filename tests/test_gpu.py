@@ -357,10 +357,10 @@ def test_grouped_experts_cuda_kernel_matches_loop(rows, path, monkeypatch):
     and weighted gather-sum; fused: align, two Triton GEMMs, gather-sum) against the reference
     loop: the split-vs-unsplit checks cannot see an error that both programs share. The
     grouped GEMM's uncomputed rows are poisoned with NaN."""
-    from dbo_compile.ops import fused_moe
+    from dbo_compile.ops import experts
     from dbo_compile.ops.experts import experts_loop
 
-    monkeypatch.setenv(fused_moe.PATH_ENV, path)
+    monkeypatch.setenv(experts.EXPERTS_PATH_ENV, path)
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     e, k, h, inter = 8, 6, 512, 384
@@ -393,10 +393,10 @@ def test_experts_path_is_measured_once_and_captures(monkeypatch):
     """The automatic choice times both paths at a shape's first eager call and keeps it: a
     capture afterwards (no host sync allowed) replays the same answer; a shape first seen
     inside a capture takes the static rule and captures too."""
-    from dbo_compile.ops import fused_moe
+    from dbo_compile.ops import experts
 
-    monkeypatch.delenv(fused_moe.PATH_ENV, raising=False)
-    monkeypatch.setattr(fused_moe, "_CHOICE", {})
+    monkeypatch.delenv(experts.EXPERTS_PATH_ENV, raising=False)
+    monkeypatch.setattr(experts, "_PATH_CHOICE", {})
     g = torch.Generator(device="cuda").manual_seed(0)
     e, k, h, inter = 8, 6, 512, 384
     w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
@@ -410,7 +410,7 @@ def test_experts_path_is_measured_once_and_captures(monkeypatch):
 
     first = call(64)
     want = torch.ops.dbo.grouped_experts(*first, w13, w2)
-    assert len(fused_moe._CHOICE) == 1
+    assert len(experts._PATH_CHOICE) == 1
     unseen = call(96)
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
@@ -421,7 +421,7 @@ def test_experts_path_is_measured_once_and_captures(monkeypatch):
             torch.ops.dbo.grouped_experts(*unseen, w13, w2)
     graph.replay()
     torch.cuda.synchronize()
-    assert len(fused_moe._CHOICE) == 1  # the unseen shape was not measured inside the capture
+    assert len(experts._PATH_CHOICE) == 1  # the unseen shape was not measured inside the capture
     torch.testing.assert_close(got, want)
 
 

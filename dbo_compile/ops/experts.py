@@ -40,7 +40,7 @@ Kernels:
   (decode) take the **fused** path instead where it is faster (:mod:`dbo_compile.ops.
   fused_moe`: an align kernel, two Triton grouped GEMMs reading the rows through the sorted
   slot list with SiLU in the first one's epilogue, the same gather-sum; 4 launches), measured
-  once per shape at its first eager call (``fused_moe.prefer_fused``).
+  once per shape at its first eager call (:func:`_prefer_fused`, ``DBO_EXPERTS_PATH``).
   Another activation or biases: the same algorithm with torch ops between the grouped GEMMs.
   Expert-major rows: the valid rows compacted (offsets from the counts), the two grouped GEMMs,
   the rows written back in place (torch ops; ``deep_gemm``'s masked GEMM reads the layout as
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Callable
 
 import torch
@@ -67,8 +68,9 @@ from dbo_compile.ops._triton import import_triton
 from dbo_compile.ops.comm import ep_size_of_rows
 from dbo_compile.ops.registry import BackendRegistry, OpInfo, register_op
 
-__all__ = ["ACTIVATIONS", "ExpertFn", "ExpertsBackend", "ExpertsOpError",
-           "available_experts_backends", "experts_loop", "get_experts_backend", "grouped_experts",
+__all__ = ["ACTIVATIONS", "EXPERTS_PATH_ENV", "ExpertFn", "ExpertsBackend", "ExpertsOpError",
+           "available_experts_backends", "experts_loop", "experts_path_choices",
+           "get_experts_backend", "grouped_experts",
            "grouped_reference", "register_experts_backend", "register_lazy_experts_backend"]
 
 #: the experts' activations (module docstring)
@@ -379,13 +381,115 @@ def _grouped_triton(x, ids, weights, w13, w2) -> torch.Tensor:
     return y
 
 
+def _grouped_fused(x, ids, weights, w13, w2,
+                   config: fused_moe.FusedConfig | None = None) -> torch.Tensor:
+    """The grouped algorithm by the fused kernels (:mod:`dbo_compile.ops.fused_moe`: align,
+    gate/up + SiLU, down) and the weighted gather-sum; ``grouped_experts``' contract."""
+    if ids.shape[0] == 0:
+        return torch.zeros_like(x)
+    triton, kern = _triton_kernel()
+    n, k = ids.shape
+    hidden = x.shape[1]
+    o, pos = fused_moe.expert_outputs(x, ids, w13, w2, config)
+    ids = ids.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # wgs writes every row
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    kern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids, weights.contiguous(), y, hidden,
+                                                   K=k, BLOCK_H=block_h)
+    return y
+
+
+#: without a measurement (a call first seen inside a CUDA-graph capture): the fused path up to
+#: this many slots. One H200 (``benchmarks/bench_experts.py``, 2026-12-01): the fused path won
+#: up to 3,072 local slots and lost from 4,096 in every shape (V2-Lite EP 1 and emulated EP 8,
+#: V3 emulated EP 8); ``N*K`` >= the local slots, so this errs towards the sorted path
+STATIC_FUSED_SLOTS = 3072
+#: ``DBO_EXPERTS_PATH``: ``auto`` (measure once per shape), ``fused``, ``sorted``
+EXPERTS_PATH_ENV = "DBO_EXPERTS_PATH"
+_PATH_CHOICE: dict[tuple, bool] = {}
+_PATH_TIMES: dict[tuple, dict[str, float]] = {}
+
+
+def _prefer_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether this call takes the fused path: within ``fused_moe.supports``, and faster.
+
+    Which path is faster depends on the local rows per expert, which only the data has (the
+    fused path wins at a few dozen rows per expert, the sorted path's CUTLASS grouped GEMM at
+    hundreds). So the first call of each shape outside a CUDA-graph capture (the runner's
+    warm-up, an eager step) times both paths on its own inputs (each captured in a CUDA graph
+    and replayed; :func:`experts_path_choices` keeps the figures) and the choice is kept for
+    the shape; a shape first seen inside a capture gets the static rule (``ids.numel() <=
+    STATIC_FUSED_SLOTS``). ``DBO_EXPERTS_PATH=fused|sorted`` fixes the choice.
+
+    Raises:
+        ExpertsOpError: ``DBO_EXPERTS_PATH`` is set to anything else.
+    """
+    if not fused_moe.supports(x, ids, w13, w2):
+        return False
+    mode = os.environ.get(EXPERTS_PATH_ENV, "auto")
+    if mode in ("fused", "sorted"):
+        return mode == "fused"
+    if mode != "auto":
+        raise ExpertsOpError(f"{EXPERTS_PATH_ENV}={mode!r}: expected auto, fused or sorted")
+    key = (x.device, x.dtype, tuple(x.shape), tuple(ids.shape), tuple(w13.shape),
+           tuple(w2.shape))
+    choice = _PATH_CHOICE.get(key)
+    if choice is None:
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return ids.numel() <= STATIC_FUSED_SLOTS
+        choice = _PATH_CHOICE[key] = _fused_is_faster(x, ids, weights, w13, w2)
+    return choice
+
+
+def _fused_is_faster(x, ids, weights, w13, w2, reps: int = 5) -> bool:
+    """Time both paths as the step runs them, in a CUDA graph (``reps`` calls captured, the
+    median of 3 replays): eager timing would charge the sorted path's 14 host launches, which
+    a graph replay does not pay. Records the figures for :func:`experts_path_choices`."""
+
+    def timed(fn) -> float:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # compiles the Triton kernels outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(3):
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / reps)
+        del graph
+        return sorted(times)[1]
+
+    fused = timed(lambda: _grouped_fused(x, ids, weights, w13, w2))
+    sorted_ = timed(lambda: _grouped_triton(x, ids, weights, w13, w2))
+    _PATH_TIMES[(tuple(x.shape), tuple(ids.shape), tuple(w13.shape))] = {
+        "fused_us": round(fused, 1), "sorted_us": round(sorted_, 1)}
+    return fused < sorted_
+
+
+def experts_path_choices() -> dict[str, dict[str, float]]:
+    """The shapes measured so far in this process: ``"x [N, H] ids [N, K] w13 [E, 2I, H]"`` ->
+    ``{"fused_us", "sorted_us"}`` (µs per call in a CUDA graph)."""
+    return {f"x {list(a)} ids {list(b)} w13 {list(c)}": v for (a, b, c), v in _PATH_TIMES.items()}
+
+
 def _grouped_cuda(x, ids, weights, w13, w2) -> torch.Tensor:
     if _triton_kernel() is None:  # without Triton: the same algorithm with torch ops
         return grouped_reference(x, ids, weights, w13, w2)
     if ids.shape[0] == 0:
         return torch.zeros_like(x)
-    if fused_moe.prefer_fused(x, ids, weights, w13, w2):  # small calls: 4 kernels, not 14
-        return fused_moe.fused_experts(x, ids, weights, w13, w2)
+    if _prefer_fused(x, ids, weights, w13, w2):  # small calls: 4 kernels, not 14
+        return _grouped_fused(x, ids, weights, w13, w2)
     return _grouped_triton(x, ids, weights, w13, w2)
 
 

@@ -22,8 +22,8 @@ grouped GEMMs that read their rows through the sorted slot list):
    separate gather or activation kernel).
 3. **down** (grid ``tiles x cdiv(H, BLOCK_N)``): ``a @ w2[e].T`` per tile, bf16.
 
-The weighted gather-sum is :mod:`dbo_compile.ops.experts`' ``wgs`` kernel. Four launches per
-call instead of 14; static shapes (the grids are bounded by ``N*K`` slots), no host sync,
+The weighted gather-sum after them is :mod:`dbo_compile.ops.experts`' ``wgs`` kernel (that
+module also chooses between the paths). Four launches per call instead of 14; static shapes (the grids are bounded by ``N*K`` slots), no host sync,
 CUDA-graph capturable. The align kernel reads all ``N*K`` ids once per expert, so the path
 serves calls up to :data:`MAX_SLOTS` slots (the caller keeps the sorted path beyond).
 
@@ -42,20 +42,10 @@ import torch
 from dbo_compile.errors import ExpertsOpError
 from dbo_compile.ops._triton import import_triton
 
-__all__ = ["FusedConfig", "MAX_SLOTS", "STATIC_SLOTS", "choices", "fused_config", "fused_experts",
-           "prefer_fused", "supports"]
+__all__ = ["FusedConfig", "MAX_SLOTS", "align", "expert_outputs", "fused_config", "supports"]
 
 #: the largest ``N*K`` the fused path serves (its align kernel reads all ids once per expert)
 MAX_SLOTS = int(os.environ.get("DBO_FUSED_MOE_MAX_SLOTS", 65536))
-#: without a measurement (a call first seen inside a CUDA-graph capture): the fused path up to
-#: this many slots. One H200 (``benchmarks/bench_experts.py``, 2026-12-01): the fused path won
-#: up to 3,072 local slots and lost from 4,096 in every shape (V2-Lite EP 1 and emulated EP 8,
-#: V3 emulated EP 8); ``N*K`` >= the local slots, so this errs towards the sorted path
-STATIC_SLOTS = 3072
-#: ``DBO_EXPERTS_PATH``: ``auto`` (measure once per shape), ``fused``, ``sorted``
-PATH_ENV = "DBO_EXPERTS_PATH"
-_CHOICE: dict[tuple, bool] = {}
-_TIMES: dict[tuple, dict[str, float]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,76 +90,6 @@ def supports(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     return (x.dim() == 2 and ids.numel() <= MAX_SLOTS and x.dtype == w13.dtype == w2.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and _kernels() is not None)
-
-
-def prefer_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether this call should take the fused path: within :func:`supports`, and faster.
-
-    Which path is faster depends on the local rows per expert, which only the data has (the
-    fused path wins at a few dozen rows per expert, the sorted path's CUTLASS grouped GEMM at
-    hundreds). So the first call of each shape outside a CUDA-graph capture (the runner's
-    warm-up, an eager step) times both paths on its own inputs (each captured in a CUDA graph
-    and replayed, :func:`choices` keeps the figures) and the choice is kept for the shape; a shape first seen inside a capture gets
-    the static rule (``ids.numel() <= STATIC_SLOTS``). ``DBO_EXPERTS_PATH=fused|sorted`` fixes
-    the choice."""
-    if not supports(x, ids, w13, w2):
-        return False
-    mode = os.environ.get(PATH_ENV, "auto")
-    if mode in ("fused", "sorted"):
-        return mode == "fused"
-    if mode != "auto":
-        raise ExpertsOpError(f"{PATH_ENV}={mode!r}: expected auto, fused or sorted")
-    key = (x.device, x.dtype, tuple(x.shape), tuple(ids.shape), tuple(w13.shape),
-           tuple(w2.shape))
-    choice = _CHOICE.get(key)
-    if choice is None:
-        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return ids.numel() <= STATIC_SLOTS
-        choice = _CHOICE[key] = _fused_is_faster(x, ids, weights, w13, w2)
-    return choice
-
-
-def _fused_is_faster(x, ids, weights, w13, w2, reps: int = 5) -> bool:
-    """Time both paths as the step runs them, in a CUDA graph (``reps`` calls captured, the
-    median of 3 replays): eager timing would charge the sorted path's 14 host launches, which
-    a graph replay does not pay. Records the figures in :func:`choices`."""
-    from dbo_compile.ops.experts import _grouped_triton
-
-    def timed(fn) -> float:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # compiles the Triton kernels outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(3):
-            start, end = (torch.cuda.Event(enable_timing=True),
-                          torch.cuda.Event(enable_timing=True))
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / reps)
-        del graph
-        return sorted(times)[1]
-
-    fused = timed(lambda: fused_experts(x, ids, weights, w13, w2))
-    sorted_ = timed(lambda: _grouped_triton(x, ids, weights, w13, w2))
-    _TIMES[(tuple(x.shape), tuple(ids.shape), tuple(w13.shape))] = {
-        "fused_us": round(fused, 1), "sorted_us": round(sorted_, 1)}
-    return fused < sorted_
-
-
-def choices() -> dict[str, dict[str, float]]:
-    """The measured shapes so far: ``"x [N, H] ids [N, K] w13 [E, 2I, H]"`` -> ``{"fused_us",
-    "sorted_us"}`` (µs per call in a CUDA graph, this process)."""
-    return {f"x {list(a)} ids {list(b)} w13 {list(c)}": v for (a, b, c), v in _TIMES.items()}
 
 
 @functools.cache
@@ -315,38 +235,34 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_slots, pos, tile_expert
 
 
-def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  w13: torch.Tensor, w2: torch.Tensor,
-                  config: FusedConfig | None = None) -> torch.Tensor:
-    """``dbo.grouped_experts`` (SwiGLU, no biases, rank-major rows) by the fused kernels.
+def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   config: FusedConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each local slot's expert output, unweighted, by the align and the two GEMM kernels.
 
     Args:
         x: ``[N, H]`` rows (the token dim ``N``), bf16/fp16/fp32, unit stride in ``H``.
         ids: ``[N, K]`` int local expert per slot in ``[-1, E)``; ``-1``: not on this rank.
-        weights: ``[N, K]`` fp32 routing weights (read only where ``ids >= 0``).
-        w13: ``[E, 2I, H]``, w2: ``[E, H, I]`` (any strides), the dtype of ``x``.
+        w13: ``[E, 2I, H]``, w2: ``[E, H, I]`` (any strides), the dtype of ``x``; SwiGLU, no
+            biases.
         config: tile shape (default :func:`fused_config`).
 
     Returns:
-        ``y [N, H]`` of ``x.dtype``: ``y[n] = sum_k weights[n, k] * f_{ids[n, k]}(x[n])``
-        accumulated in fp32; rows with no local slot are zeros.
+        ``(o, pos)``: ``o [P, H]`` of ``x.dtype``, row ``pos[n*K + k]`` = ``f_{ids[n, k]}(x[n])``
+        (fp32 accumulation) for the local slots, the other rows undefined; ``pos [N*K]`` int32
+        (undefined where ``ids < 0``). The caller weights and sums (the ``wgs`` kernel of
+        :mod:`dbo_compile.ops.experts`).
 
     Raises:
         ExpertsOpError: Triton is missing or the call is outside :func:`supports`.
     """
-    from dbo_compile.ops.experts import _triton_kernel as _sorted_kernels
-
     if not supports(x, ids, w13, w2):
         raise ExpertsOpError(
             f"fused experts: cannot serve x {tuple(x.shape)} {x.dtype}, {ids.numel()} slots "
             f"(max {MAX_SLOTS}), w13 {w13.dtype}, w2 {w2.dtype} (Triton "
             f"{'missing' if _kernels() is None else 'present'}); use the sorted path")
     triton, kern, interpreted = _kernels()
-    n, k = ids.shape
+    k = ids.shape[1]
     e, hidden, inter = w13.shape[0], x.shape[1], w2.shape[2]
-    if n == 0:
-        return torch.zeros_like(x)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # wgs writes every row
     if x.stride(1) != 1:
         x = x.contiguous()
     ids = ids.contiguous()
@@ -367,8 +283,4 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w2.stride(0), w2.stride(1), w2.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_FP32=dot_fp32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _, skern = _sorted_kernels()
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    skern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids, weights.contiguous(), y,
-                                                    hidden, K=k, BLOCK_H=block_h)
-    return y
+    return o, pos
