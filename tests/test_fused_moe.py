@@ -73,6 +73,64 @@ print("ok")
 """
 
 
+_EDGE_CHECK = """
+import torch
+from test_experts import _case
+_empty = torch.empty
+
+
+def poisoned(*args, **kwargs):  # every buffer the kernels leave undefined reads as poison
+    t = _empty(*args, **kwargs)
+    return t.fill_(float("nan") if t.dtype.is_floating_point else 2**30)
+
+
+torch.empty = poisoned
+from dbo_compile.ops.experts import experts_loop
+from dbo_compile.ops.experts import _grouped_fused as fused_experts
+from dbo_compile.ops.fused_moe import FusedConfig, align
+C = FusedConfig(16, 16, 16)
+
+
+def check(name, x, ids, w, w13, w2, cfg=C):
+    got = fused_experts(x, ids, w, w13, w2, cfg).float()
+    ref = experts_loop(x.float(), ids.long(), w.float(), w13.float(), w2.float()).float()
+    assert bool(torch.isfinite(got).all()), name
+    err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+    assert err < (1e-5 if x.dtype == torch.float32 else 2e-2), (name, err)
+
+
+x, ids, w, w13, w2 = _case(n=40, seed=0)
+check("every slot elsewhere", x, torch.full_like(ids, -1), w, w13, w2)
+check("one expert takes every slot", x, torch.full_like(ids, 2), w, w13, w2)
+dup = ids.clone(); dup[:, 1:] = dup[:, :1]
+check("one expert thrice in a row", x, dup, w, w13, w2)
+# inf / NaN weights of slots elsewhere and inf rows without a local slot never reach y
+w_bad = torch.where(ids < 0, float("nan"), w); w_bad[::2][ids[::2] < 0] = float("inf")
+x_bad = x.clone(); x_bad[(ids < 0).all(1)] = float("inf")
+check("inf/NaN where no local slot", x_bad, ids, w_bad, w13, w2)
+check("int32 ids", x, ids.int(), w, w13, w2)
+check("strided ids and weights", x, ids.t().contiguous().t(), w.t().contiguous().t(), w13, w2)
+wide = torch.randint(-1, 4, (40, 6)); wide[:5] = -1
+check("every other column", x, wide[:, ::2], torch.rand(40, 6)[:, ::2], w13, w2)
+check("block_m above every row", x[:3], ids[5:8], w[:3], w13, w2, FusedConfig(128, 16, 16))
+check("H, I below one tile", *_case(n=20, h=8, inter=4, e=3, k=2, seed=3))
+check("H, I below a 64 tile", *_case(n=20, h=20, inter=12, e=3, k=2, seed=3),
+      FusedConfig(64, 64, 64))
+check("300 experts (512 bins)", *_case(n=64, h=16, inter=16, e=300, k=6, seed=5))
+check("N*K = 301", *_case(n=43, k=7, seed=7))
+check("bf16, one expert", *_case(n=40, seed=9, dtype=torch.bfloat16)[:1],
+      torch.full((40, 3), 1), torch.rand(40, 3),
+      *_case(n=40, seed=9, dtype=torch.bfloat16)[3:], FusedConfig(32, 16, 16))
+# no local expert at all (E_local = 0): every tile unused, y zeros
+none = torch.full((6, 2), -1)
+_, _, tile_expert = align(none, 0, 16)
+assert bool((tile_expert == -1).all()), tile_expert
+y = fused_experts(x[:6], none, w[:6, :2], w13[:0], w2[:0], C)
+assert y.abs().max() == 0
+print("ok")
+"""
+
+
 def test_fused_kernels_match_loop_in_interpreter():
     """Gate/up + SiLU and down GEMMs over the aligned slots, then the weighted gather-sum,
     against the reference loop: fp32 and bf16, H and I not multiples of the tiles, one row,
@@ -81,6 +139,16 @@ def test_fused_kernels_match_loop_in_interpreter():
     from triton_interp import run_interpreted
 
     assert run_interpreted(_FUSED_CHECK).strip().endswith("ok")
+
+
+def test_fused_kernels_edge_cases_in_interpreter():
+    """Every buffer the kernels leave undefined poisoned (NaN, 2**30): no slot here, one
+    expert taking every slot, one expert thrice in a row, inf/NaN on slots elsewhere and on
+    rows without a local slot, int32 and strided ids, a tile taller than every row, H and I
+    below one tile, 300 experts, ``N*K`` not a multiple of anything, no local expert."""
+    from triton_interp import run_interpreted
+
+    assert run_interpreted(_EDGE_CHECK).strip().endswith("ok")
 
 
 def test_align_layout_in_interpreter():
@@ -102,6 +170,8 @@ def test_path_choice_override_and_static_rule(monkeypatch):
     """``DBO_EXPERTS_PATH`` fixes the choice, a bad value raises; without a measurement (not
     CUDA here) the static slot rule decides; calls outside :func:`supports` never take it."""
     pytest.importorskip("triton")
+    # CPU tensors as under Triton's interpreter (outside it, supports() refuses them)
+    monkeypatch.setattr(fused_moe, "_kernels", lambda: (None, None, True))
     x = torch.zeros(4, 16)
     w13, w2 = torch.zeros(2, 32, 16), torch.zeros(2, 16, 16)
     small = torch.zeros(4, 2, dtype=torch.int64)
@@ -127,3 +197,31 @@ def test_fused_kernels_refuse_what_they_cannot_serve():
         fused_moe.expert_outputs(x, torch.zeros(4, 2, dtype=torch.int64),
                                  torch.zeros(2, 32, 16, dtype=torch.float64),
                                  torch.zeros(2, 16, 16, dtype=torch.float64))
+
+
+def test_fused_kernels_refuse_cpu_tensors_outside_the_interpreter():
+    """``supports`` says CUDA or Triton's interpreter: CPU tensors otherwise get the
+    project's error, not Triton's ("0 active drivers")."""
+    pytest.importorskip("triton")
+    x, ids = torch.zeros(4, 16), torch.zeros(4, 2, dtype=torch.int64)
+    w13, w2 = torch.zeros(2, 32, 16), torch.zeros(2, 16, 16)
+    assert not fused_moe.supports(x, ids, w13, w2)
+    with pytest.raises(ExpertsOpError, match="sorted path"):
+        fused_moe.expert_outputs(x, ids, w13, w2)
+
+
+@pytest.mark.parametrize("bad", ["hidden", "ids_1d", "ids_float", "rows"])
+def test_fused_kernels_refuse_disagreeing_shapes(bad):
+    """A public entry point: shapes that disagree raise instead of reading out of bounds."""
+    x, ids = torch.zeros(4, 16), torch.zeros(4, 2, dtype=torch.int64)
+    w13, w2 = torch.zeros(2, 32, 16), torch.zeros(2, 16, 16)
+    if bad == "hidden":
+        w13, w2 = torch.zeros(2, 32, 24), torch.zeros(2, 24, 16)
+    elif bad == "ids_1d":
+        ids = ids.view(-1)
+    elif bad == "ids_float":
+        ids = ids.float()
+    else:
+        ids = ids[:3]
+    with pytest.raises(ExpertsOpError, match=r"expected x \[N, H\]"):
+        fused_moe.expert_outputs(x, ids, w13, w2)

@@ -87,9 +87,10 @@ def supports(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     """Whether the fused path serves this call: CUDA (or Triton's interpreter), rank-major
     rows, 16-bit or fp32 activations and weights of one dtype, at most :data:`MAX_SLOTS`
     slots, Triton importable."""
-    return (x.dim() == 2 and ids.numel() <= MAX_SLOTS and x.dtype == w13.dtype == w2.dtype
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and _kernels() is not None)
+    kernels = _kernels()
+    return (kernels is not None and (x.is_cuda or kernels[2])
+            and x.dim() == 2 and ids.numel() <= MAX_SLOTS and x.dtype == w13.dtype == w2.dtype
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
 @functools.cache
@@ -228,6 +229,9 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_slots = torch.empty(tiles * block_m, dtype=torch.int32, device=ids.device)
     pos = torch.empty(nk, dtype=torch.int32, device=ids.device)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=ids.device)
+    if num_experts == 0:  # no program would mark the tiles unused
+        tile_expert.fill_(-1)
+        return sorted_slots, pos, tile_expert
     bins = triton.next_power_of_2(num_experts + 1)
     block = max(128, min(1024, 16384 // bins))
     kern["align"][(num_experts,)](ids.contiguous(), sorted_slots, pos, tile_expert, nk,
@@ -253,8 +257,18 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: to
         :mod:`dbo_compile.ops.experts`).
 
     Raises:
-        ExpertsOpError: Triton is missing or the call is outside :func:`supports`.
+        ExpertsOpError: Triton is missing, the call is outside :func:`supports`, or the
+            shapes disagree (``ids`` not ``[N, K]`` int, ``w13``/``w2`` not ``[E, 2I, H]`` /
+            ``[E, H, I]`` with ``x``'s ``H``).
     """
+    if (ids.dim() != 2 or ids.shape[0] != x.shape[0] or ids.is_floating_point()
+            or w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]
+            or w13.shape[2] != x.shape[-1] or w2.shape[1] != x.shape[-1]
+            or w13.shape[1] != 2 * w2.shape[2]):
+        raise ExpertsOpError(
+            f"fused experts: expected x [N, H], ids [N, K] int, w13 [E, 2I, H], w2 [E, H, I]; "
+            f"got x {tuple(x.shape)}, ids {tuple(ids.shape)} {ids.dtype}, w13 "
+            f"{tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if not supports(x, ids, w13, w2):
         raise ExpertsOpError(
             f"fused experts: cannot serve x {tuple(x.shape)} {x.dtype}, {ids.numel()} slots "
