@@ -23,9 +23,10 @@ grouped GEMMs that read their rows through the sorted slot list):
 3. **down** (grid ``tiles x cdiv(H, BLOCK_N)``): ``a @ w2[e].T`` per tile, bf16.
 
 The weighted gather-sum after them is :mod:`dbo_compile.ops.experts`' ``wgs`` kernel (that
-module also chooses between the paths). Four launches per call instead of 14; static shapes (the grids are bounded by ``N*K`` slots), no host sync,
-CUDA-graph capturable. The align kernel reads all ``N*K`` ids once per expert, so the path
-serves calls up to :data:`MAX_SLOTS` slots (the caller keeps the sorted path beyond).
+module also chooses between the paths). Four launches per call instead of 14; static shapes
+(the grids are bounded by ``N*K`` slots), no host sync, CUDA-graph capturable. The align kernel
+reads all ``N*K`` ids once per expert, so the path serves calls up to :data:`MAX_SLOTS` slots
+(the caller keeps the sorted path beyond).
 
 Numerics: the same products as the sorted path, accumulated in fp32; the gate/up values go
 into SiLU unrounded (the sorted path rounds them to bf16 first).
