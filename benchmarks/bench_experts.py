@@ -73,8 +73,12 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="every fused tile shape too")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--max-slots", type=int, default=1 << 20,
+                   help="the fused path's slot limit for this run (the package's: "
+                        f"{fused_moe.MAX_SLOTS}), so that the sweep sees where it loses")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    fused_moe.MAX_SLOTS = args.max_slots
     device = torch.device("cuda")
     rows = []
     for shape in args.shapes.split(","):
@@ -85,7 +89,7 @@ def main(argv=None) -> int:
             ref = _grouped_triton(x, ids, w, w13, w2).float()
             row["sorted_us"] = H.time_graph(lambda: _grouped_triton(x, ids, w, w13, w2),
                                             args.iters, args.reps)[0]
-            if ids.numel() <= 4 * fused_moe.MAX_SLOTS:
+            if ids.numel() <= fused_moe.MAX_SLOTS:
                 cands = [None] + configs(args.sweep)
                 best = None
                 for cfg in cands:

@@ -287,7 +287,9 @@ class DboConfig:
             expert-major layout of DeepEP low-latency: its masked grouped GEMM), else the op's
             own (``"torch"``), logging what it chose; else a registered experts backend
             (``dbo_compile.ops.experts.available_experts_backends()``).
-        experts_backend_options: options of the experts backend (``deep_gemm``: ``fp8``).
+        experts_backend_options: options of the experts backend (``deep_gemm``: ``fp8``,
+            ``expected_m``; ``torch``: ``path``, ``"auto"`` / ``"fused"`` / ``"sorted"``, the
+            CUDA path of its rank-major calls, :mod:`dbo_compile.ops.fused_moe`).
         check_host_mirrors: compare the host mirrors of the attention metadata
             (``query_start_loc_cpu``, ...; see :mod:`dbo_compile.metadata`) with their
             device tensors every step: a device read per mirrored field, for debugging an

@@ -166,9 +166,9 @@ def test_tile_shape_is_validated(bad):
         fused_moe.FusedConfig(**bad)
 
 
-def test_path_choice_override_and_static_rule(monkeypatch):
-    """``DBO_EXPERTS_PATH`` fixes the choice, a bad value raises; without a measurement (not
-    CUDA here) the static slot rule decides; calls outside :func:`supports` never take it."""
+def test_path_choice_option_and_static_rule(monkeypatch):
+    """The ``path`` option fixes the choice; without a measurement (not CUDA here) the static
+    slot rule decides; calls outside :func:`supports` never take the fused path."""
     pytest.importorskip("triton")
     # CPU tensors as under Triton's interpreter (outside it, supports() refuses them)
     monkeypatch.setattr(fused_moe, "_kernels", lambda: (None, None, True))
@@ -176,18 +176,30 @@ def test_path_choice_override_and_static_rule(monkeypatch):
     w13, w2 = torch.zeros(2, 32, 16), torch.zeros(2, 16, 16)
     small = torch.zeros(4, 2, dtype=torch.int64)
     big = torch.zeros(experts.STATIC_FUSED_SLOTS // 2 + 1, 2, dtype=torch.int64)
+    xb = torch.zeros(big.shape[0], 16)
     w = torch.zeros(4, 2)
-    monkeypatch.delenv(experts.EXPERTS_PATH_ENV, raising=False)
     assert experts._prefer_fused(x, small, w, w13, w2)
-    assert not experts._prefer_fused(torch.zeros(big.shape[0], 16), big, w, w13, w2)
+    assert not experts._prefer_fused(xb, big, w, w13, w2)
     assert not experts._prefer_fused(x.double(), small, w, w13, w2)  # dtype outside supports
-    monkeypatch.setenv(experts.EXPERTS_PATH_ENV, "sorted")
-    assert not experts._prefer_fused(x, small, w, w13, w2)
-    monkeypatch.setenv(experts.EXPERTS_PATH_ENV, "fused")
-    assert experts._prefer_fused(torch.zeros(big.shape[0], 16), big, w, w13, w2)
-    monkeypatch.setenv(experts.EXPERTS_PATH_ENV, "fast")
-    with pytest.raises(ExpertsOpError, match="auto, fused or sorted"):
-        experts._prefer_fused(x, small, w, w13, w2)
+    assert not experts._prefer_fused(x.double(), small, w, w13, w2, "fused")
+    assert not experts._prefer_fused(x, small, w, w13, w2, "sorted")
+    assert experts._prefer_fused(xb, big, w, w13, w2, "fused")
+
+
+def test_torch_backend_path_option_is_validated():
+    """``experts_backend_options={"path": ...}`` reaches the ``torch`` backend through its spec;
+    a bad value or an unknown option raises ``ExpertsOpError`` naming what it takes."""
+    from dbo_compile.ops.experts import get_experts_backend
+    from dbo_compile.ops.registry import backend_spec
+
+    spec = backend_spec("torch", {"path": "sorted"})
+    assert spec == "torch:path=sorted"
+    assert get_experts_backend(spec).run.keywords == {"path": "sorted"}
+    assert get_experts_backend("torch").run.keywords == {"path": "auto"}
+    with pytest.raises(ExpertsOpError, match="expected one of auto, fused, sorted"):
+        get_experts_backend("torch:path=fast")
+    with pytest.raises(ExpertsOpError, match="unknown option.*takes path"):
+        get_experts_backend("torch:fp8=true")
 
 
 def test_fused_kernels_refuse_what_they_cannot_serve():

@@ -352,15 +352,13 @@ def test_split_program_under_cuda_sanitizer():
 @needs_cuda
 @pytest.mark.parametrize("path", ["sorted", "fused"])
 @pytest.mark.parametrize("rows", [1, 300, 4096])
-def test_grouped_experts_cuda_kernel_matches_loop(rows, path, monkeypatch):
+def test_grouped_experts_cuda_kernel_matches_loop(rows, path):
     """dbo.grouped_experts on CUDA, both paths (sorted: sort, grouped GEMM, Triton SiLU-mul
     and weighted gather-sum; fused: align, two Triton GEMMs, gather-sum) against the reference
     loop: the split-vs-unsplit checks cannot see an error that both programs share. The
-    grouped GEMM's uncomputed rows are poisoned with NaN."""
-    from dbo_compile.ops import experts
+    grouped GEMM's uncomputed rows are poisoned with NaN. The path: the torch backend's
+    option, through its spec."""
     from dbo_compile.ops.experts import experts_loop
-
-    monkeypatch.setenv(experts.EXPERTS_PATH_ENV, path)
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     e, k, h, inter = 8, 6, 512, 384
@@ -379,7 +377,8 @@ def test_grouped_experts_cuda_kernel_matches_loop(rows, path, monkeypatch):
 
     torch._grouped_mm = poisoned_gmm
     try:
-        got = torch.ops.dbo.grouped_experts(x, ids, w, w13, w2).float()
+        got = torch.ops.dbo.grouped_experts(x, ids, w, w13, w2,
+                                            backend=f"torch:path={path}").float()
     finally:
         torch._grouped_mm = real_gmm
     ref = experts_loop(x.float(), ids, w, w13.float(), w2.float())
@@ -395,7 +394,6 @@ def test_experts_path_is_measured_once_and_captures(monkeypatch):
     inside a capture takes the static rule and captures too."""
     from dbo_compile.ops import experts
 
-    monkeypatch.delenv(experts.EXPERTS_PATH_ENV, raising=False)
     monkeypatch.setattr(experts, "_PATH_CHOICE", {})
     g = torch.Generator(device="cuda").manual_seed(0)
     e, k, h, inter = 8, 6, 512, 384

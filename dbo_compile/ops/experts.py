@@ -40,7 +40,8 @@ Kernels:
   (decode) take the **fused** path instead where it is faster (:mod:`dbo_compile.ops.
   fused_moe`: an align kernel, two Triton grouped GEMMs reading the rows through the sorted
   slot list with SiLU in the first one's epilogue, the same gather-sum; 4 launches), measured
-  once per shape at its first eager call (:func:`_prefer_fused`, ``DBO_EXPERTS_PATH``).
+  once per shape at its first eager call (:func:`_prefer_fused`; the backend's option
+  ``path``: ``experts_backend="torch", experts_backend_options={"path": "fused"}``).
   Another activation or biases: the same algorithm with torch ops between the grouped GEMMs.
   Expert-major rows: the valid rows compacted (offsets from the counts), the two grouped GEMMs,
   the rows written back in place (torch ops; ``deep_gemm``'s masked GEMM reads the layout as
@@ -55,8 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -68,7 +68,7 @@ from dbo_compile.ops._triton import import_triton
 from dbo_compile.ops.comm import ep_size_of_rows
 from dbo_compile.ops.registry import BackendRegistry, OpInfo, register_op
 
-__all__ = ["ACTIVATIONS", "EXPERTS_PATH_ENV", "ExpertFn", "ExpertsBackend", "ExpertsOpError",
+__all__ = ["ACTIVATIONS", "EXPERTS_PATHS", "ExpertFn", "ExpertsBackend", "ExpertsOpError",
            "available_experts_backends", "experts_loop", "experts_path_choices",
            "get_experts_backend", "grouped_experts",
            "grouped_reference", "register_experts_backend", "register_lazy_experts_backend"]
@@ -404,15 +404,17 @@ def _grouped_fused(x, ids, weights, w13, w2,
 #: up to 3,072 local slots and lost from 4,096 in every shape (V2-Lite EP 1 and emulated EP 8,
 #: V3 emulated EP 8); ``N*K`` >= the local slots, so this errs towards the sorted path
 STATIC_FUSED_SLOTS = 3072
-#: ``DBO_EXPERTS_PATH``: ``auto`` (measure once per shape), ``fused``, ``sorted``
-EXPERTS_PATH_ENV = "DBO_EXPERTS_PATH"
+#: the ``torch`` backend's ``path`` option (``experts_backend_options={"path": ...}``):
+#: ``auto`` (measure once per shape), ``fused``, ``sorted``
+EXPERTS_PATHS = ("auto", "fused", "sorted")
 _PATH_CHOICE: dict[tuple, bool] = {}
 _PATH_TIMES: dict[tuple, dict[str, float]] = {}
 
 
 def _prefer_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether this call takes the fused path: within ``fused_moe.supports``, and faster.
+                  w13: torch.Tensor, w2: torch.Tensor, path: str = "auto") -> bool:
+    """Whether this call takes the fused path: within ``fused_moe.supports``, and (``path=
+    "auto"``) faster; ``"fused"`` takes it wherever it serves, ``"sorted"`` never.
 
     Which path is faster depends on the local rows per expert, which only the data has (the
     fused path wins at a few dozen rows per expert, the sorted path's CUTLASS grouped GEMM at
@@ -420,18 +422,13 @@ def _prefer_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     warm-up, an eager step) times both paths on its own inputs (each captured in a CUDA graph
     and replayed; :func:`experts_path_choices` keeps the figures) and the choice is kept for
     the shape; a shape first seen inside a capture gets the static rule (``ids.numel() <=
-    STATIC_FUSED_SLOTS``). ``DBO_EXPERTS_PATH=fused|sorted`` fixes the choice.
-
-    Raises:
-        ExpertsOpError: ``DBO_EXPERTS_PATH`` is set to anything else.
+    STATIC_FUSED_SLOTS``). The measurement synchronises with the host once per shape, outside
+    any capture (as Triton's autotuner does at a kernel's first call).
     """
-    if not fused_moe.supports(x, ids, w13, w2):
+    if path == "sorted" or not fused_moe.supports(x, ids, w13, w2):
         return False
-    mode = os.environ.get(EXPERTS_PATH_ENV, "auto")
-    if mode in ("fused", "sorted"):
-        return mode == "fused"
-    if mode != "auto":
-        raise ExpertsOpError(f"{EXPERTS_PATH_ENV}={mode!r}: expected auto, fused or sorted")
+    if path == "fused":
+        return True
     key = (x.device, x.dtype, tuple(x.shape), tuple(ids.shape), tuple(w13.shape),
            tuple(w2.shape))
     choice = _PATH_CHOICE.get(key)
@@ -483,24 +480,49 @@ def experts_path_choices() -> dict[str, dict[str, float]]:
     return {f"x {list(a)} ids {list(b)} w13 {list(c)}": v for (a, b, c), v in _PATH_TIMES.items()}
 
 
-def _grouped_cuda(x, ids, weights, w13, w2) -> torch.Tensor:
+def _grouped_cuda(x, ids, weights, w13, w2, path: str = "auto") -> torch.Tensor:
     if _triton_kernel() is None:  # without Triton: the same algorithm with torch ops
         return grouped_reference(x, ids, weights, w13, w2)
     if ids.shape[0] == 0:
         return torch.zeros_like(x)
-    if _prefer_fused(x, ids, weights, w13, w2):  # small calls: 4 kernels, not 14
+    if _prefer_fused(x, ids, weights, w13, w2, path):  # small calls: 4 kernels, not 14
         return _grouped_fused(x, ids, weights, w13, w2)
     return _grouped_triton(x, ids, weights, w13, w2)
 
 
-def _grouped_torch(x, ids, weights, w13, w2, fn: ExpertFn = PLAIN) -> torch.Tensor:
+def _grouped_torch(x, ids, weights, w13, w2, fn: ExpertFn = PLAIN,
+                   path: str = "auto") -> torch.Tensor:
     """The ``"torch"`` experts backend: the grouped algorithm where it has fused kernels, the
-    reference loop elsewhere (see the module docstring)."""
+    reference loop elsewhere (see the module docstring); ``path``: its option (``auto``,
+    ``fused``, ``sorted``: the CUDA path of rank-major SwiGLU calls, :func:`_prefer_fused`)."""
     if not _grouped_ok(x, w13, w2):
         return experts_loop(x, ids, weights, w13, w2, fn)
     if x.dim() == 3 or not fn.plain:
         return grouped_reference(x, ids, weights, w13, w2, fn)
-    return _grouped_cuda(x, ids, weights, w13, w2)
+    return _grouped_cuda(x, ids, weights, w13, w2, path)
+
+
+def _configure_torch(path: str = "auto", **unknown: Any) -> ExpertsBackend:
+    """The ``torch`` backend with its options (``experts_backend_options={"path": "fused"}``:
+    spec ``"torch:path=fused"``).
+
+    Raises:
+        ExpertsOpError: an unknown option, or ``path`` not one of :data:`EXPERTS_PATHS`.
+    """
+    if unknown:
+        raise ExpertsOpError(f"experts backend 'torch': unknown option(s) {sorted(unknown)}; "
+                             f"it takes path (one of {', '.join(EXPERTS_PATHS)})")
+    if path not in EXPERTS_PATHS:
+        raise ExpertsOpError(f"experts backend 'torch': path={path!r}; expected one of "
+                             f"{', '.join(EXPERTS_PATHS)}")
+    return _torch_backend(path)
+
+
+def _torch_backend(path: str = "auto") -> ExpertsBackend:
+    return ExpertsBackend(
+        "torch", functools.partial(_grouped_torch, path=path),
+        "torch._grouped_mm or fused Triton grouped GEMMs on CUDA (bf16, sm90+), a loop elsewhere"
+        + ("" if path == "auto" else f"; path={path}"), configure=_configure_torch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,8 +583,7 @@ def clear_configured_experts_backends() -> None:
     _REGISTRY.clear_configured()
 
 
-register_experts_backend(ExpertsBackend(
-    "torch", _grouped_torch, "torch._grouped_mm + Triton on CUDA (bf16, sm90+), a loop elsewhere"))
+register_experts_backend(_torch_backend())
 register_lazy_experts_backend("deep_gemm", "dbo_compile.ops.deep_gemm")
 
 

@@ -4,9 +4,10 @@ decode kernels, :func:`dbo_compile.ops.experts.grouped_experts` picks them).
 At decode a step's routed experts see a few dozen rows each; there the sorted path (slot keys,
 CUB's radix sort, the offsets, a gather, two ``torch._grouped_mm`` with SiLU between them, the
 weighted gather-sum: 14 kernels) is launch- and latency-bound, and a split step pays it twice
-(one H200, emulated EP-8 decode 256, 4 layers: the sort's kernels 262 µs and the grouped GEMMs
-604 µs of a 2,387 µs split program; each grouped GEMM took ~38 µs at 96 and at 192 rows per
-expert, i.e. its 88 tiles read the weights at a fraction of HBM bandwidth). This module does the
+(one H200, emulated EP-8 decode 256, 4 layers: ~260 µs in the sort's kernels and 604 µs in
+the grouped GEMMs of a split program's 2,387 µs of kernel time; each grouped GEMM took ~38 µs
+at 96 and at 192 rows per expert, i.e. its 88 tiles read the weights at a fraction of HBM
+bandwidth; ``benchmarks/results/kernels_emulated_ep8_decode256_h200_2026-12-01.json``). This module does the
 same work the way vLLM's ``fused_moe`` Triton kernel does (``moe_align_block_size``, then
 grouped GEMMs that read their rows through the sorted slot list):
 
@@ -24,9 +25,10 @@ grouped GEMMs that read their rows through the sorted slot list):
 
 The weighted gather-sum after them is :mod:`dbo_compile.ops.experts`' ``wgs`` kernel (that
 module also chooses between the paths). Four launches per call instead of 14; static shapes
-(the grids are bounded by ``N*K`` slots), no host sync, CUDA-graph capturable. The align kernel
-reads all ``N*K`` ids once per expert, so the path serves calls up to :data:`MAX_SLOTS` slots
-(the caller keeps the sorted path beyond).
+(the grids are bounded by ``N*K`` slots), no host sync, CUDA-graph capturable. The tile shape
+is :data:`DEFAULT_CONFIG` unless a call passes another (``benchmarks/bench_experts.py
+--sweep``). The align kernel reads all ``N*K`` ids once per expert, so the path serves calls
+up to :data:`MAX_SLOTS` slots (the caller keeps the sorted path beyond).
 
 Numerics: the same products as the sorted path, accumulated in fp32; the gate/up values go
 into SiLU unrounded (the sorted path rounds them to bf16 first).
@@ -36,17 +38,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 
 from dbo_compile.errors import ExpertsOpError
 from dbo_compile.ops._triton import import_triton
 
-__all__ = ["FusedConfig", "MAX_SLOTS", "align", "expert_outputs", "fused_config", "supports"]
+__all__ = ["DEFAULT_CONFIG", "FusedConfig", "MAX_SLOTS", "align", "expert_outputs", "supports"]
 
 #: the largest ``N*K`` the fused path serves (its align kernel reads all ids once per expert)
-MAX_SLOTS = int(os.environ.get("DBO_FUSED_MOE_MAX_SLOTS", 65536))
+MAX_SLOTS = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +75,10 @@ class FusedConfig:
                                      f">= 16 (tl.dot's tile)")
 
 
-def fused_config(slots: int, num_experts: int) -> FusedConfig:
-    """The tile shape for a call of ``slots = N*K`` slots over ``num_experts`` local experts
-    (shapes only: capturable). ``DBO_FUSED_MOE_CONFIG=bm,bn,bk,warps,stages`` overrides it
-    (tuning runs)."""
-    env = os.environ.get("DBO_FUSED_MOE_CONFIG")
-    if env:
-        return FusedConfig(*(int(v) for v in env.split(",")))
-    return FusedConfig()
+#: the tile shape of both GEMMs: within 8 % of the sweep's fastest of 24 shapes at every shape
+#: measured, within 2 % at V2-Lite's emulated EP-8 128-1024 tokens (one H200,
+#: ``benchmarks/bench_experts.py --sweep``, 2026-12-01; the repeats' spread is ~1-2 %)
+DEFAULT_CONFIG = FusedConfig()
 
 
 def supports(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -249,7 +246,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: to
         ids: ``[N, K]`` int local expert per slot in ``[-1, E)``; ``-1``: not on this rank.
         w13: ``[E, 2I, H]``, w2: ``[E, H, I]`` (any strides), the dtype of ``x``; SwiGLU, no
             biases.
-        config: tile shape (default :func:`fused_config`).
+        config: tile shape (default :data:`DEFAULT_CONFIG`).
 
     Returns:
         ``(o, pos)``: ``o [P, H]`` of ``x.dtype``, row ``pos[n*K + k]`` = ``f_{ids[n, k]}(x[n])``
@@ -281,7 +278,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: to
     if x.stride(1) != 1:
         x = x.contiguous()
     ids = ids.contiguous()
-    cfg = config or fused_config(ids.numel(), e)
+    cfg = config or DEFAULT_CONFIG
     sorted_slots, pos, tile_expert = align(ids, e, cfg.block_m)
     rows = sorted_slots.numel()
     tiles = tile_expert.numel()
