@@ -394,7 +394,7 @@ def test_experts_path_is_measured_once_and_captures(monkeypatch):
     inside a capture takes the static rule and captures too."""
     from dbo_compile.ops import experts
 
-    monkeypatch.setattr(experts, "_PATH_CHOICE", {})
+    monkeypatch.setattr(experts, "_PATH_TIMES", {})
     g = torch.Generator(device="cuda").manual_seed(0)
     e, k, h, inter = 8, 6, 512, 384
     w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h ** 0.5).to(torch.bfloat16)
@@ -408,7 +408,7 @@ def test_experts_path_is_measured_once_and_captures(monkeypatch):
 
     first = call(64)
     want = torch.ops.dbo.grouped_experts(*first, w13, w2)
-    assert len(experts._PATH_CHOICE) == 1
+    assert len(experts._PATH_TIMES) == 1
     unseen = call(96)
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
@@ -419,7 +419,7 @@ def test_experts_path_is_measured_once_and_captures(monkeypatch):
             torch.ops.dbo.grouped_experts(*unseen, w13, w2)
     graph.replay()
     torch.cuda.synchronize()
-    assert len(experts._PATH_CHOICE) == 1  # the unseen shape was not measured inside the capture
+    assert len(experts._PATH_TIMES) == 1  # the unseen shape was not measured inside the capture
     torch.testing.assert_close(got, want)
 
 

@@ -375,9 +375,21 @@ def _grouped_triton(x, ids, weights, w13, w2) -> torch.Tensor:
     kern["silu_mul"][(nk, triton.cdiv(inter, block))](h, act, offs[-1:], nk, inter,
                                                         BLOCK=block)
     o = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # row-major, whatever x's strides
-    kern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids, weights, y, hidden, K=k,
-                                                   BLOCK_H=block_h)
+    return _gather_sum(o, pos, ids, weights, x)
+
+
+def _gather_sum(o: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                x: torch.Tensor) -> torch.Tensor:
+    """``y [N, H]`` (``x``'s shape and dtype, row-major whatever ``x``'s strides): ``y[n] =
+    sum_k weights[n, k] * o[pos[n*K + k]]`` over the local slots (``ids >= 0``), fp32
+    accumulation, by the Triton ``wgs`` kernel; it writes every row (zeros without a slot)."""
+    triton, kern = _triton_kernel()
+    n, k = ids.shape
+    hidden = x.shape[1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    kern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids.contiguous(), weights.contiguous(),
+                                                   y, hidden, K=k, BLOCK_H=block_h)
     return y
 
 
@@ -387,16 +399,8 @@ def _grouped_fused(x, ids, weights, w13, w2,
     gate/up + SiLU, down) and the weighted gather-sum; ``grouped_experts``' contract."""
     if ids.shape[0] == 0:
         return torch.zeros_like(x)
-    triton, kern = _triton_kernel()
-    n, k = ids.shape
-    hidden = x.shape[1]
     o, pos = fused_moe.expert_outputs(x, ids, w13, w2, config)
-    ids = ids.contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # wgs writes every row
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    kern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids, weights.contiguous(), y, hidden,
-                                                   K=k, BLOCK_H=block_h)
-    return y
+    return _gather_sum(o, pos, ids, weights, x)
 
 
 #: without a measurement (a call first seen inside a CUDA-graph capture): the fused path up to
@@ -407,7 +411,7 @@ STATIC_FUSED_SLOTS = 3072
 #: the ``torch`` backend's ``path`` option (``experts_backend_options={"path": ...}``):
 #: ``auto`` (measure once per shape), ``fused``, ``sorted``
 EXPERTS_PATHS = ("auto", "fused", "sorted")
-_PATH_CHOICE: dict[tuple, bool] = {}
+#: per call shape (device, dtype, x, ids, w13, w2 shapes): the measured µs of both paths
 _PATH_TIMES: dict[tuple, dict[str, float]] = {}
 
 
@@ -431,18 +435,18 @@ def _prefer_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         return True
     key = (x.device, x.dtype, tuple(x.shape), tuple(ids.shape), tuple(w13.shape),
            tuple(w2.shape))
-    choice = _PATH_CHOICE.get(key)
-    if choice is None:
+    times = _PATH_TIMES.get(key)
+    if times is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return ids.numel() <= STATIC_FUSED_SLOTS
-        choice = _PATH_CHOICE[key] = _fused_is_faster(x, ids, weights, w13, w2)
-    return choice
+        times = _PATH_TIMES[key] = _path_times(x, ids, weights, w13, w2)
+    return times["fused_us"] < times["sorted_us"]
 
 
-def _fused_is_faster(x, ids, weights, w13, w2, reps: int = 5) -> bool:
-    """Time both paths as the step runs them, in a CUDA graph (``reps`` calls captured, the
-    median of 3 replays): eager timing would charge the sorted path's 14 host launches, which
-    a graph replay does not pay. Records the figures for :func:`experts_path_choices`."""
+def _path_times(x, ids, weights, w13, w2, reps: int = 5) -> dict[str, float]:
+    """``{"fused_us", "sorted_us"}``: both paths timed as the step runs them, in a CUDA graph
+    (``reps`` calls captured, the median of 3 replays): eager timing would charge the sorted
+    path's 14 host launches, which a graph replay does not pay."""
 
     def timed(fn) -> float:
         side = torch.cuda.Stream()
@@ -467,17 +471,16 @@ def _fused_is_faster(x, ids, weights, w13, w2, reps: int = 5) -> bool:
         del graph
         return sorted(times)[1]
 
-    fused = timed(lambda: _grouped_fused(x, ids, weights, w13, w2))
-    sorted_ = timed(lambda: _grouped_triton(x, ids, weights, w13, w2))
-    _PATH_TIMES[(tuple(x.shape), tuple(ids.shape), tuple(w13.shape))] = {
-        "fused_us": round(fused, 1), "sorted_us": round(sorted_, 1)}
-    return fused < sorted_
+    return {"fused_us": timed(lambda: _grouped_fused(x, ids, weights, w13, w2)),
+            "sorted_us": timed(lambda: _grouped_triton(x, ids, weights, w13, w2))}
 
 
 def experts_path_choices() -> dict[str, dict[str, float]]:
-    """The shapes measured so far in this process: ``"x [N, H] ids [N, K] w13 [E, 2I, H]"`` ->
-    ``{"fused_us", "sorted_us"}`` (µs per call in a CUDA graph)."""
-    return {f"x {list(a)} ids {list(b)} w13 {list(c)}": v for (a, b, c), v in _PATH_TIMES.items()}
+    """The shapes measured so far in this process: ``"x [N, H] <dtype> ids [N, K] w13 [E, 2I,
+    H]"`` -> ``{"fused_us", "sorted_us"}`` (µs per call in a CUDA graph, rounded to 0.1)."""
+    return {f"x {list(a)} {str(t).removeprefix('torch.')} ids {list(b)} w13 {list(c)}":
+            {k: round(v, 1) for k, v in times.items()}
+            for (_, t, a, b, c, _), times in _PATH_TIMES.items()}
 
 
 def _grouped_cuda(x, ids, weights, w13, w2, path: str = "auto") -> torch.Tensor:
