@@ -320,23 +320,16 @@ def test_joined_rows_know_their_dispatch():
 
 def test_triton_kernels_match_the_torch_path():
     """Dispatch bit for bit; the combine bit for bit in fp32 (the interpreter rounds bf16
-    differently from the GPU: within one bf16 ulp there), incl. overflow, world size 1 and
-    links slow enough for many chunks (each chunk's share of the capacity, its overflow
-    counted the same on both paths); a link that corrupts what comes back changes exactly the
-    remote rows."""
+    differently from the GPU: within one bf16 ulp there), incl. overflow and world size 1."""
     out = run_interpreted(r'''
 import torch
 from dbo_compile.ops import emulated as E
 torch.manual_seed(0)
-for W, Ex, K, T, H, dtype, cf, gbps in [(4, 8, 3, 37, 40, torch.float32, 1.1, 50.0),
-                                        (8, 64, 6, 30, 64, torch.bfloat16, 1.1, 50.0),
-                                        (4, 8, 3, 30, 40, torch.float32, 1.0, 50.0),
-                                        (1, 4, 2, 5, 24, torch.float32, 1.1, 50.0),
-                                        (8, 64, 6, 301, 64, torch.float32, 1.1, 0.01),
-                                        (4, 8, 3, 45, 40, torch.float32, 1.0, 0.001)]:
-    world = E.EmulatedWorld(W, Ex, K, capacity_factor=cf, link_gbps=gbps)
-    if gbps < 1:
-        assert len(E.chunk_bounds(world, T, H * 4)[0]) == 5, E.chunk_bounds(world, T, H * 4)
+for W, Ex, K, T, H, dtype, cf in [(4, 8, 3, 37, 40, torch.float32, 1.1),
+                                  (8, 64, 6, 30, 64, torch.bfloat16, 1.1),
+                                  (4, 8, 3, 30, 40, torch.float32, 1.0),
+                                  (1, 4, 2, 5, 24, torch.float32, 1.1)]:
+    world = E.EmulatedWorld(W, Ex, K, capacity_factor=cf)
     x = torch.randn(T, H).to(dtype)
     ids = torch.stack([torch.randperm(Ex)[:K] for _ in range(T)])
     if cf == 1.0:  # every token to 3 remote ranks: past the capacity
@@ -358,61 +351,9 @@ for W, Ex, K, T, H, dtype, cf, gbps in [(4, 8, 3, 37, 40, torch.float32, 1.1, 50
     torch.testing.assert_close(c, ca, rtol=0 if dtype == torch.float32 else 2 ** -7, atol=0)
     assert counts[0] == counts[1], counts
     assert (counts[0]["dispatch_overflow"] > 0) == (cf == 1.0), counts
-    real = E._LINK.pipelined
-
-    def corrupting(link, wld, bounds, produce, consume):
-        return real(link, wld, bounds, produce, lambda c, back: consume(c, back + 1))
-
-    E._LINK.pipelined = corrupting
-    try:
-        bad = E._dispatch_triton(world, x, ids, w)
-    finally:
-        E._LINK.pipelined = real
-    local = torch.arange(T) * world.rows_per_token
-    assert torch.equal(bad[0][local], d[0][local])
-    remote = (d[1] >= 0).any(-1)
-    remote[local] = False
-    changed = (bad[0] != d[0]).any(-1)
-    # every remote row within its chunk's share came back corrupted, no other row
-    assert changed.sum() == counts[1]["dispatch_rows"] - counts[1]["dispatch_overflow"], W
-    assert not (changed & ~remote).any()
 print("OK")
 ''')
     assert "OK" in out
-
-
-def test_chunks_split_tokens_and_capacity_in_proportion():
-    """The link of one op in pack groups of tokens, each with its share of the capacity, sent
-    in copy chunks: sqrt(link time / 3 µs) of them, at most 16 and the rows; at most 4 groups
-    and the tokens; the positions of the rows that matter are distinct, within their group's
-    share, and the rest overflow."""
-    w8 = E.EmulatedWorld(8, 64, 6)
-    row = (2048 + 24) * 2
-    cap = w8.capacity(2048)  # prefill 4096, one ubatch: ~37 MB, ~830 µs
-    assert E.num_chunks(w8, cap, cap * row) == 16
-    tb, lb = E.chunk_bounds(w8, 2048, row)
-    assert tb == [0, 512, 1024, 1536, 2048] and lb[0] == 0 and lb[-1] == cap
-    assert max(b - a for a, b in zip(lb, lb[1:])) - min(b - a for a, b in zip(lb, lb[1:])) <= 1
-    cap = w8.capacity(128)  # decode 256: ~2.3 MB, ~52 µs
-    assert E.num_chunks(w8, cap, cap * row) == 4 and len(E.chunk_bounds(w8, 128, row)[0]) == 5
-    assert E.num_chunks(w8, 8, 8 * row) == 1 and E.chunk_bounds(w8, 2, row)[0] == [0, 2]
-    crawl = E.EmulatedWorld(8, 64, 6, link_gbps=0.001)
-    assert E.chunk_bounds(crawl, 3, row)[0] == [0, 1, 2, 3]  # never more groups than tokens
-    w1 = E.EmulatedWorld(1, 4, 2)
-    assert E.chunk_bounds(w1, 100, row) == ([0, 100], [0, 0])  # nothing crosses
-    slow = E.EmulatedWorld(4, 8, 3, capacity_factor=1.0, link_gbps=0.001)
-    t = 45
-    valid = torch.rand(t * slow.fanout, generator=torch.Generator().manual_seed(3)) < 0.8
-    tb, lb = E.chunk_bounds(slow, t, 40 * 4)
-    pos, sent = E._chunk_positions(slow, valid, t, 40 * 4)
-    assert not (sent & ~valid).any() and len(set(pos[sent].tolist())) == int(sent.sum())
-    for c in range(len(tb) - 1):
-        rows = slice(tb[c] * slow.fanout, tb[c + 1] * slow.fanout)
-        got = pos[rows][sent[rows]]
-        assert ((got >= lb[c]) & (got < lb[c + 1])).all()
-        want = min(int(valid[rows].sum()), lb[c + 1] - lb[c])
-        assert int(sent[rows].sum()) == want
-    assert (valid & ~sent).any()  # 80 % of 3 rows per token against 2.1: some overflow
 
 
 # -- GPU -----------------------------------------------------------------------------------------

@@ -270,29 +270,16 @@ def test_profile_kernel_order(schedule):
     assert "kernel-order" in render_text(schedule, measured=m)
 
 
-_EMULATED_KERNELS = {
-    # since 2026-12-02: a start kernel, then pack kernels per chunk, unpack / sum per chunk
-    "chunked": {"D": ["emulated_dispatch_start"] + ["emulated_dispatch_chunk_pack"] * 3
-                     + ["emulated_dispatch_chunk_unpack"] * 3,
-                "C": ["emulated_combine_start"] + ["emulated_combine_chunk_pack"] * 2
-                     + ["emulated_combine_chunk_sum"] * 2},
-    # the traces before (results files keep some)
-    "whole": {"D": ["emulated_dispatch_route", "cumsum", "emulated_dispatch_pack",
-                    "emulated_dispatch_unpack"],
-              "C": ["emulated_combine_flag", "cumsum", "emulated_combine_sum"]},
-}
-
-
-@pytest.mark.parametrize("kernels", sorted(_EMULATED_KERNELS))
-def test_profile_kernel_order_deals_emulated_comm_ops_at_their_first_kernel(schedule, kernels):
-    """A CUDA-graph replay of the emulated backend: its dispatches and combines launch
-    differently many kernels, on whichever streams the graph runs its branches (here: two,
-    alternating); each op runs from its first named kernel (start; route / flag before) to its
-    last."""
+def test_profile_kernel_order_deals_emulated_comm_ops_at_their_first_kernel(schedule):
+    """A CUDA-graph replay of the emulated backend: its dispatches launch 4 kernels, its
+    combines 3, on whichever streams the graph runs its branches (here: two, alternating);
+    each op runs from its first named kernel (route / flag) to its last."""
     comm = [u for u in schedule.units if u.stream == COMM]
     tr = synthetic_trace(schedule, None)
     evs = [e for e in tr["traceEvents"] if "nccl" not in e.get("name", "")]
-    names = _EMULATED_KERNELS[kernels]
+    names = {"D": ["emulated_dispatch_route", "cumsum", "emulated_dispatch_pack",
+                   "emulated_dispatch_unpack"],
+             "C": ["emulated_combine_flag", "cumsum", "emulated_combine_sum"]}
     for u in comm:
         ks = names[u.label]
         s, e = u.start_us * 1.5 + 1000, u.end_us * 1.5 + 1000
@@ -309,8 +296,8 @@ def test_profile_kernel_order_deals_emulated_comm_ops_at_their_first_kernel(sche
         assert m.units[u.id][1] - m.units[u.id][0] == pytest.approx(
             (u.end_us - u.start_us) * 1.5 * (1 - 0.1 / len(names[u.label])), rel=1e-6)
     assert m.overlap.hidden_us[comm[0].id] > 0
-    swapped = [dict(e, name=names["C"][0]) if e.get("name") == names["D"][0] else e
-               for e in evs]
+    swapped = [dict(e, name="emulated_combine_flag") if e.get("name") == "emulated_dispatch_route"
+               else e for e in evs]
     with pytest.raises(VizInputError, match="not the schedule's"):
         match_profile(schedule, {"traceEvents": swapped})
 

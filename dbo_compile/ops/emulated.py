@@ -245,7 +245,7 @@ class _Link:
     def cuda_streams(self, index: int) -> tuple[Any, Any]:
         if index not in self.streams:
             self.streams[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index))
-            self.cuda_events(index, 3 * _MAX_CHUNKS + _PACK_GROUPS)  # not during a capture
+            self.cuda_events(index, _MAX_CHUNKS)  # made here, not during a capture
         return self.streams[index]
 
     def cuda_events(self, index: int, n: int) -> list[Any]:
@@ -309,119 +309,52 @@ class _Link:
             log.info("emulated link on cuda:%d: duplex copies %.1f GB/s per direction, "
                      "spin clock %.0f cycles/us", index, best, self.cycles_per_us[index])
 
-    # -- round trips ------------------------------------------------------------------------
-    def _copy_setup(self, src: torch.Tensor, world: EmulatedWorld):
-        """``(index, repeat)`` of a CUDA round trip: the device and the copies per chunk that
-        throttle the copy engines to the asked link (module docstring)."""
+    # -- one round trip ---------------------------------------------------------------------
+    def round_trip(self, src: torch.Tensor, world: EmulatedWorld) -> torch.Tensor:
+        """``src [rows, cols]`` (contiguous) out to host memory and back; a new tensor."""
+        if not self.enabled:  # without_link(): the rows stay where they are
+            return src
+        out = torch.empty_like(src)
+        nbytes = src.numel() * src.element_size()
+        if nbytes == 0:
+            return out
+        host = self.host_buffer(src.device, nbytes)[:nbytes].view(src.dtype).view(src.shape)
+        if not src.is_cuda:
+            host.copy_(src)
+            out.copy_(host)
+            return out
         index = src.device.index if src.device.index is not None else torch.cuda.current_device()
         self.measure(index)
         hw = world.copy_gbps or self.copy_gbps.get(index, FALLBACK_COPY_GBPS)
-        return index, max(1.0, hw / world.link_gbps)
-
-    def round_trip(self, src: torch.Tensor, world: EmulatedWorld) -> torch.Tensor:
-        """``src [rows, cols]`` (contiguous) out to host memory and back, in
-        :func:`num_chunks` chunks; a new tensor."""
-        out = [None]
-
-        def keep(c, back):
-            out[0] = back
-
-        self.pipelined(src, world, [0, src.shape[0]], None, keep)
-        return out[0]
-
-    def pipelined(self, link: torch.Tensor, world: EmulatedWorld, bounds: list[int],
-                  produce, consume) -> None:
-        """The round trip of ``link [rows, cols]`` by groups of rows ``[bounds[p],
-        bounds[p+1])``, each sent in copy chunks (:func:`num_chunks` of the whole link, split
-        among the groups), overlapped with the kernels that fill and drain it: on the current
-        stream ``produce(p)`` writes group ``p``'s rows (all groups first, each followed by an
-        event its copies out wait for), then ``consume(p, back)`` reads them from ``back`` (the
-        rows that came back) once group ``p`` is back. The way back trails the way out by one
-        chunk; the current stream waits for both link streams before it returns. So the link
-        idles only for the first group's ``produce`` and the last group's ``consume``, as in
-        DeepEP's kernels, which pack while they send. ``produce`` may be ``None``. With the
-        link off (:func:`without_link`) ``back`` is ``link`` itself."""
-        n = len(bounds) - 1
-        if not (link.is_cuda and self.enabled and link.numel()):
-            for c in range(n if produce is not None else 0):
-                produce(c)
-            if not self.enabled or link.numel() == 0:
-                for c in range(n):
-                    consume(c, link)
-                return
-        nbytes = link.numel() * link.element_size()
-        host = self.host_buffer(link.device, nbytes)[:nbytes].view(link.dtype).view(link.shape)
-        back = torch.empty_like(link)
-        if not link.is_cuda:
-            host.copy_(link)
-            back.copy_(host)
-            for c in range(n):
-                consume(c, back)
-            return
-        index, repeat = self._copy_setup(link, world)
-        cur = torch.cuda.current_stream(link.device)
+        repeat = max(1.0, hw / world.link_gbps)
+        rows = src.shape[0]
+        # n chunks: the second direction trails the first by one chunk, each copy has a setup
+        # cost (~3 µs): the round trip takes ~ V/bw (1 + 1/n) + 3n µs, least at sqrt(V/bw / 3)
+        t_link = nbytes / (min(hw, world.link_gbps) * 1e3)
+        chunks = max(1, min(_MAX_CHUNKS, rows, round(math.sqrt(t_link / 3.0))))
+        bounds = [rows * i // chunks for i in range(chunks + 1)]
+        cur = torch.cuda.current_stream(src.device)
         s_out, s_in = self.cuda_streams(index)
-        per = max(1, round(num_chunks(world, link.shape[0], nbytes) / n))
-        evs = self.cuda_events(index, n + 2 * n * per)
+        evs = self.cuda_events(index, chunks)
         s_out.wait_stream(cur)
         s_in.wait_stream(cur)
-        if world.latency_us > 0:
-            with torch.cuda.stream(s_out):
-                torch.cuda._sleep(int(world.latency_us * self.cycles_per_us.get(index, 1980.0)))
-        for p in range(n):
-            if produce is not None:
-                produce(p)
-            lo, hi = bounds[p], bounds[p + 1]
-            if lo == hi:
+        with torch.cuda.stream(s_out):
+            if world.latency_us > 0:
+                cyc = self.cycles_per_us.get(index, 1980.0)
+                torch.cuda._sleep(int(world.latency_us * cyc))
+        for i in range(chunks):
+            a, b = bounds[i], bounds[i + 1]
+            if a == b:
                 continue
-            evs[p].record(cur)
-            s_out.wait_event(evs[p])
-            m = min(per, hi - lo)
-            for i in range(m):
-                a, b = lo + (hi - lo) * i // m, lo + (hi - lo) * (i + 1) // m
-                sent, got = evs[n + 2 * (p * per + i)], evs[n + 2 * (p * per + i) + 1]
-                with torch.cuda.stream(s_out):
-                    _copies(host[a:b], link[a:b], repeat)
-                    sent.record(s_out)
-                with torch.cuda.stream(s_in):
-                    s_in.wait_event(sent)
-                    _copies(back[a:b], host[a:b], repeat)
-                    got.record(s_in)
-        for p in range(n):
-            if bounds[p] < bounds[p + 1]:
-                cur.wait_event(evs[n + 2 * (p * per + min(per, bounds[p + 1] - bounds[p]) - 1) + 1])
-            consume(p, back)
+            with torch.cuda.stream(s_out):
+                _copies(host[a:b], src[a:b], repeat)
+                evs[i].record(s_out)
+            with torch.cuda.stream(s_in):
+                s_in.wait_event(evs[i])
+                _copies(out[a:b], host[a:b], repeat)
         cur.wait_stream(s_out)
         cur.wait_stream(s_in)
-
-
-def num_chunks(world: EmulatedWorld, rows: int, nbytes: int) -> int:
-    """Chunks of a round trip of ``nbytes`` in ``rows`` rows: the way back trails the way out
-    by one chunk and each copy has a setup cost (~3 µs), so a round trip takes about
-    ``V/bw (1 + 1/n) + 3n`` µs, least at ``n = sqrt(V/bw / 3 µs)`` (at most 16 and ``rows``).
-    ``bw`` is the link's figure (``min(link_gbps, copy_gbps)``, :data:`FALLBACK_COPY_GBPS`
-    where the copy figure is measured), so the count depends on the world and the sizes alone:
-    the dispatch's chunks of tokens are the same on every path and in every process."""
-    if rows <= 0:
-        return 1
-    bw = min(world.link_gbps, world.copy_gbps or FALLBACK_COPY_GBPS)
-    t_link = nbytes / (bw * 1e3)
-    return max(1, min(_MAX_CHUNKS, rows, round(math.sqrt(t_link / 3.0))))
-
-
-def chunk_bounds(world: EmulatedWorld, tokens: int, row_bytes: int) -> tuple[list[int], list[int]]:
-    """``(token_bounds, link_bounds)`` of the pack groups of one dispatch / combine of
-    ``tokens`` tokens whose link rows are ``row_bytes`` each: group ``p`` holds tokens
-    ``[token_bounds[p], token_bounds[p+1])``, and their remote rows take link rows
-    ``[link_bounds[p], link_bounds[p+1])``, the capacity split in proportion (rows past a
-    group's share take the device-side copy, counted as overflow). Each group is packed by one
-    kernel and sent in :func:`num_chunks` / ``P`` copy chunks (:meth:`_Link.pipelined`), ``P =
-    min(4, chunks, tokens)``: the link idles for a quarter of the pack and the unpack, at 2 + 2P
-    kernels per op instead of 2 + 2 * chunks of small ones. Both lists are ``P + 1`` ascending
-    ints."""
-    cap = world.capacity(tokens)
-    n = min(_PACK_GROUPS, num_chunks(world, cap, cap * row_bytes), max(1, tokens))
-    return [tokens * i // n for i in range(n + 1)], [cap * i // n for i in range(n + 1)]
+        return out
 
 
 def _copies(dst: torch.Tensor, src: torch.Tensor, repeat: float) -> None:
@@ -436,7 +369,6 @@ def _copies(dst: torch.Tensor, src: torch.Tensor, repeat: float) -> None:
 
 
 _MAX_CHUNKS = 16
-_PACK_GROUPS = 4
 _LINK = _Link()
 
 
@@ -501,26 +433,11 @@ def slot_rows(ids: torch.Tensor, world: EmulatedWorld) -> torch.Tensor:
     return torch.where(ok, row, -1)
 
 
-def _chunk_positions(world: EmulatedWorld, valid: torch.Tensor, tokens: int,
-                     row_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Link rows of the fan-out rows that matter (``valid [T * F]``, token-major), chunk by
-    chunk (:func:`chunk_bounds`): ``(pos, sent)``, ``pos`` the link row (token-major within
-    its chunk) and ``sent`` whether it is within its chunk's share of the capacity."""
-    if valid.numel() == 0:
-        return torch.zeros_like(valid, dtype=torch.int64), valid
-    tb, lb = chunk_bounds(world, tokens, row_bytes)
-    f = valid.shape[0] // tokens
-    dev = valid.device
-    chunk = torch.bucketize(torch.arange(tokens, device=dev),
-                            torch.tensor(tb[1:-1], device=dev, dtype=torch.int64), right=True)
-    chunk = chunk.repeat_interleave(f)
-    cum = torch.cumsum(valid.to(torch.int64), 0)
-    start = torch.tensor([0] + tb[1:-1], device=dev, dtype=torch.int64) * f
-    before = torch.where(start > 0, cum[(start - 1).clamp(min=0)], 0)
-    local = cum - 1 - before[chunk]
-    share = torch.tensor([hi - lo for lo, hi in zip(lb, lb[1:])], device=dev)
-    offset = torch.tensor(lb[:-1], device=dev, dtype=torch.int64)
-    return offset[chunk] + local, valid & (local < share[chunk])
+def _positions(valid: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major link positions of the rows that matter: ``(pos, sent)`` (``sent``: the row
+    is within the capacity)."""
+    pos = torch.cumsum(valid.to(torch.int64), 0) - 1
+    return pos, valid & (pos < cap)
 
 
 def _count(device: torch.device, offset: int, valid: torch.Tensor, sent: torch.Tensor) -> None:
@@ -529,14 +446,12 @@ def _count(device: torch.device, offset: int, valid: torch.Tensor, sent: torch.T
         c[offset:offset + 2] += torch.stack([valid.sum(), (valid & ~sent).sum()])
 
 
-def _through_link(world: EmulatedWorld, fan: torch.Tensor, valid: torch.Tensor, tokens: int,
+def _through_link(world: EmulatedWorld, fan: torch.Tensor, valid: torch.Tensor, cap: int,
                   counter: int) -> torch.Tensor:
-    """The fan-out rows ``fan [T * F, C]`` of ``tokens`` tokens with those that matter
-    (``valid``) packed into the link's capacity rows chunk by chunk, sent out and back, and
-    put back in place (rows past their chunk's share keep their device-side values); counted
-    at ``counter`` of the stats."""
-    cap = world.capacity(tokens)
-    pos, sent = _chunk_positions(world, valid, tokens, fan.shape[1] * fan.element_size())
+    """The fan-out rows ``fan [N, C]`` with those that matter (``valid``) packed into the
+    link's ``cap`` rows, sent out and back, and put back in place (rows past ``cap`` keep
+    their device-side values); counted at ``counter`` of the stats."""
+    pos, sent = _positions(valid, cap)
     _count(fan.device, counter, valid, sent)
     if cap == 0 or fan.shape[0] == 0:
         return fan
@@ -564,7 +479,7 @@ def _dispatch_torch(world: EmulatedWorld, x, topk_ids, topk_weights):
         torch.where(mine, lid.unsqueeze(1), -1).to(torch.float32),
         torch.where(mine, topk_weights.unsqueeze(1), 0.0)], dim=-1))
     fan = _through_link(world, payload[:, 1:].reshape(t * world.fanout, cols),
-                        valid[:, 1:].reshape(-1), t, 0)
+                        valid[:, 1:].reshape(-1), world.capacity(t), 0)
     recv = torch.cat([payload[:, :1], fan.view(t, world.fanout, cols)], dim=1).view(t * g, cols)
     meta = _meta_view(recv, meta_col)
     return (recv[:, :h].contiguous(), meta[:, :k].to(torch.int64),
@@ -577,7 +492,7 @@ def _combine_torch(world: EmulatedWorld, y):
     y = y.contiguous()
     grouped = y.view(t, g, h)
     fan = grouped[:, 1:].reshape(t * world.fanout, h)
-    fan = _through_link(world, fan, (fan != 0).any(-1), t, 2)
+    fan = _through_link(world, fan, (fan != 0).any(-1), world.capacity(t), 2)
     acc = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
     total = grouped[:, 0].to(acc)
     fan = fan.view(t, world.fanout, h)
@@ -587,8 +502,7 @@ def _combine_torch(world: EmulatedWorld, y):
 
 
 # --------------------------------------------------------------------------------------------
-# Triton kernels (CUDA): per chunk of tokens, pack while the link sends (one start kernel per
-# op, then a pack kernel per chunk before its copies and an unpack / sum kernel per chunk after)
+# Triton kernels (CUDA): route + pack in one kernel, unpack in one, the combine's sum in one
 # --------------------------------------------------------------------------------------------
 
 
@@ -600,27 +514,10 @@ def _kernels():
     triton, tl = mods
 
     @triton.jit
-    def emulated_dispatch_start(cnt_ptr, N: tl.constexpr, N_P2: tl.constexpr):
-        """The first kernel of a dispatch: zero the per-chunk link row counters."""
-        i = tl.arange(0, N_P2)
-        tl.store(cnt_ptr + i, tl.zeros([N_P2], dtype=tl.int32), mask=i < N)
-
-    @triton.jit
-    def emulated_combine_start(cnt_ptr, N: tl.constexpr, N_P2: tl.constexpr):
-        """The first kernel of a combine: zero the per-chunk link row counters."""
-        i = tl.arange(0, N_P2)
-        tl.store(cnt_ptr + i, tl.zeros([N_P2], dtype=tl.int32), mask=i < N)
-
-    @triton.jit
-    def emulated_dispatch_slots(ids_ptr, row_ptr, lpos_ptr, inv_ptr, cnt_ptr, count_ptr, T, NG,
-                                CAP, E, EL, K: tl.constexpr, K_P2: tl.constexpr,
-                                G: tl.constexpr, G_P2: tl.constexpr, COUNT: tl.constexpr):
-        """Token ``t``: each slot's row (as :func:`slot_rows`, to ``row``), and the link row
-        of each of its remote rows (``lpos[t*G + g]``; ``-1``: local, empty, or past its
-        group's share of the capacity ``CAP``) from its pack group's counter (``cnt``: the
-        group of :func:`chunk_bounds`, rows in arrival order: they come back to their places,
-        so the order within a group does not matter), with ``inv`` back to the receive row.
-        ``COUNT``: remote rows that matter and those past the share, to ``count[0:2]``."""
+    def emulated_dispatch_route(ids_ptr, row_ptr, valid_ptr, T, E, EL, K: tl.constexpr,
+                                K_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr):
+        """Token ``t``: each slot's row (as :func:`slot_rows`) and which of its ``G`` rows
+        hold a slot."""
         t = tl.program_id(0).to(tl.int64)
         ks = tl.arange(0, K_P2)
         km = ks < K
@@ -638,71 +535,63 @@ def _kernels():
         tl.store(row_ptr + t * K + ks, row.to(tl.int32), mask=km)
         gs = tl.arange(0, G_P2)
         has = tl.max((row[None, :] == gs[:, None]).to(tl.int32), axis=1)
-        fan = ((gs >= 1) & (gs < G) & (has > 0)).to(tl.int32)
-        grp = ((t + 1) * NG + T - 1) // T - 1  # tokens [T*p//NG, T*(p+1)//NG)
-        link0 = CAP * grp // NG
-        share = CAP * (grp + 1) // NG - link0
-        base = tl.atomic_add(cnt_ptr + grp, tl.sum(fan, axis=0))
-        pos = base + tl.cumsum(fan, axis=0) - fan
-        linked = (fan > 0) & (pos < share)
-        lrow = tl.where(linked, link0 + pos.to(tl.int64), -1)
-        if COUNT:
-            tl.atomic_add(count_ptr, tl.sum(fan, axis=0).to(tl.int64))
-            tl.atomic_add(count_ptr + 1, tl.sum(((fan > 0) & (pos >= share)).to(tl.int64),
-                                                axis=0))
-        tl.store(lpos_ptr + t * G + gs, lrow, mask=gs < G)
-        tl.store(inv_ptr + lrow, t * G + gs, mask=linked)
+        tl.store(valid_ptr + t * G + gs, has.to(tl.int8), mask=gs < G)
 
     @triton.jit
-    def emulated_dispatch_chunk_pack(x_ptr, ids_ptr, w_ptr, row_ptr, lpos_ptr, out_x_ptr,
-                                     out_ids_ptr, out_w_ptr, link_ptr, link_meta_ptr, r0, H,
-                                     stride_x, EL, link_cols, link_meta_row, K: tl.constexpr,
-                                     K_P2: tl.constexpr, G: tl.constexpr,
-                                     BLOCK_H: tl.constexpr):
-        """Receive row ``r = r0 + program`` of a pack group (token ``r // G``, row ``r % G``):
-        to its link row (``lpos[r] >= 0``) or to the outputs (zeros where no slot is
-        there)."""
-        r = r0 + tl.program_id(0).to(tl.int64)
+    def emulated_dispatch_pack(x_ptr, ids_ptr, w_ptr, row_ptr, valid_ptr, pos_ptr,
+                               out_x_ptr, out_ids_ptr, out_w_ptr, link_ptr, link_meta_ptr,
+                               inv_ptr, count_ptr, H, stride_x, EL, cap, link_cols,
+                               link_meta_row, K: tl.constexpr, K_P2: tl.constexpr,
+                               G: tl.constexpr, BLOCK_H: tl.constexpr, COUNT: tl.constexpr):
+        """Row ``(t, g)``: the local row and the fan-out rows that do not cross the link are
+        written to the outputs; those that do, to link row ``pos`` (with ``inv[pos]``).
+        ``COUNT``: fan-out rows that matter and those past the capacity are added to
+        ``count[0]`` / ``count[1]``."""
+        r = tl.program_id(0).to(tl.int64)
         t = r // G
         gg = r % G
         ks = tl.arange(0, K_P2)
         km = ks < K
         rows = tl.load(row_ptr + t * K + ks, mask=km, other=-1)
         mine = rows == gg
-        valid = tl.max(mine.to(tl.int32), axis=0) > 0
-        lr = tl.load(lpos_ptr + r)
+        valid = tl.load(valid_ptr + r) != 0
+        ids = tl.load(ids_ptr + t * K + ks, mask=km, other=0)
+        lid = tl.where(mine, ids % EL, -1)
+        w = tl.where(mine, tl.load(w_ptr + t * K + ks, mask=km, other=0.0), 0.0)
+        fan = (t * (G - 1) + gg - 1)
+        pos = tl.load(pos_ptr + fan, mask=gg > 0, other=0)
+        linked = (gg > 0) & valid & (pos < cap)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cm = cols < H
         if valid:
             xv = tl.load(x_ptr + t * stride_x + cols, mask=cm)
         else:
             xv = tl.zeros([BLOCK_H], dtype=out_x_ptr.dtype.element_ty)
-        if lr >= 0:
-            tl.store(link_ptr + lr * link_cols + cols, xv, mask=cm)
+        if COUNT:
+            if (tl.program_id(1) == 0) & (gg > 0) & valid:
+                tl.atomic_add(count_ptr, 1)
+                if pos >= cap:
+                    tl.atomic_add(count_ptr + 1, 1)
+        if linked:
+            tl.store(link_ptr + pos * link_cols + cols, xv, mask=cm)
+            if tl.program_id(1) == 0:
+                tl.store(link_meta_ptr + pos * link_meta_row + ks, lid.to(tl.float32), mask=km)
+                tl.store(link_meta_ptr + pos * link_meta_row + K + ks, w, mask=km)
+                tl.store(inv_ptr + pos, r)
         else:
             tl.store(out_x_ptr + r * H + cols, xv, mask=cm)
-        if tl.program_id(1) == 0:
-            ids = tl.load(ids_ptr + t * K + ks, mask=km, other=0)
-            lid = tl.where(mine, ids % EL, -1)
-            w = tl.where(mine, tl.load(w_ptr + t * K + ks, mask=km, other=0.0), 0.0)
-            if lr >= 0:
-                tl.store(link_meta_ptr + lr * link_meta_row + ks, lid.to(tl.float32), mask=km)
-                tl.store(link_meta_ptr + lr * link_meta_row + K + ks, w, mask=km)
-            else:
+            if tl.program_id(1) == 0:
                 tl.store(out_ids_ptr + r * K + ks, lid, mask=km)
                 tl.store(out_w_ptr + r * K + ks, w, mask=km)
 
     @triton.jit
-    def emulated_dispatch_chunk_unpack(link_ptr, link_meta_ptr, inv_ptr, cnt_ptr, chunk, link0,
-                                       out_x_ptr, out_ids_ptr, out_w_ptr, H, link_cols,
-                                       link_meta_row, K: tl.constexpr, K_P2: tl.constexpr,
-                                       BLOCK_H: tl.constexpr):
-        """Link row ``link0 + program`` of pack group ``chunk`` back to its receive row
-        ``inv[...]`` (rows past the group's counter are unused)."""
-        p = tl.program_id(0)
-        if p < tl.load(cnt_ptr + chunk):
-            i = link0 + p.to(tl.int64)
-            r = tl.load(inv_ptr + i)
+    def emulated_dispatch_unpack(link_ptr, link_meta_ptr, inv_ptr, out_x_ptr, out_ids_ptr,
+                                 out_w_ptr, H, link_cols, link_meta_row, K: tl.constexpr,
+                                 K_P2: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Link row ``i`` back to its receive row ``inv[i]`` (``-1``: an unused link row)."""
+        i = tl.program_id(0).to(tl.int64)
+        r = tl.load(inv_ptr + i)
+        if r >= 0:
             cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
             cm = cols < H
             tl.store(out_x_ptr + r * H + cols, tl.load(link_ptr + i * link_cols + cols, mask=cm),
@@ -716,66 +605,64 @@ def _kernels():
                 tl.store(out_w_ptr + r * K + ks, w, mask=km)
 
     @triton.jit
-    def emulated_combine_chunk_pack(y_ptr, link_ptr, lpos_ptr, cnt_ptr, count_ptr, f0, chunk,
-                                    link0, cap, H, G: tl.constexpr, BLOCK_H: tl.constexpr,
-                                    COUNT: tl.constexpr):
-        """Fan-out row ``f = f0 + program`` (token ``f // (G-1)``, row ``1 + f % (G-1)``):
-        if it is not all zeros and the chunk's share has room, to link row ``lpos[f]`` (else
-        ``lpos[f] = -1``: it stays on the device). ``COUNT``: at ``count[2:4]``."""
-        f = f0 + tl.program_id(0).to(tl.int64)
+    def emulated_combine_flag(y_ptr, valid_ptr, H, G: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Fan-out row ``f`` (token ``f // (G-1)``, row ``1 + f % (G-1)``): non-zero?"""
+        f = tl.program_id(0).to(tl.int64)
         r = (f // (G - 1)) * G + 1 + f % (G - 1)
         acc = tl.zeros([BLOCK_H], dtype=tl.int32)
         for c0 in range(0, H, BLOCK_H):
             cols = c0 + tl.arange(0, BLOCK_H)
             v = tl.load(y_ptr + r * H + cols, mask=cols < H, other=0.0)
             acc = tl.maximum(acc, (v != 0).to(tl.int32))
-        lp = tl.full((), -1, tl.int64)
-        if tl.max(acc, axis=0) > 0:
-            pos = tl.atomic_add(cnt_ptr + chunk, 1)
-            if COUNT:
-                tl.atomic_add(count_ptr + 2, 1)
-                if pos >= cap:
-                    tl.atomic_add(count_ptr + 3, 1)
-            if pos < cap:
-                lp = link0 + pos.to(tl.int64)
-                for c0 in range(0, H, BLOCK_H):
-                    cols = c0 + tl.arange(0, BLOCK_H)
-                    cm = cols < H
-                    tl.store(link_ptr + lp * H + cols, tl.load(y_ptr + r * H + cols, mask=cm),
-                             mask=cm)
-        tl.store(lpos_ptr + f, lp)
+        tl.store(valid_ptr + f, tl.max(acc, axis=0).to(tl.int8))
 
     @triton.jit
-    def emulated_combine_chunk_sum(y_ptr, back_ptr, lpos_ptr, out_ptr, t0, H, G: tl.constexpr,
-                                   BLOCK_H: tl.constexpr):
-        """``out[t] = y[t, 0] + sum_j (row j from the link, or y[t, 1+j])`` for token ``t =
-        t0 + program``, in fp32, in the torch path's order (the same bits)."""
-        t = t0 + tl.program_id(0).to(tl.int64)
+    def emulated_combine_pack(y_ptr, valid_ptr, pos_ptr, link_ptr, cap, H, G: tl.constexpr,
+                              BLOCK_H: tl.constexpr):
+        f = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + f)
+        if (tl.load(valid_ptr + f) != 0) & (pos < cap):
+            r = (f // (G - 1)) * G + 1 + f % (G - 1)
+            cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            cm = cols < H
+            tl.store(link_ptr + pos * H + cols, tl.load(y_ptr + r * H + cols, mask=cm), mask=cm)
+
+    @triton.jit
+    def emulated_combine_sum(y_ptr, back_ptr, valid_ptr, pos_ptr, out_ptr, count_ptr, cap, H,
+                             G: tl.constexpr, BLOCK_H: tl.constexpr, COUNT: tl.constexpr):
+        """``out[t] = y[t, 0] + sum_j (row j from the link, or y[t, 1+j])``, in fp32 (counts
+        as the pack kernel's, at ``count[2:4]``)."""
+        t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cm = cols < H
         acc = tl.load(y_ptr + t * G * H + cols, mask=cm, other=0.0).to(tl.float32)
         for j in tl.static_range(G - 1):
-            lp = tl.load(lpos_ptr + t * (G - 1) + j)
-            if lp >= 0:
-                v = tl.load(back_ptr + lp * H + cols, mask=cm, other=0.0)
+            f = t * (G - 1) + j
+            pos = tl.load(pos_ptr + f)
+            ok = tl.load(valid_ptr + f) != 0
+            if COUNT:
+                if (tl.program_id(1) == 0) & ok:
+                    tl.atomic_add(count_ptr + 2, 1)
+                    if pos >= cap:
+                        tl.atomic_add(count_ptr + 3, 1)
+            if ok & (pos < cap):
+                v = tl.load(back_ptr + pos * H + cols, mask=cm, other=0.0)
             else:
                 v = tl.load(y_ptr + (t * G + 1 + j) * H + cols, mask=cm, other=0.0)
             acc += v.to(tl.float32)
         tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
-    return triton, {"dstart": emulated_dispatch_start, "slots": emulated_dispatch_slots,
-                    "pack": emulated_dispatch_chunk_pack,
-                    "unpack": emulated_dispatch_chunk_unpack, "cstart": emulated_combine_start,
-                    "cpack": emulated_combine_chunk_pack, "sum": emulated_combine_chunk_sum}
+    return triton, {"route": emulated_dispatch_route, "pack": emulated_dispatch_pack,
+                    "unpack": emulated_dispatch_unpack, "flag": emulated_combine_flag,
+                    "cpack": emulated_combine_pack, "sum": emulated_combine_sum}
 
 
 def _dispatch_triton(world: EmulatedWorld, x, topk_ids, topk_weights):
-    """The dispatch with the Triton kernels (CUDA; on CPU tensors under the interpreter), chunk
-    by chunk of tokens (:func:`chunk_bounds`) through :meth:`_Link.pipelined`."""
+    """The dispatch with the Triton kernels (CUDA; on CPU tensors under the interpreter)."""
     triton, kern = _kernels()
     t, h = x.shape
     k = topk_ids.shape[1]
-    g = world.rows_per_token
+    g, f = world.rows_per_token, world.fanout
     dev = x.device
     meta_col, cols = payload_layout(h, x.dtype, k)
     if x.stride(1) != 1:
@@ -787,41 +674,34 @@ def _dispatch_triton(world: EmulatedWorld, x, topk_ids, topk_weights):
     out_w = torch.empty((n, k), dtype=torch.float32, device=dev)
     if n == 0:
         return out_x, out_ids, out_w
-    tb, lb = chunk_bounds(world, t, cols * x.element_size())
-    nc = len(tb) - 1
-    cap = lb[-1]
-    cnt = torch.empty(nc, dtype=torch.int32, device=dev)
+    row = torch.empty((t, k), dtype=torch.int32, device=dev)
+    valid = torch.empty((t, g), dtype=torch.int8, device=dev)
+    k_p2, g_p2 = triton.next_power_of_2(k), triton.next_power_of_2(g)
+    kern["route"][(t,)](ids, row, valid, t, world.num_experts, world.local_experts, K=k,
+                        K_P2=k_p2, G=g, G_P2=g_p2)
+    cap = world.capacity(t)
+    pos = torch.cumsum(valid[:, 1:].reshape(-1), 0, dtype=torch.int64) - 1
     counter = _LINK.counter(dev)
     link = torch.empty((max(cap, 1), cols), dtype=x.dtype, device=dev)
     link_meta = _meta_view(link, meta_col)
-    inv = torch.empty((max(cap, 1),), dtype=torch.int64, device=dev)
-    row = torch.empty((t, k), dtype=torch.int32, device=dev)
-    lpos = torch.empty(n, dtype=torch.int64, device=dev)
-    k_p2, g_p2 = triton.next_power_of_2(k), triton.next_power_of_2(g)
+    if meta_col > h:
+        link[:, h:meta_col].zero_()
+    inv = torch.full((max(cap, 1),), -1, dtype=torch.int64, device=dev)
     block_h = min(1024, triton.next_power_of_2(h))
-    kern["dstart"][(1,)](cnt, N=nc, N_P2=triton.next_power_of_2(nc))
-    kern["slots"][(t,)](ids, row, lpos, inv, cnt, counter if counter is not None else cnt, t, nc,
-                        cap, world.num_experts, world.local_experts, K=k, K_P2=k_p2, G=g,
-                        G_P2=g_p2, COUNT=counter is not None)
-
-    def produce(p):
-        kern["pack"][((tb[p + 1] - tb[p]) * g, triton.cdiv(h, block_h))](
-            x, ids, wts, row, lpos, out_x, out_ids, out_w, link, link_meta, tb[p] * g, h,
-            x.stride(0), world.local_experts, cols, link_meta.stride(0), K=k, K_P2=k_p2, G=g,
-            BLOCK_H=block_h)
-
-    def consume(p, back):
-        if lb[p + 1] > lb[p]:
-            kern["unpack"][(lb[p + 1] - lb[p], triton.cdiv(h, block_h))](
-                back, _meta_view(back, meta_col), inv, cnt, p, lb[p], out_x, out_ids, out_w, h,
-                cols, link_meta.stride(0), K=k, K_P2=k_p2, BLOCK_H=block_h)
-
-    _LINK.pipelined(link[:cap], world, lb, produce, consume)
+    grid = (n, triton.cdiv(h, block_h))
+    kern["pack"][grid](x, ids, wts, row, valid, pos, out_x, out_ids, out_w, link, link_meta, inv,
+                       counter if counter is not None else inv, h, x.stride(0),
+                       world.local_experts, cap, cols, link_meta.stride(0), K=k, K_P2=k_p2, G=g,
+                       BLOCK_H=block_h, COUNT=counter is not None)
+    if cap > 0:
+        back = _LINK.round_trip(link[:cap], world)
+        kern["unpack"][(cap, triton.cdiv(h, block_h))](
+            back, _meta_view(back, meta_col), inv, out_x, out_ids, out_w, h, cols,
+            link_meta.stride(0), K=k, K_P2=k_p2, BLOCK_H=block_h)
     return out_x, out_ids, out_w
 
 
 def _combine_triton(world: EmulatedWorld, y):
-    """The combine with the Triton kernels, chunk by chunk as the dispatch."""
     triton, kern = _kernels()
     g, f = world.rows_per_token, world.fanout
     t, h = y.shape[0] // g, y.shape[1]
@@ -831,26 +711,22 @@ def _combine_triton(world: EmulatedWorld, y):
     if t == 0:
         return out
     block_h = min(1024, triton.next_power_of_2(h))
-    tb, lb = chunk_bounds(world, t, h * y.element_size())
-    nc = len(tb) - 1
-    cap = lb[-1]
-    cnt = torch.empty(nc, dtype=torch.int32, device=dev)
-    lpos = torch.empty(max(t * f, 1), dtype=torch.int64, device=dev)
+    nf = t * f
+    valid = torch.empty(nf, dtype=torch.int8, device=dev)
+    if nf:
+        kern["flag"][(nf,)](y, valid, h, G=g, BLOCK_H=block_h)
+    cap = world.capacity(t)
+    pos = torch.cumsum(valid, 0, dtype=torch.int64) - 1
     counter = _LINK.counter(dev)
-    link = torch.empty((max(cap, 1), h), dtype=y.dtype, device=dev)
-    kern["cstart"][(1,)](cnt, N=nc, N_P2=triton.next_power_of_2(nc))
-
-    def produce(c):
-        if f:
-            kern["cpack"][((tb[c + 1] - tb[c]) * f,)](
-                y, link, lpos, cnt, counter if counter is not None else cnt, tb[c] * f, c, lb[c],
-                lb[c + 1] - lb[c], h, G=g, BLOCK_H=block_h, COUNT=counter is not None)
-
-    def consume(c, back):
-        kern["sum"][(tb[c + 1] - tb[c], triton.cdiv(h, block_h))](
-            y, back, lpos, out, tb[c], h, G=g, BLOCK_H=block_h)
-
-    _LINK.pipelined(link[:cap], world, lb, produce, consume)
+    back = y  # never read when nothing crosses the link
+    if cap > 0 and nf:
+        link = torch.empty((cap, h), dtype=y.dtype, device=dev)
+        kern["cpack"][(nf, triton.cdiv(h, block_h))](y, valid, pos, link, cap, h, G=g,
+                                                     BLOCK_H=block_h)
+        back = _LINK.round_trip(link, world)
+    kern["sum"][(t, triton.cdiv(h, block_h))](y, back, valid, pos, out,
+                                              counter if counter is not None else pos, cap, h,
+                                              G=g, BLOCK_H=block_h, COUNT=counter is not None)
     return out
 
 

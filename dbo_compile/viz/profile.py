@@ -22,8 +22,7 @@ Two ways to match, tried in this order:
    the count does not divide). Where the comm ops' kernels have names of their own (the
    emulated backend's ``emulated_dispatch_*`` / ``emulated_combine_*``) they are found by
    name on any stream instead (a CUDA-graph replay runs its branches on streams of its own):
-   each op from its first kernel (``..._start``; ``..._route`` / ``..._flag`` in
-   traces before 2026-12-02) to the last before the next. Compute kernels cannot
+   each op from its first kernel (``..._route`` / ``..._flag``) to the last before the next. Compute kernels cannot
    be dealt to compute units without per-unit kernel counts (fusion decides them), so compute
    units stay unmeasured; the compute stream's kernels are still used as its busy time, so
    whether each comm really overlapped with compute is measured either way.
@@ -55,8 +54,8 @@ _COMM_KERNEL_RE = re.compile(r"nccl|all_?to_?all|alltoall|dispatch|combine|deep_
 #: the first kernel of each comm op of a backend whose ops launch differently many kernels
 #: (the emulated backend: a dispatch starts with its routing kernel, a combine with its flag
 #: kernel); with these, the comm stream's kernels are dealt to comm units at each start
-_COMM_START_RE = {"D": re.compile(r"emulated_dispatch_(start|route)"),
-                  "C": re.compile(r"emulated_combine_(start|flag)")}
+_COMM_START_RE = {"D": re.compile(r"emulated_dispatch_route"),
+                  "C": re.compile(r"emulated_combine_flag")}
 _COMM_NAMED_RE = re.compile(r"emulated_(dispatch|combine)_")
 
 
