@@ -292,6 +292,10 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
             t[name] = timer(g.replay)
         if args.kernels and torch.cuda.is_available() and "split_nocomm" in extra:
             _kernel_tables(args, b, extra["split_nocomm"][0], phase, n)
+        if (args.profile and torch.cuda.is_available()
+                and (phase, n, world.world_size) == tuple(args.profile_at)):
+            _profile(args, {"dbo_graph": b.graphs[b.best_candidate],
+                            **{k: g for k, (g, _) in extra.items()}}, program, row)
         del extra
         # the routed remote rows of one step of the DBO graph vs the link's capacity
         E.reset_stats()
@@ -315,9 +319,6 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
                 str(k): round(v, 2) for k, v in time_units(
                     program, b.split_args, art.signature.outputs, timer, args.unit_reps).items()}
             row["calib"] = calib
-        if (args.profile and torch.cuda.is_available()
-                and (phase, n, world.world_size) == tuple(args.profile_at)):
-            _profile(args, b.graphs[b.best_candidate], program, row)
     base_t = t["graph:unsplit"]
     dbo_t = t[f"graph:{b.best_candidate}"]
     chosen_t = t[f"graph:{b.choice}"]
@@ -352,17 +353,20 @@ def _kernel_tables(args, b, nocomm_graph, phase: str, n: int) -> None:
     sys.stdout.flush()
 
 
-def _profile(args, graph, program, row) -> None:
-    """A torch.profiler trace of two replays of the DBO graph and its schedule, for
-    ``python -m dbo_compile.viz SCHEDULE.json --profile TRACE.json``."""
+def _profile(args, graphs: dict, program, row) -> None:
+    """A torch.profiler trace of one replay of each graph (``profile_NAME.json``: the DBO
+    graph as ``dbo_graph``, for ``python -m dbo_compile.viz SCHEDULE.json --profile TRACE.json``,
+    and the split serial / without comm / comm-only graphs beside it, to compare the link's
+    copies alone and beside the compute) and the DBO graph's schedule."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    for name, graph in graphs.items():
         graph.replay()
         torch.cuda.synchronize()
-    prof.export_chrome_trace(os.path.join(args.out_dir, "profile_dbo_graph.json"))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(os.path.join(args.out_dir, f"profile_{name}.json"))
     with open(os.path.join(args.out_dir, "profile_schedule.json"), "w") as f:
         f.write(program.schedule.to_json())
     row["profiled"] = True

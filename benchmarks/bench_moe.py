@@ -156,8 +156,9 @@ def parse(argv=None):
                    help="print per-kernel tables (calls, µs) of the unsplit graph, the split "
                         "graph without comm and the DBO graph of every bucket, TOP rows")
     e.add_argument("--profile", default=None, metavar="PHASE:TOKENS:W",
-                   help="write a profiler trace of the DBO graph of that bucket (and its "
-                        "schedule) beside --json")
+                   help="write profiler traces of that bucket's DBO graph (and its schedule) "
+                        "and of its split serial, split without comm and comm-only graphs "
+                        "beside --json (profile_NAME.json)")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
     p.add_argument("--md", default=None, help="markdown table path (default: json with .md)")
     p.add_argument("--append", action="store_true", help="add rows to an existing --json")
