@@ -23,6 +23,7 @@ Run::
 
     python benchmarks/calibrate.py benchmarks/results/emulated_h200_*.json \
         --out benchmarks/calibration/h200.json --md benchmarks/results/calibration.md
+    python benchmarks/calibrate.py NEW_RESULTS.json --check benchmarks/calibration/h200.json
 """
 
 from __future__ import annotations
@@ -225,11 +226,36 @@ def markdown(checks: list[dict], figures: dict, fit: dict, machine: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_stored(args, rows: list[dict]) -> int:
+    """``--check``: the stored figures and overlap slowdown of ``args.check`` on ``rows``."""
+    with open(args.check) as f:
+        cal = json.load(f)
+    figures = cal["figures"]
+    slow = cal.get("overlap_slowdown") or {}
+    slowdown = (slow.get("compute", 1.0), slow.get("comm", 1.0))
+    checks = check(rows, figures, slowdown)
+    md = markdown(checks, figures, {"checked": os.path.relpath(args.check),
+                                    "overlap_slowdown": slowdown}, cal.get("machine", "?"))
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    if args.checks_json:
+        with open(args.checks_json, "w") as f:
+            json.dump(checks, f, indent=1)
+    print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+")
-    p.add_argument("--out", required=True, help="the calibration JSON to write")
+    p.add_argument("--out", default=None, help="the calibration JSON to write (required "
+                                                "unless --check)")
+    p.add_argument("--check", default=None, metavar="CALIBRATION",
+                   help="check a stored calibration (its figures and overlap slowdown) on "
+                        "these results' rows, without fitting: predicted vs measured after "
+                        "the code moved (rows measured after the fit)")
     p.add_argument("--md", default=None, help="markdown table of predicted vs measured")
     p.add_argument("--checks-json", default=None, help="the per-row check as JSON")
     p.add_argument("--holdout", default=None,
@@ -242,10 +268,14 @@ def main(argv=None) -> int:
                    help="with --schedule-out: the row whose calibrated schedule to write")
     p.add_argument("--schedule-out", default=None)
     args = p.parse_args(argv)
+    if (args.out is None) == (args.check is None):
+        p.error("give --out (fit and store) or --check CALIBRATION (check a stored one)")
     docs, rows = load_rows(args.results)
     if not rows:
         print("no rows with calibration data (run bench_moe.py --emulate-ep on a GPU)")
         return 2
+    if args.check:
+        return check_stored(args, rows)
     fit_rows = [r for r in rows if r.get("preset") != args.holdout] if args.holdout else rows
     compute, comm = unit_samples(fit_rows)
     figures, fit_c = fit_compute(compute)
