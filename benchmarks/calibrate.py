@@ -264,6 +264,9 @@ def main(argv=None) -> int:
                    metavar="PRESET:W:GBPS",
                    help="fit the slowdown of compute overlapping comm on these rows' DBO "
                         "graphs (the other rows check it)")
+    p.add_argument("--fit-only", default=None, metavar="PHASE:TOKENS,...",
+                   help="fit on these buckets' rows alone and check on every row (the others "
+                        "held out)")
     p.add_argument("--row", default=None, metavar="PHASE:TOKENS:W",
                    help="with --schedule-out: the row whose calibrated schedule to write")
     p.add_argument("--schedule-out", default=None)
@@ -277,6 +280,11 @@ def main(argv=None) -> int:
     if args.check:
         return check_stored(args, rows)
     fit_rows = [r for r in rows if r.get("preset") != args.holdout] if args.holdout else rows
+    if args.fit_only:
+        want = {(ph, int(tok)) for ph, tok in (b.split(":") for b in args.fit_only.split(","))}
+        fit_rows = [r for r in fit_rows if (r["phase"], r["tokens_per_rank"]) in want]
+        if not fit_rows:
+            p.error(f"--fit-only {args.fit_only}: no such rows")
     compute, comm = unit_samples(fit_rows)
     figures, fit_c = fit_compute(compute)
     figures["comm"], fit_m = fit_comm(comm)
