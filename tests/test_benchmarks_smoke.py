@@ -56,3 +56,7 @@ def test_calibrate_check_reproduces_the_stored_calibration_check(tmp_path):
     r = subprocess.run([sys.executable, script, *srcs], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--out" in r.stderr and "--check" in r.stderr
+    r = subprocess.run([sys.executable, script, *srcs, "--out", str(tmp_path / "c.json"),
+                        "--fit-only", "decode:99999"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "no such rows" in r.stderr
