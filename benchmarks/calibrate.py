@@ -226,13 +226,45 @@ def markdown(checks: list[dict], figures: dict, fit: dict, machine: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_stored(args, rows: list[dict]) -> int:
-    """``--check``: the stored figures and overlap slowdown of ``args.check`` on ``rows``."""
-    with open(args.check) as f:
-        cal = json.load(f)
+def read_stored(p: argparse.ArgumentParser, path: str) -> dict:
+    """The calibration ``--check`` checks: a JSON object with the ``figures`` and the
+    ``overlap_slowdown`` (``compute``, ``comm``) that ``--out`` writes; anything else is a
+    usage error naming what is missing (a missing slowdown is not taken as 1.0: that would
+    check another model than the stored one)."""
+    try:
+        with open(path) as f:
+            cal = json.load(f)
+    except (OSError, ValueError) as e:
+        p.error(f"--check {path}: cannot be read as JSON ({e})")
+    slow = cal.get("overlap_slowdown") if isinstance(cal, dict) else None
+    if not isinstance(cal, dict) or not isinstance(cal.get("figures"), dict):
+        p.error(f"--check {path}: has no 'figures' object (not a calibration that "
+                "calibrate.py --out wrote)")
+    if not (isinstance(slow, dict) and all(isinstance(slow.get(k), (int, float))
+                                           for k in ("compute", "comm"))):
+        p.error(f"--check {path}: has no 'overlap_slowdown' {{'compute': ..., 'comm': ...}} "
+                f"(found {slow!r}); refit it with --out")
+    return cal
+
+
+def parse_fit_only(p: argparse.ArgumentParser, value: str) -> set[tuple[str, int]]:
+    """``--fit-only PHASE:TOKENS,...`` as ``{(phase, tokens)}``; a malformed entry is a usage
+    error."""
+    want = set()
+    for b in value.split(","):
+        ph, _, tok = b.partition(":")
+        if ph not in ("decode", "prefill") or not tok.isdigit():
+            p.error(f"--fit-only {value!r}: {b!r} is not PHASE:TOKENS (PHASE decode or "
+                    "prefill, TOKENS an integer), e.g. decode:256,prefill:4096")
+        want.add((ph, int(tok)))
+    return want
+
+
+def check_stored(args, cal: dict, rows: list[dict]) -> int:
+    """``--check``: the stored figures and overlap slowdown of ``cal`` on ``rows``."""
     figures = cal["figures"]
-    slow = cal.get("overlap_slowdown") or {}
-    slowdown = (slow.get("compute", 1.0), slow.get("comm", 1.0))
+    slow = cal["overlap_slowdown"]
+    slowdown = (slow["compute"], slow["comm"])
     checks = check(rows, figures, slowdown)
     md = markdown(checks, figures, {"checked": os.path.relpath(args.check),
                                     "overlap_slowdown": slowdown}, cal.get("machine", "?"))
@@ -272,16 +304,24 @@ def main(argv=None) -> int:
     p.add_argument("--schedule-out", default=None)
     args = p.parse_args(argv)
     if (args.out is None) == (args.check is None):
-        p.error("give --out (fit and store) or --check CALIBRATION (check a stored one)")
+        p.error("give --out (fit and store) or --check CALIBRATION (check a stored one), "
+                "not both")
+    if args.check:  # options of a fit: --check fits nothing, so they would be ignored
+        given = [f"--{k.replace('_', '-')}" for k in ("holdout", "fit_only", "row", "schedule_out")
+                 if getattr(args, k) is not None]
+        given += ["--slowdown-from"] * (args.slowdown_from != p.get_default("slowdown_from"))
+        if given:
+            p.error(f"--check fits nothing: {', '.join(given)} only apply with --out")
+        cal = read_stored(p, args.check)
+    want = parse_fit_only(p, args.fit_only) if args.fit_only is not None else None
     docs, rows = load_rows(args.results)
     if not rows:
         print("no rows with calibration data (run bench_moe.py --emulate-ep on a GPU)")
         return 2
     if args.check:
-        return check_stored(args, rows)
+        return check_stored(args, cal, rows)
     fit_rows = [r for r in rows if r.get("preset") != args.holdout] if args.holdout else rows
-    if args.fit_only:
-        want = {(ph, int(tok)) for ph, tok in (b.split(":") for b in args.fit_only.split(","))}
+    if want is not None:
         fit_rows = [r for r in fit_rows if (r["phase"], r["tokens_per_rank"]) in want]
         if not fit_rows:
             p.error(f"--fit-only {args.fit_only}: no such rows")

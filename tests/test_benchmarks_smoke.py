@@ -6,10 +6,13 @@ no CPU test reached."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,3 +63,49 @@ def test_calibrate_check_reproduces_the_stored_calibration_check(tmp_path):
                         "--fit-only", "decode:99999"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "no such rows" in r.stderr
+
+
+def _calibrate_script():
+    spec = importlib.util.spec_from_file_location(
+        "_calibrate_script", os.path.join(ROOT, "benchmarks", "calibrate.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--fit-only", "decode"], "'decode' is not PHASE:TOKENS"),
+    (["--fit-only", "decode:x"], "'decode:x' is not PHASE:TOKENS"),
+    (["--fit-only", "decode:256,"], "'' is not PHASE:TOKENS"),
+    (["--fit-only", ""], "'' is not PHASE:TOKENS"),
+    (["--check", "CAL", "--holdout", "deepseek-v3"], "--check fits nothing: --holdout"),
+    (["--check", "CAL", "--fit-only", "decode:256"], "--check fits nothing: --fit-only"),
+    (["--check", "CAL", "--schedule-out", "s.json", "--row", "decode:256:8"],
+     "--check fits nothing: --row, --schedule-out"),
+    (["--check", "CAL", "--slowdown-from", "deepseek-v3:8:50"],
+     "--check fits nothing: --slowdown-from"),
+    (["--check", "NOSLOW"], "has no 'overlap_slowdown'"),
+    (["--check", "NOFIG"], "has no 'figures' object"),
+    (["--check", "MISSING"], "cannot be read as JSON"),
+])
+def test_calibrate_refuses_what_it_would_ignore_or_misread(tmp_path, capsys, extra, match):
+    """A malformed ``--fit-only`` was a traceback (ValueError), a fit option beside ``--check``
+    was silently ignored (``--schedule-out`` wrote nothing, rc 0), and a calibration without
+    its overlap slowdown was checked with 1.0 (4 of 5 rows within 15 % where the stored model
+    gives 2): each is now a usage error (rc 2) saying what to give."""
+    cal = json.load(open(os.path.join(ROOT, "benchmarks", "calibration", "h200_2026-12-01.json")))
+    paths = {"CAL": tmp_path / "cal.json", "NOSLOW": tmp_path / "noslow.json",
+             "NOFIG": tmp_path / "nofig.json", "MISSING": tmp_path / "missing.json"}
+    paths["CAL"].write_text(json.dumps(cal))
+    paths["NOSLOW"].write_text(json.dumps({k: v for k, v in cal.items() if k != "overlap_slowdown"}))
+    paths["NOFIG"].write_text(json.dumps({k: v for k, v in cal.items() if k != "figures"}))
+    argv = [str(paths.get(a, a)) for a in extra]
+    if "--check" not in argv:
+        argv += ["--out", str(tmp_path / "out.json")]
+    results = os.path.join(ROOT, "benchmarks", "results",
+                           "emulated_v2lite_w8_calib_inductor_h200_2026-12-01.json")
+    with pytest.raises(SystemExit) as e:
+        _calibrate_script().main([results, *argv])
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists() and not (tmp_path / "s.json").exists()
