@@ -325,13 +325,18 @@ def main(argv=None) -> int:
         fit_rows = [r for r in fit_rows if (r["phase"], r["tokens_per_rank"]) in want]
         if not fit_rows:
             p.error(f"--fit-only {args.fit_only}: no such rows")
-    compute, comm = unit_samples(fit_rows)
-    figures, fit_c = fit_compute(compute)
-    figures["comm"], fit_m = fit_comm(comm)
     ph, w, g = args.slowdown_from.split(":")
     slow_rows = [r for r in fit_rows if (r.get("preset"), r.get("world_size"), r.get("link_gbps"))
                  == (ph, int(w), float(g))]
-    slowdown = fit_slowdown(slow_rows, figures) if slow_rows else (1.0, 1.0)
+    if not slow_rows:  # a slowdown of 1.0 stored under this name would be no fit of it
+        p.error(f"--slowdown-from {args.slowdown_from}: none of the rows fitted on (after "
+                "--holdout / --fit-only) has that PRESET:W:GBPS; name one of theirs: "
+                + ", ".join(sorted({f"{r.get('preset')}:{r.get('world_size')}:"
+                                    f"{r.get('link_gbps'):g}" for r in fit_rows})))
+    compute, comm = unit_samples(fit_rows)
+    figures, fit_c = fit_compute(compute)
+    figures["comm"], fit_m = fit_comm(comm)
+    slowdown = fit_slowdown(slow_rows, figures)
     checks = check(rows, figures, slowdown)
     hw = min(r["link_eff_gbps"] for r in rows if r["link_gbps"] >= max(x["link_gbps"] for x in rows))
     # for DboConfig(calibration=...): the scheduler's classes (attention: the decode figures,
@@ -344,7 +349,9 @@ def main(argv=None) -> int:
     cal = {"machine": machine, "measured": [d["date"] for d in docs],
            "written": datetime.datetime.now().isoformat(timespec="seconds"),
            "sources": [os.path.relpath(d["path"]) for d in docs], "link": docs[0]["link"],
-           "holdout": args.holdout, "figures": figures,
+           "holdout": args.holdout,
+           "fit_only": sorted([ph, tok] for ph, tok in want) if want is not None else None,
+           "figures": figures,
            "overlap_slowdown": {"compute": slowdown[0], "comm": slowdown[1]},
            "overlap_slowdown_from": args.slowdown_from,
            "fit": {"compute": fit_c, "comm": fit_m},

@@ -109,3 +109,23 @@ def test_calibrate_refuses_what_it_would_ignore_or_misread(tmp_path, capsys, ext
     assert e.value.code == 2
     assert match in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists() and not (tmp_path / "s.json").exists()
+
+
+def test_calibrate_fit_only_is_recorded_and_its_slowdown_fitted(tmp_path, capsys):
+    """A calibration fitted on ``--fit-only`` rows said so nowhere (``holdout: None``, its
+    ``check`` over every row as for a full fit); and a fit whose rows lack the
+    ``--slowdown-from`` rows stored ``overlap_slowdown`` 1.0 / 1.0 under that name as if
+    fitted. Now the file names the buckets it was fitted on, and the second is a usage error."""
+    mod = _calibrate_script()
+    results = os.path.join(ROOT, "benchmarks", "results",
+                           "emulated_v2lite_w8_calib_inductor_h200_2026-12-01.json")
+    out = tmp_path / "cal.json"
+    with pytest.raises(SystemExit) as e:
+        mod.main([results, "--out", str(out), "--fit-only", "decode:256",
+                  "--slowdown-from", "deepseek-v3:8:50"])
+    assert e.value.code == 2 and not out.exists()
+    assert "none of the rows fitted on" in capsys.readouterr().err
+    assert mod.main([results, "--out", str(out), "--fit-only", "prefill:2048,decode:256"]) == 0
+    cal = json.loads(out.read_text())
+    assert cal["fit_only"] == [["decode", 256], ["prefill", 2048]] and cal["check"]["rows"] == 5
+    assert cal["overlap_slowdown_from"] == "deepseek-v2-lite:8:50"
