@@ -320,6 +320,15 @@ def main(argv=None) -> int:
         return 2
     if args.check:
         return check_stored(args, cal, rows)
+    if (args.schedule_out is None) != (args.row is None):
+        p.error("--schedule-out and --row PHASE:TOKENS:W go together")
+    sched_row = None
+    if args.row is not None:
+        sched_row = next((r for r in rows if f"{r['phase']}:{r['tokens_per_rank']}:"
+                          f"{r.get('world_size')}" == args.row), None)
+        if sched_row is None:
+            p.error(f"--row {args.row}: no such row; the rows: " + ", ".join(sorted(
+                {f"{r['phase']}:{r['tokens_per_rank']}:{r.get('world_size')}" for r in rows})))
     fit_rows = [r for r in rows if r.get("preset") != args.holdout] if args.holdout else rows
     if want is not None:
         fit_rows = [r for r in fit_rows if (r["phase"], r["tokens_per_rank"]) in want]
@@ -373,11 +382,9 @@ def main(argv=None) -> int:
     if args.checks_json:
         with open(args.checks_json, "w") as f:
             json.dump(checks, f, indent=1)
-    if args.schedule_out and args.row:
-        ph, tok, w = args.row.split(":")
-        r = next(r for r in rows if (r["phase"], r["tokens_per_rank"], r.get("world_size"))
-                 == (ph, int(tok), int(w)))
-        _, sched = predict_split(row_cost(r, figures), r["calib"], slowdown=slowdown)
+    if sched_row is not None:
+        _, sched = predict_split(row_cost(sched_row, figures), sched_row["calib"],
+                                 slowdown=slowdown)
         with open(args.schedule_out, "w") as f:
             f.write(sched.to_json())
     print(md)

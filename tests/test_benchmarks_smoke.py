@@ -87,18 +87,24 @@ def _calibrate_script():
     (["--check", "NOSLOW"], "has no 'overlap_slowdown'"),
     (["--check", "NOFIG"], "has no 'figures' object"),
     (["--check", "MISSING"], "cannot be read as JSON"),
+    (["--schedule-out", "s.json"], "--schedule-out and --row PHASE:TOKENS:W go together"),
+    (["--row", "decode:256:8"], "--schedule-out and --row PHASE:TOKENS:W go together"),
+    (["--schedule-out", "s.json", "--row", "decode:99:8"], "--row decode:99:8: no such row"),
 ])
 def test_calibrate_refuses_what_it_would_ignore_or_misread(tmp_path, capsys, extra, match):
     """A malformed ``--fit-only`` was a traceback (ValueError), a fit option beside ``--check``
     was silently ignored (``--schedule-out`` wrote nothing, rc 0), and a calibration without
     its overlap slowdown was checked with 1.0 (4 of 5 rows within 15 % where the stored model
-    gives 2): each is now a usage error (rc 2) saying what to give."""
+    gives 2), and --schedule-out without --row wrote nothing (rc 0), with a --row of no row
+    it raised StopIteration after the fit: each is now a usage error (rc 2) saying what to
+    give."""
     cal = json.load(open(os.path.join(ROOT, "benchmarks", "calibration", "h200_2026-12-01.json")))
     paths = {"CAL": tmp_path / "cal.json", "NOSLOW": tmp_path / "noslow.json",
              "NOFIG": tmp_path / "nofig.json", "MISSING": tmp_path / "missing.json"}
     paths["CAL"].write_text(json.dumps(cal))
     paths["NOSLOW"].write_text(json.dumps({k: v for k, v in cal.items() if k != "overlap_slowdown"}))
     paths["NOFIG"].write_text(json.dumps({k: v for k, v in cal.items() if k != "figures"}))
+    paths["s.json"] = tmp_path / "s.json"
     argv = [str(paths.get(a, a)) for a in extra]
     if "--check" not in argv:
         argv += ["--out", str(tmp_path / "out.json")]
