@@ -260,6 +260,16 @@ def parse_fit_only(p: argparse.ArgumentParser, value: str) -> set[tuple[str, int
     return want
 
 
+def write_checks(args, md: str, checks: list[dict]) -> None:
+    """``--md`` (the markdown table) and ``--checks-json`` (the per-row check), where given."""
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    if args.checks_json:
+        with open(args.checks_json, "w") as f:
+            json.dump(checks, f, indent=1)
+
+
 def check_stored(args, cal: dict, rows: list[dict]) -> int:
     """``--check``: the stored figures and overlap slowdown of ``cal`` on ``rows``."""
     figures = cal["figures"]
@@ -268,12 +278,7 @@ def check_stored(args, cal: dict, rows: list[dict]) -> int:
     checks = check(rows, figures, slowdown)
     md = markdown(checks, figures, {"checked": os.path.relpath(args.check),
                                     "overlap_slowdown": slowdown}, cal.get("machine", "?"))
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
-    if args.checks_json:
-        with open(args.checks_json, "w") as f:
-            json.dump(checks, f, indent=1)
+    write_checks(args, md, checks)
     print(md)
     return 0
 
@@ -376,12 +381,7 @@ def main(argv=None) -> int:
         json.dump(cal, f, indent=1)
     md = markdown(checks, figures, {"compute": fit_c, "comm": fit_m,
                                     "overlap_slowdown": slowdown}, machine)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
-    if args.checks_json:
-        with open(args.checks_json, "w") as f:
-            json.dump(checks, f, indent=1)
+    write_checks(args, md, checks)
     if sched_row is not None:
         _, sched = predict_split(row_cost(sched_row, figures), sched_row["calib"],
                                  slowdown=slowdown)
