@@ -203,12 +203,13 @@ def check(rows: list[dict], figures: dict, slowdown: tuple[float, float]) -> lis
     return out
 
 
-def markdown(checks: list[dict], figures: dict, fit: dict, machine: str) -> str:
+def markdown(checks: list[dict], figures: dict, fit: dict, machine: str,
+             label: str = "Unit fit") -> str:
     lines = [f"Calibrated on {machine}. Figures per class: " + "; ".join(
         f"{c}: " + ", ".join(f"{k} {v:.3g}" for k, v in f.items() if isinstance(v, float) and v)
         for c, f in figures.items()
         if isinstance(f, dict)),
-        "", f"Unit fit: {json.dumps(fit)}", "",
+        "", f"{label}: {json.dumps(fit)}", "",
         "| preset | W | GB/s | phase | tok/rank | unsplit meas | unsplit pred | err | DBO meas "
         "| DBO pred (schedule) | err | speedup meas | speedup pred |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -277,7 +278,8 @@ def check_stored(args, cal: dict, rows: list[dict]) -> int:
     slowdown = (slow["compute"], slow["comm"])
     checks = check(rows, figures, slowdown)
     md = markdown(checks, figures, {"checked": os.path.relpath(args.check),
-                                    "overlap_slowdown": slowdown}, cal.get("machine", "?"))
+                                    "overlap_slowdown": slowdown}, cal.get("machine", "?"),
+                  label="Stored calibration (not refitted)")
     write_checks(args, md, checks)
     print(md)
     return 0
