@@ -22,6 +22,10 @@ Per bucket, side by side in one run (µs, median of CUDA-event-timed replays), t
   order, the static capacity of each dispatch and combine), captured in a CUDA graph;
 - ``split_nocomm``: the split program with the link copying nothing (the backend's packing
   stays);
+- ``comm_ops``: the split program's dispatches and combines alone, whole (their pack and
+  unpack kernels and the round trips, in the DBO schedules' order, on uniform routing): what
+  the comm stream carries; ``eta_vs_comm_ops`` is η with it in place of ``comm`` (the packing
+  then counts on both sides: it is in ``split_nocomm`` too);
 - ``routed``: remote rows per step that mattered against the link's static capacity rows
   (``ops.emulated.stats``; rows past the capacity stay on the device: ``overflow``);
 - numerics (V2-Lite shapes, ``--check``): every captured graph and the eager DBO step against
@@ -53,7 +57,7 @@ import moe_harness as H  # noqa: E402
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import emulated as E  # noqa: E402
 from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
-from dbo_compile.ops.comm import payload_layout  # noqa: E402
+from dbo_compile.ops.comm import get_comm_backend, payload_layout  # noqa: E402
 from dbo_compile.ops.registry import bound_backend, comm_kind  # noqa: E402
 from dbo_compile.passes.calibrate import step_features  # noqa: E402
 from dbo_compile.runtime import capture as cg_capture  # noqa: E402
@@ -280,8 +284,11 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
             t[f"graph:{name}"] = timer(g.replay)
         t["runner_step"] = timer(lambda: runner(ids, pos, md, qlens), iters=5)
         extra = {}
-        comm = comm_only_fn(world, cfg, model.dtype, [n // 2, n - n // 2], device)
-        for name, fn in (("split_serial", serial), ("split_nocomm", nocomm), ("comm", comm)):
+        halves = [n // 2, n - n // 2]
+        comm = comm_only_fn(world, cfg, model.dtype, halves, device)
+        comm_ops = comm_ops_fn(world, cfg, model.dtype, halves, device)
+        for name, fn in (("split_serial", serial), ("split_nocomm", nocomm), ("comm", comm),
+                         ("comm_ops", comm_ops)):
             try:
                 extra[name] = capture(fn, warmup=2)
             except Exception as e:  # noqa: BLE001
@@ -322,8 +329,11 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
     base_t = t["graph:unsplit"]
     dbo_t = t[f"graph:{b.best_candidate}"]
     chosen_t = t[f"graph:{b.choice}"]
-    serial_t, nocomm_t, comm_t = (t.get(k) for k in ("split_serial", "split_nocomm", "comm"))
+    serial_t, nocomm_t, comm_t, ops_t = (t.get(k) for k in ("split_serial", "split_nocomm",
+                                                             "comm", "comm_ops"))
     hideable = max(nocomm_t, comm_t) if nocomm_t and comm_t else None
+    # the comm stream's own work: the ops with their packing (which "split no comm" holds too)
+    ops_bound = max(nocomm_t, ops_t) if nocomm_t and ops_t else None
     row.update({
         "t_unsplit_eager_us": t.get("unsplit_eager"), "t_baseline_us": base_t,
         "t_split_serial_us": serial_t, "t_split_nocomm_us": nocomm_t, "t_comm_us": comm_t,
@@ -334,6 +344,9 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
         "bound": base_t / hideable if hideable else None,
         "eta": ((serial_t - dbo_t) / (serial_t - hideable)
                 if hideable and serial_t and serial_t > hideable else None),
+        "t_comm_ops_us": ops_t,
+        "eta_vs_comm_ops": ((serial_t - dbo_t) / (serial_t - ops_bound)
+                            if ops_bound and serial_t and serial_t > ops_bound else None),
         "timing_mode": "graph" if torch.cuda.is_available() else "eager",
         "experts_paths": experts_path_choices(),
     })
@@ -372,6 +385,35 @@ def _profile(args, graphs: dict, program, row) -> None:
     row["profiled"] = True
 
 
+def comm_ops_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int], device):
+    """The split program's comm ops alone, whole: the emulated backend's dispatches and
+    combines with their pack and unpack kernels around the round trips (per layer: the
+    ubatches' dispatches, then their combines, as the DBO schedules order them), on uniform
+    top-k routing of ``[T, hidden]`` bf16 rows per ubatch. :func:`comm_only_fn` times the round
+    trips alone; this is what the comm stream carries."""
+    backend = get_comm_backend(E.register_emulated(world))
+    e, k = world.num_experts, world.top_k
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _layer in range(cfg.num_moe_layers):
+        ops = []
+        for t in tokens_per_ubatch:
+            x = torch.randn(t, cfg.hidden_size, generator=gen).to(device, dtype)
+            ids = torch.rand(t, e, generator=gen).topk(k, dim=1).indices.to(device)
+            w = torch.rand(t, k, generator=gen).to(device)
+            rx, rids, _ = backend.dispatch(x, ids, w, e, "")
+            ops.append((x, ids, w, (rx * (rids >= 0).any(-1, keepdim=True)).contiguous()))
+        layers.append(ops)
+
+    def run():
+        for ops in layers:
+            for x, ids, w, _ in ops:
+                backend.dispatch(x, ids, w, e, "")
+            for *_, y in ops:
+                backend.combine(y, "")
+    return run
+
+
 def fmt(v, nd=0):
     if v is None:
         return "–"
@@ -381,9 +423,10 @@ def fmt(v, nd=0):
 def markdown(doc: dict) -> str:
     lines = [f"Machine: {doc['machine']}; torch {doc['torch']}; {doc['date']}; {doc['setup']}", "",
              "| preset | W | GB/s | phase | tok/rank | unsplit eager | **baseline** | split serial "
-             "| split no comm | comm M | DBO eager | **DBO graph** (schedule) | runtime picks | "
-             "speedup | bound | η | pick / baseline | routed / cap rows | max rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| split no comm | comm M | comm ops | DBO eager | **DBO graph** (schedule) | "
+             "runtime picks | speedup | bound | η | η vs ops | pick / baseline | "
+             "routed / cap rows | max rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         head = f"| {r.get('preset')} | {r.get('world_size')} | {fmt(r.get('link_gbps'))} | {r['phase']} | {r['tokens_per_rank']} "
         if r.get("t_dbo_graph_us") is None:
@@ -396,9 +439,11 @@ def markdown(doc: dict) -> str:
         lines.append(
             head + f"| {fmt(r['t_unsplit_eager_us'])} | {fmt(r['t_baseline_us'])} | "
             f"{fmt(r['t_split_serial_us'])} | {fmt(r['t_split_nocomm_us'])} | {fmt(r['t_comm_us'])} | "
+            f"{fmt(r.get('t_comm_ops_us'))} | "
             f"{fmt(r['t_dbo_eager_us'])} | {fmt(r['t_dbo_graph_us'])} ({r['dbo_variant']}) | "
             f"{'split' if r['chosen'] != 'unsplit' else 'unsplit'} {fmt(r['t_chosen_us'])} | "
             f"{fmt(r['speedup'], 3)}× | {fmt(r['bound'], 2)}× | {fmt(r['eta'], 2)} | "
+            f"{fmt(r.get('eta_vs_comm_ops'), 2)} | "
             f"{fmt(r['chosen_vs_baseline'], 3)}× | {routed} | {fmt(max(errs) if errs else None, 4)} |")
     return "\n".join(lines) + "\n"
 

@@ -28,6 +28,7 @@ def test_the_emulated_benchmark_measures_a_bucket_on_cpu(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["errors"] == [], row["errors"]
     for key in ("t_baseline_us", "t_split_serial_us", "t_split_nocomm_us", "t_comm_us",
+                "t_comm_ops_us",
                 "t_dbo_graph_us"):
         assert row[key] > 0, key
     err = row["num_eager_vs_reference"]  # the eager split step against the one-device model
@@ -135,3 +136,31 @@ def test_calibrate_fit_only_is_recorded_and_its_slowdown_fitted(tmp_path, capsys
     cal = json.loads(out.read_text())
     assert cal["fit_only"] == [["decode", 256], ["prefill", 2048]] and cal["check"]["rows"] == 5
     assert cal["overlap_slowdown_from"] == "deepseek-v2-lite:8:50"
+
+
+def test_comm_ops_alone_run_whole_ops_in_the_dbo_order(monkeypatch):
+    """``bench_emulated.comm_ops_fn``: per MoE layer the ubatches' dispatches, then their
+    combines, each a whole op of the emulated backend (its packing and one round trip of its
+    capacity), so ``comm ops`` times what the comm stream carries."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_emulated as B
+    import torch
+
+    from dbo_compile.models import get_config
+
+    cfg = get_config("tiny")
+    world = B.E.EmulatedWorld(4, cfg.num_experts, cfg.top_k)
+    fn = B.comm_ops_fn(world, cfg, torch.bfloat16, [5, 7], torch.device("cpu"))
+    sent = []
+    real = B.E._LINK.round_trip
+
+    def spy(src, wld):
+        sent.append(tuple(src.shape))
+        return real(src, wld)
+
+    monkeypatch.setattr(B.E._LINK, "round_trip", spy)
+    fn()
+    _, cols = B.payload_layout(cfg.hidden_size, torch.bfloat16, cfg.top_k)
+    one_layer = [(world.capacity(5), cols), (world.capacity(7), cols),
+                 (world.capacity(5), cfg.hidden_size), (world.capacity(7), cfg.hidden_size)]
+    assert sent == one_layer * cfg.num_moe_layers
