@@ -56,8 +56,8 @@ import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import emulated as E  # noqa: E402
-from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
 from dbo_compile.ops.comm import get_comm_backend, payload_layout  # noqa: E402
+from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
 from dbo_compile.ops.registry import bound_backend, comm_kind  # noqa: E402
 from dbo_compile.passes.calibrate import step_features  # noqa: E402
 from dbo_compile.runtime import capture as cg_capture  # noqa: E402
@@ -369,8 +369,8 @@ def _kernel_tables(args, b, nocomm_graph, phase: str, n: int) -> None:
 def _profile(args, graphs: dict, program, row) -> None:
     """A torch.profiler trace of one replay of each graph (``profile_NAME.json``: the DBO
     graph as ``dbo_graph``, for ``python -m dbo_compile.viz SCHEDULE.json --profile TRACE.json``,
-    and the split serial / without comm / comm-only graphs beside it, to compare the link's
-    copies alone and beside the compute) and the DBO graph's schedule."""
+    and the split serial / without comm / comm-only / comm-ops graphs beside it, to compare the
+    link's copies alone and beside the compute) and the DBO graph's schedule."""
     from torch.profiler import ProfilerActivity, profile
 
     for name, graph in graphs.items():
@@ -389,8 +389,8 @@ def comm_ops_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int]
     """The split program's comm ops alone, whole: the emulated backend's dispatches and
     combines with their pack and unpack kernels around the round trips (per layer: the
     ubatches' dispatches, then their combines, as the DBO schedules order them), on uniform
-    top-k routing of ``[T, hidden]`` bf16 rows per ubatch. :func:`comm_only_fn` times the round
-    trips alone; this is what the comm stream carries."""
+    top-k routing of ``[T, hidden]`` rows of ``dtype`` per ubatch. :func:`comm_only_fn` times the
+    round trips alone; this is what the comm stream carries."""
     backend = get_comm_backend(E.register_emulated(world))
     e, k = world.num_experts, world.top_k
     gen = torch.Generator().manual_seed(0)

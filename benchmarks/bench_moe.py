@@ -157,8 +157,8 @@ def parse(argv=None):
                         "graph without comm and the DBO graph of every bucket, TOP rows")
     e.add_argument("--profile", default=None, metavar="PHASE:TOKENS:W",
                    help="write profiler traces of that bucket's DBO graph (and its schedule) "
-                        "and of its split serial, split without comm and comm-only graphs "
-                        "beside --json (profile_NAME.json)")
+                        "and of its split serial, split without comm, comm-only and comm-ops "
+                        "graphs beside --json (profile_NAME.json)")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
     p.add_argument("--md", default=None, help="markdown table path (default: json with .md)")
     p.add_argument("--append", action="store_true", help="add rows to an existing --json")

@@ -261,6 +261,11 @@ def parse_fit_only(p: argparse.ArgumentParser, value: str) -> set[tuple[str, int
     return want
 
 
+def _bucket_key(r: dict) -> str:
+    """A row as ``--row`` names it: ``PHASE:TOKENS:W``."""
+    return f"{r['phase']}:{r['tokens_per_rank']}:{r.get('world_size')}"
+
+
 def write_checks(args, md: str, checks: list[dict]) -> None:
     """``--md`` (the markdown table) and ``--checks-json`` (the per-row check), where given."""
     if args.md:
@@ -331,11 +336,10 @@ def main(argv=None) -> int:
         p.error("--schedule-out and --row PHASE:TOKENS:W go together")
     sched_row = None
     if args.row is not None:
-        sched_row = next((r for r in rows if f"{r['phase']}:{r['tokens_per_rank']}:"
-                          f"{r.get('world_size')}" == args.row), None)
+        sched_row = next((r for r in rows if _bucket_key(r) == args.row), None)
         if sched_row is None:
-            p.error(f"--row {args.row}: no such row; the rows: " + ", ".join(sorted(
-                {f"{r['phase']}:{r['tokens_per_rank']}:{r.get('world_size')}" for r in rows})))
+            p.error(f"--row {args.row}: no such row; the rows: "
+                    + ", ".join(sorted({_bucket_key(r) for r in rows})))
     fit_rows = [r for r in rows if r.get("preset") != args.holdout] if args.holdout else rows
     if want is not None:
         fit_rows = [r for r in fit_rows if (r["phase"], r["tokens_per_rank"]) in want]
