@@ -234,6 +234,11 @@ class Timeline:
     stream is free and its dependencies have ended. The one model of a schedule's time, used
     by the list scheduler to pick units and by :func:`simulate` to time a fixed order.
 
+    A unit's ``latency_us`` (the transfer of an issue whose receive is a unit of its own) holds
+    the rank's one link: transfers run one after another in placement order, each starting
+    when its issue ended and the link is free (two ops in flight share the link's bandwidth;
+    they do not each get all of it).
+
     Args:
         preds: per unit id, the ids it depends on.
     """
@@ -241,6 +246,8 @@ class Timeline:
     def __init__(self, preds: dict[int, list[int]]):
         self.preds = preds
         self.free = {COMPUTE: 0.0, COMM: 0.0}
+        #: when the link is free of the transfers placed so far
+        self.link_free = 0.0
         self.end: dict[int, float] = {}
         #: when a placed unit's dependents may start (its end plus its ``latency_us``)
         self.ready: dict[int, float] = {}
@@ -256,7 +263,11 @@ class Timeline:
         start = self.start_of(unit, extra)
         end = start + unit.cost_us
         self.end[unit.id] = end
-        self.ready[unit.id] = end + unit.latency_us
+        if unit.latency_us > 0:
+            self.link_free = max(end, self.link_free) + unit.latency_us
+            self.ready[unit.id] = self.link_free
+        else:
+            self.ready[unit.id] = end
         self.free[unit.stream] = end
         return start, end
 

@@ -72,14 +72,14 @@ def test_the_remote_share_crosses_the_link(monkeypatch):
     ids, w = _routing()
     x = torch.randn(40, 16)
     sent = []
-    real = E._LINK.round_trip
+    real = E._LINK.send
 
     def corrupting(src, wld):
         sent.append(src.shape[0])
-        return real(src, wld) + 1
+        return E._Transfer(real(src, wld).finish() + 1)
 
     good = backend.dispatch(x, ids, w, 8, "")
-    monkeypatch.setattr(E._LINK, "round_trip", corrupting)
+    monkeypatch.setattr(E._LINK, "send", corrupting)
     bad = backend.dispatch(x, ids, w, 8, "")
     assert sent == [world.capacity(40)]  # one transfer of the capacity
     local = torch.arange(40) * world.rows_per_token
@@ -87,6 +87,55 @@ def test_the_remote_share_crosses_the_link(monkeypatch):
     remote = (good[1] >= 0).any(-1)
     remote[local] = False
     assert remote.any() and not torch.equal(bad[0][remote], good[0][remote])
+
+
+def test_deferred_calls_fill_their_results_at_the_receive():
+    """An op issued with ``defer_receive`` sends its rows and returns; its receive (any
+    order) completes the result in place: the same bits as the op run at once. Two may be in
+    flight (the link's two host slots, the pool's in_flight=2); a third, or a receive of a
+    value no call returned, is refused; abort receives what is left."""
+    world = E.EmulatedWorld(4, 8, 3)
+    backend = get_comm_backend(E.register_emulated(world))
+    assert backend.pool_of("dispatch").in_flight == 2 and backend.receive is not None
+    ids, w = _routing()
+    x = torch.randn(40, 16)
+    want = backend.dispatch(x, ids, w, 8, "")
+    y = torch.randn_like(want[0]) * (want[1] >= 0).any(-1, keepdim=True)
+    want_out = backend.combine(y, "")
+    sent = []
+    real = E._LINK.send
+
+    def spy(src, wld):
+        sent.append("send")
+        return real(src, wld)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(E._LINK, "send", spy)
+        d = backend.dispatch(x, ids, w, 8, "", defer_receive=True)
+        c = backend.combine(y, "", defer_receive=True)
+        assert sent == ["send", "send"]  # both on the link before either is received
+        with pytest.raises(CommBackendError, match="2 calls are in flight"):
+            backend.dispatch(x, ids, w, 8, "", defer_receive=True)
+        backend.receive(c)  # out of issue order: each call has its own slot and event
+        backend.receive(d)
+    assert all(torch.equal(a, b) for a, b in zip(d, want)) and torch.equal(c, want_out)
+    with pytest.raises(CommBackendError, match="no call in flight"):
+        backend.receive(d)
+    d = backend.dispatch(x, ids, w, 8, "", defer_receive=True)
+    backend.abort()
+    assert all(torch.equal(a, b) for a, b in zip(d, want))
+    with pytest.raises(CommBackendError, match="no call in flight"):
+        backend.receive(d)
+
+
+def test_the_link_holds_two_transfers_at_most():
+    world = E.EmulatedWorld(4, 8, 3)
+    src = torch.randn(8, 4)
+    a, b = E._LINK.send(src, world), E._LINK.send(src + 1, world)
+    with pytest.raises(CommOpError, match="2 transfers are in flight"):
+        E._LINK.send(src, world)
+    assert torch.equal(a.finish(), src) and torch.equal(b.finish(), src + 1)
+    E._LINK.send(src, world).finish()  # the slots are free again
 
 
 def test_capacity_is_the_routed_volume_not_the_fixed_one():
@@ -201,6 +250,37 @@ def test_compiled_emulated_world_equals_the_unsplit_reference():
             if comm_kind(n) is not None} == bound
 
 
+def test_split_program_sends_the_next_op_before_receiving_the_last():
+    """The emulated ops' receives are units of their own (their transfer in flight while the
+    comm stream packs the next op): the schedule issues a comm op before the previous one's
+    receive, never three at once (the pool), and the model holds the link for one transfer at
+    a time."""
+    model, ref, step = _world_model()
+    cm = torch.compile(model, backend="dbo", options=_options())
+    with torch.no_grad():
+        out = run_step(cm, step.input_ids, step.positions, step.attn_metadata,
+                       step.num_scheduled_tokens)
+        want = ref(step.input_ids, step.positions, step.attn_metadata)
+    torch.testing.assert_close(out, want)
+    sched = last_artifact().split_program.schedule
+    comm = [u for u in sched.units if u.kind == "comm"]
+    in_flight, most, overlapped = 0, 0, False
+    for u in comm:  # host order = comm stream order
+        in_flight += 1 if u.phase == "issue" else -1
+        most = max(most, in_flight)
+        overlapped |= u.phase == "issue" and in_flight == 2
+    assert overlapped and most == 2, [u.name for u in comm]
+    # the transfers hold the link one after another, in issue order: the receive of each
+    # starts no earlier than its issue's end and every transfer before it
+    t_link = 0.0
+    for u in (u for u in comm if u.phase == "issue"):
+        assert u.latency_us > 0
+        t_link = max(t_link, u.end_us) + u.latency_us
+        r = next(r for r in comm if r.phase == "receive" and r.label == u.label
+                 and r.ubatch == u.ubatch and r.layer == u.layer)
+        assert r.start_us >= t_link - 1e-6, (u.name, r.start_us, t_link)
+
+
 def test_emulate_options_are_in_the_fingerprint():
     a = DboConfig(comm_backend="emulated", emulate_world_size=8)
     b = DboConfig(comm_backend="emulated", emulate_world_size=8, emulate_link_gbps=25.0)
@@ -264,7 +344,9 @@ def test_world_size_that_does_not_divide_the_experts_fails_the_compile():
 
 def test_cost_model_reads_the_link_bytes_and_the_expert_rows():
     """Comm cost: latency + the link capacity's bytes / link_gbps (not the receive rows'
-    bytes); the experts' FLOPs count each slot once (rows / G), also for the joined call."""
+    bytes), the transfer of an issue whose receive is a unit of its own (the issue and the
+    receive cost a launch); the experts' FLOPs count each slot once (rows / G), also for the
+    joined call."""
     model, _, step = _world_model()
     cm = torch.compile(model, backend="dbo", options=_options(
         link_gbps=10.0, comm_latency_us=3.0, cost_model_tokens=64, join_experts=True,
@@ -278,12 +360,13 @@ def test_cost_model_reads_the_link_bytes_and_the_expert_rows():
     cost = CostModel(art.config, art.token_symbols, 2)
     world = E.EmulatedWorld(4, 8, 3)
     h = model.config.hidden_size
-    for unit in prog.schedule.units:
-        if unit.kind != "comm":
-            continue
+    comm = [u for u in prog.schedule.units if u.kind == "comm"]
+    assert sorted(u.phase for u in comm) == ["issue"] * 8 + ["receive"] * 8
+    for unit in comm:
         kind = "dispatch" if unit.label == "D" else "combine"
-        want = 3.0 + world.link_bytes(kind, 32, h, 4) / 10e3
-        assert unit.cost_us == pytest.approx(want, rel=1e-3), unit.name
+        want = 3.0 + world.link_bytes(kind, 32, h, 4) / 10e3 if unit.phase == "issue" else 0.0
+        assert unit.cost_us == art.config.launch_us, unit.name
+        assert unit.latency_us == pytest.approx(want, rel=1e-3), unit.name
     joined = [n for n in prog.split_gm.graph.nodes if n.op == "call_function"
               and op_info(n.target) is op_info(torch.ops.dbo.grouped_experts.default)]
     assert len(joined) == 2
@@ -320,7 +403,8 @@ def test_joined_rows_know_their_dispatch():
 
 def test_triton_kernels_match_the_torch_path():
     """Dispatch bit for bit; the combine bit for bit in fp32 (the interpreter rounds bf16
-    differently from the GPU: within one bf16 ulp there), incl. overflow and world size 1."""
+    differently from the GPU: within one bf16 ulp there), incl. overflow and world size 1;
+    issued together and finished later, the same."""
     out = run_interpreted(r'''
 import torch
 from dbo_compile.ops import emulated as E
@@ -347,6 +431,12 @@ for W, Ex, K, T, H, dtype, cf in [(4, 8, 3, 37, 40, torch.float32, 1.1),
         counts.append(E.stats()["cpu"])
         if path == "torch":
             a, ca = d, c
+    # issued both, then received in the other order: the same bits
+    (d2, fin_d), (c2, fin_c) = (E._dispatch_triton_issue(world, x, ids, w),
+                                E._combine_triton_issue(world, y))
+    fin_c()
+    fin_d()
+    assert all(torch.equal(u, v) for u, v in zip(d, d2)) and torch.equal(c, c2), W
     assert all(torch.equal(u, v) for u, v in zip(a, d)), W
     torch.testing.assert_close(c, ca, rtol=0 if dtype == torch.float32 else 2 ** -7, atol=0)
     assert counts[0] == counts[1], counts

@@ -232,7 +232,9 @@ class CommBackend:
             ``dbo.moe_dispatch``.
         combine: ``handle=False``: ``(y, group_name) -> out``; ``handle=True``: ``(y,
             topk_ids, topk_weights, recv_ids, recv_weights, handle, group_name,
-            defer_receive) -> out``.
+            defer_receive) -> out``. A ``handle=False`` backend with a ``receive`` phase
+            (the emulated link) takes ``defer_receive=`` as a keyword in both, ``False`` by
+            default (``dbo.dispatch`` / ``dbo.combine`` never defer).
         description: one line for logs and errors.
         dispatch_fake / combine_fake: the shapes of the results from the (fake) inputs, same
             signatures; ``None``: the rank-major layout of :func:`dispatch` (``[W*T, ...]``
@@ -778,8 +780,9 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         if impl.handle:
             return impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name,
                                  defer_receive)
+        more = {"defer_receive": defer_receive} if impl.receive is not None else {}
         recv_x, recv_ids, recv_w = impl.dispatch(x, topk_ids, topk_weights, num_experts,
-                                                 group_name)
+                                                 group_name, **more)
     return recv_x, recv_ids, recv_w, _empty_handle(x)
 
 
@@ -822,6 +825,8 @@ def moe_combine(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         if impl.handle:
             return impl.combine(y, topk_ids, topk_weights, recv_ids, recv_weights, handle,
                                 group_name, defer_receive)
+        if impl.receive is not None:
+            return impl.combine(y, group_name, defer_receive=defer_receive)
         return impl.combine(y, group_name)
 
 

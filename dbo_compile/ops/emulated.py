@@ -69,13 +69,14 @@ Usage (the bench and tests build the model with ``emulated_world_size=W``, see
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import logging
 import math
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -84,6 +85,7 @@ from dbo_compile.errors import CommBackendError, CommOpError
 from dbo_compile.ops._triton import import_triton
 from dbo_compile.ops.comm import (
     CommBackend,
+    ResultPool,
     _check_dispatch_args,
     _meta_view,
     get_comm_backend,
@@ -95,8 +97,8 @@ from dbo_compile.ops.registry import backend_spec, bound_backend, comm_kind
 log = logging.getLogger(__name__)
 
 __all__ = ["EmulatedBackend", "EmulatedWorld", "NAME", "bind_name", "emulated_backend",
-           "is_emulated", "link_figures", "register_emulated", "reset_stats", "stats",
-           "without_link"]
+           "is_emulated", "link_figures", "register_emulated", "reset_stats", "serial_link",
+           "stats", "without_link"]
 
 #: the name users give (``DboConfig.comm_backend``); registered instances are ``NAME:...``
 NAME = "emulated"
@@ -207,45 +209,78 @@ class _Link:
     """Per-process link state: copy streams, events and pinned buffers per CUDA device, the
     measured hardware figures, and the overflow counters.
 
-    Pinned buffers are never freed (a captured graph holds their address); one buffer per
-    device serves every op, since all comm ops of a program run in order on one stream and an
-    op's copies finish before it returns.
+    Pinned buffers are never freed (a captured graph holds their address). Each device has
+    :data:`_SLOTS` of them, so that two transfers can be in flight at once (an op whose
+    receive is deferred, :meth:`send`): a transfer takes a free slot and frees it when it is
+    finished. A slot is reused only after the stream that sends next has waited for the
+    transfer that used it last (all comm ops of a program run on one stream, and an op that
+    is not deferred finishes before it returns).
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self.enabled = True
+        #: False within serial_link(): a send finishes before it returns
+        self.overlap = True
         self.streams: dict[int, tuple[Any, Any]] = {}
         self.events: dict[int, list[Any]] = {}
-        self.host: dict[Any, torch.Tensor] = {}
+        self.host: dict[Any, list[torch.Tensor | None]] = {}
+        self.busy: dict[Any, list[bool]] = {}
         self.kept: list[torch.Tensor] = []
         self.copy_gbps: dict[int, float] = {}
         self.cycles_per_us: dict[int, float] = {}
         self.counters: dict[Any, torch.Tensor] = {}
 
     # -- buffers ----------------------------------------------------------------------------
-    def host_buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        """A pinned (CUDA) or plain (CPU) byte buffer of at least ``nbytes``."""
-        key = device.index if device.type == "cuda" else "cpu"
-        buf = self.host.get(key)
-        if buf is None or buf.numel() < nbytes:
+    @staticmethod
+    def _key(device: torch.device) -> Any:
+        return device.index if device.type == "cuda" else "cpu"
+
+    def host_buffer(self, device: torch.device, nbytes: int, slot: int = 0) -> torch.Tensor:
+        """Slot ``slot``'s pinned (CUDA) or plain (CPU) byte buffer of at least ``nbytes``
+        (every slot of the device grows with it: a capture may draw another slot than the
+        eager run that sized them)."""
+        key = self._key(device)
+        bufs = self.host.setdefault(key, [None] * _SLOTS)
+        have = min(0 if b is None else b.numel() for b in bufs)
+        if have < nbytes:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise CommOpError(
                     f"emulated link: {nbytes} bytes of pinned host memory are needed during "
-                    "CUDA-graph capture (have "
-                    f"{0 if buf is None else buf.numel()}); run the step once eagerly before "
+                    f"CUDA-graph capture (have {have}); run the step once eagerly before "
                     "capturing (CudaGraphRunner and dbo_compile.runtime.capture do)")
-            size = max(nbytes, 2 * (0 if buf is None else buf.numel()), 1 << 20)
-            new = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
-            if buf is not None:
-                self.kept.append(buf)  # a captured graph may still hold its address
-            self.host[key] = buf = new
-        return buf
+            size = max(nbytes, 2 * have, 1 << 20)
+            for i, buf in enumerate(bufs):
+                if buf is not None and buf.numel() >= nbytes:
+                    continue
+                if buf is not None:
+                    self.kept.append(buf)  # a captured graph may still hold its address
+                bufs[i] = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        return bufs[slot]
+
+    def take_slot(self, device: torch.device) -> int:
+        """A free host-buffer slot of ``device``, now busy.
+
+        Raises:
+            CommOpError: every slot holds a transfer in flight (more than :data:`_SLOTS`
+                deferred ops at once: the backend's pool allows as many).
+        """
+        busy = self.busy.setdefault(self._key(device), [False] * _SLOTS)
+        for i, b in enumerate(busy):
+            if not b:
+                busy[i] = True
+                return i
+        raise CommOpError(f"emulated link: {_SLOTS} transfers are in flight on {device}, none "
+                          "finished; receive one before sending another (the backend's pool "
+                          f"allows {_SLOTS} calls in flight)")
+
+    def free_slot(self, device: torch.device, slot: int) -> None:
+        self.busy[self._key(device)][slot] = False
 
     def cuda_streams(self, index: int) -> tuple[Any, Any]:
         if index not in self.streams:
             self.streams[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index))
-            self.cuda_events(index, _MAX_CHUNKS)  # made here, not during a capture
+            self.cuda_events(index, _MAX_CHUNKS + _SLOTS)  # made here, not during a capture
         return self.streams[index]
 
     def cuda_events(self, index: int, n: int) -> list[Any]:
@@ -311,18 +346,32 @@ class _Link:
 
     # -- one round trip ---------------------------------------------------------------------
     def round_trip(self, src: torch.Tensor, world: EmulatedWorld) -> torch.Tensor:
-        """``src [rows, cols]`` (contiguous) out to host memory and back; a new tensor."""
+        """``src [rows, cols]`` (contiguous) out to host memory and back; a new tensor, ready
+        on the current stream."""
+        return self.send(src, world).finish()
+
+    def send(self, src: torch.Tensor, world: EmulatedWorld) -> "_Transfer":
+        """Start the round trip of ``src [rows, cols]`` (contiguous) on the link's copy
+        streams after the work queued on the current stream; :meth:`_Transfer.finish` makes
+        the stream it is called on wait for the copies back and returns the new tensor.
+        Until then the current stream is free for other work (the next op's packing)."""
         if not self.enabled:  # without_link(): the rows stay where they are
-            return src
+            return _Transfer(src)
         out = torch.empty_like(src)
         nbytes = src.numel() * src.element_size()
         if nbytes == 0:
-            return out
-        host = self.host_buffer(src.device, nbytes)[:nbytes].view(src.dtype).view(src.shape)
-        if not src.is_cuda:
+            return _Transfer(out)
+        slot = self.take_slot(src.device)
+        try:
+            host = self.host_buffer(src.device, nbytes, slot)[:nbytes]
+        except BaseException:
+            self.free_slot(src.device, slot)
+            raise
+        host = host.view(src.dtype).view(src.shape)
+        if not src.is_cuda:  # synchronous copies; the slot is held until finished all the same
             host.copy_(src)
             out.copy_(host)
-            return out
+            return _Transfer(out, slot=(self, src.device, slot))
         index = src.device.index if src.device.index is not None else torch.cuda.current_device()
         self.measure(index)
         hw = world.copy_gbps or self.copy_gbps.get(index, FALLBACK_COPY_GBPS)
@@ -335,7 +384,7 @@ class _Link:
         bounds = [rows * i // chunks for i in range(chunks + 1)]
         cur = torch.cuda.current_stream(src.device)
         s_out, s_in = self.cuda_streams(index)
-        evs = self.cuda_events(index, chunks)
+        evs = self.cuda_events(index, _MAX_CHUNKS + _SLOTS)
         s_out.wait_stream(cur)
         s_in.wait_stream(cur)
         with torch.cuda.stream(s_out):
@@ -352,9 +401,42 @@ class _Link:
             with torch.cuda.stream(s_in):
                 s_in.wait_event(evs[i])
                 _copies(out[a:b], host[a:b], repeat)
-        cur.wait_stream(s_out)
-        cur.wait_stream(s_in)
-        return out
+        # the way back waited for every chunk out: its end is the transfer's end
+        done = evs[_MAX_CHUNKS + slot]
+        done.record(s_in)
+        if not self.overlap:  # serial_link(): nothing runs beside the transfer
+            cur.wait_event(done)
+        return _Transfer(out, done, (src,), (self, src.device, slot))
+
+
+@dataclasses.dataclass
+class _Transfer:
+    """A round trip started by :meth:`_Link.send`: ``out`` (``[rows, cols]``, the rows back)
+    is ready on a stream once :meth:`finish` was called on it.
+
+    Attributes:
+        out: the rows back (complete after :meth:`finish`).
+        done: CUDA event recorded after the last copy back (``None``: already complete).
+        keep: tensors the copies read, held until then.
+        slot: ``(link, device, slot)``: the host-buffer slot to free, or ``None``.
+    """
+
+    out: torch.Tensor
+    done: Any = None
+    keep: tuple = ()
+    slot: tuple | None = None
+
+    def finish(self) -> torch.Tensor:
+        """The current stream waits for the copies back; returns :attr:`out`."""
+        if self.done is not None:
+            torch.cuda.current_stream(self.out.device).wait_event(self.done)
+            self.done = None
+        if self.slot is not None:
+            link, device, slot = self.slot
+            link.free_slot(device, slot)
+            self.slot = None
+        self.keep = ()
+        return self.out
 
 
 def _copies(dst: torch.Tensor, src: torch.Tensor, repeat: float) -> None:
@@ -369,6 +451,8 @@ def _copies(dst: torch.Tensor, src: torch.Tensor, repeat: float) -> None:
 
 
 _MAX_CHUNKS = 16
+#: host-buffer slots per device: transfers in flight at once (the backend's pool)
+_SLOTS = 2
 _LINK = _Link()
 
 
@@ -381,6 +465,20 @@ def without_link():
         yield
     finally:
         _LINK.enabled = was
+
+
+@contextlib.contextmanager
+def serial_link():
+    """Within the block (and in CUDA graphs captured in it) every send finishes before it
+    returns: the stream that sent waits for the copies back, so no transfer overlaps the work
+    issued after it, as in a program whose comm runs in turn with its compute ("split
+    serial"; an op with a deferred receive otherwise keeps the stream free while its copies
+    fly)."""
+    was, _LINK.overlap = _LINK.overlap, False
+    try:
+        yield
+    finally:
+        _LINK.overlap = was
 
 
 def reset_stats() -> None:
@@ -447,22 +545,39 @@ def _count(device: torch.device, offset: int, valid: torch.Tensor, sent: torch.T
 
 
 def _through_link(world: EmulatedWorld, fan: torch.Tensor, valid: torch.Tensor, cap: int,
-                  counter: int) -> torch.Tensor:
-    """The fan-out rows ``fan [N, C]`` with those that matter (``valid``) packed into the
-    link's ``cap`` rows, sent out and back, and put back in place (rows past ``cap`` keep
-    their device-side values); counted at ``counter`` of the stats."""
+                  counter: int) -> Callable[[], torch.Tensor]:
+    """Send the fan-out rows ``fan [N, C]`` that matter (``valid``), packed into the link's
+    ``cap`` rows; the returned ``finish()`` waits for them and gives ``fan`` with those rows
+    put back in place from the link (rows past ``cap`` keep their device-side values).
+    Counted at ``counter`` of the stats."""
     pos, sent = _positions(valid, cap)
     _count(fan.device, counter, valid, sent)
     if cap == 0 or fan.shape[0] == 0:
-        return fan
+        return lambda: fan
     link = torch.zeros((cap + 1, fan.shape[1]), dtype=fan.dtype, device=fan.device)
     link.index_copy_(0, torch.where(sent, pos, cap), fan)  # row cap: the unsent rows
-    back = _LINK.round_trip(link[:cap], world)
-    got = back.index_select(0, torch.where(sent, pos, 0))
-    return torch.where(sent.unsqueeze(-1), got, fan)
+    transfer = _LINK.send(link[:cap], world)
+
+    def finish() -> torch.Tensor:
+        got = transfer.finish().index_select(0, torch.where(sent, pos, 0))
+        return torch.where(sent.unsqueeze(-1), got, fan)
+
+    return finish
 
 
-def _dispatch_torch(world: EmulatedWorld, x, topk_ids, topk_weights):
+#: an op's issue: ``(result, finish)``; ``finish()`` completes ``result`` in place on the
+#: current stream (the op's receive phase, :meth:`EmulatedBackend` ``receive``)
+Issued = tuple[Any, Callable[[], None]]
+
+
+def _now(issued: Issued) -> Any:
+    """An op issued and finished at once: its result."""
+    result, finish = issued
+    finish()
+    return result
+
+
+def _dispatch_torch_issue(world: EmulatedWorld, x, topk_ids, topk_weights) -> Issued:
     t, h = x.shape
     k = topk_ids.shape[1]
     g = world.rows_per_token
@@ -478,27 +593,52 @@ def _dispatch_torch(world: EmulatedWorld, x, topk_ids, topk_weights):
     _meta_view(payload, meta_col).copy_(torch.cat([
         torch.where(mine, lid.unsqueeze(1), -1).to(torch.float32),
         torch.where(mine, topk_weights.unsqueeze(1), 0.0)], dim=-1))
-    fan = _through_link(world, payload[:, 1:].reshape(t * world.fanout, cols),
-                        valid[:, 1:].reshape(-1), world.capacity(t), 0)
-    recv = torch.cat([payload[:, :1], fan.view(t, world.fanout, cols)], dim=1).view(t * g, cols)
-    meta = _meta_view(recv, meta_col)
-    return (recv[:, :h].contiguous(), meta[:, :k].to(torch.int64),
-            meta[:, k:].clone(memory_format=torch.contiguous_format))
+    fan_back = _through_link(world, payload[:, 1:].reshape(t * world.fanout, cols),
+                             valid[:, 1:].reshape(-1), world.capacity(t), 0)
+    out = (x.new_empty((t * g, h)), topk_ids.new_empty((t * g, k), dtype=torch.int64),
+           torch.empty((t * g, k), dtype=torch.float32, device=x.device))
+
+    def finish() -> None:
+        fan = fan_back()
+        recv = torch.cat([payload[:, :1], fan.view(t, world.fanout, cols)], dim=1)
+        recv = recv.view(t * g, cols)
+        meta = _meta_view(recv, meta_col)
+        out[0].copy_(recv[:, :h])
+        out[1].copy_(meta[:, :k])
+        out[2].copy_(meta[:, k:])
+
+    return out, finish
 
 
-def _combine_torch(world: EmulatedWorld, y):
+def _combine_torch_issue(world: EmulatedWorld, y) -> Issued:
     g = world.rows_per_token
     t, h = y.shape[0] // g, y.shape[1]
     y = y.contiguous()
     grouped = y.view(t, g, h)
     fan = grouped[:, 1:].reshape(t * world.fanout, h)
-    fan = _through_link(world, fan, (fan != 0).any(-1), world.capacity(t), 2)
-    acc = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
-    total = grouped[:, 0].to(acc)
-    fan = fan.view(t, world.fanout, h)
-    for j in range(world.fanout):  # in the Triton kernel's order: the same bits
-        total = total + fan[:, j].to(acc)
-    return total.to(y.dtype)
+    fan_back = _through_link(world, fan, (fan != 0).any(-1), world.capacity(t), 2)
+    out = y.new_empty((t, h))
+
+    def finish() -> None:
+        acc = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
+        total = grouped[:, 0].to(acc)
+        back = fan_back().view(t, world.fanout, h)
+        for j in range(world.fanout):  # in the Triton kernel's order: the same bits
+            total = total + back[:, j].to(acc)
+        out.copy_(total)
+
+    return out, finish
+
+
+def _dispatch_torch(world: EmulatedWorld, x, topk_ids, topk_weights):
+    """The dispatch with torch ops, issued and finished: ``(recv_x [T*G, H], recv_ids [T*G,
+    K] int64, recv_weights [T*G, K] fp32)`` (module docstring)."""
+    return _now(_dispatch_torch_issue(world, x, topk_ids, topk_weights))
+
+
+def _combine_torch(world: EmulatedWorld, y):
+    """The combine with torch ops, issued and finished: ``[T, H]`` of ``y.dtype``."""
+    return _now(_combine_torch_issue(world, y))
 
 
 # --------------------------------------------------------------------------------------------
@@ -657,7 +797,7 @@ def _kernels():
                     "cpack": emulated_combine_pack, "sum": emulated_combine_sum}
 
 
-def _dispatch_triton(world: EmulatedWorld, x, topk_ids, topk_weights):
+def _dispatch_triton_issue(world: EmulatedWorld, x, topk_ids, topk_weights) -> Issued:
     """The dispatch with the Triton kernels (CUDA; on CPU tensors under the interpreter)."""
     triton, kern = _kernels()
     t, h = x.shape
@@ -673,7 +813,7 @@ def _dispatch_triton(world: EmulatedWorld, x, topk_ids, topk_weights):
     out_ids = torch.empty((n, k), dtype=torch.int64, device=dev)
     out_w = torch.empty((n, k), dtype=torch.float32, device=dev)
     if n == 0:
-        return out_x, out_ids, out_w
+        return (out_x, out_ids, out_w), _nothing
     row = torch.empty((t, k), dtype=torch.int32, device=dev)
     valid = torch.empty((t, g), dtype=torch.int8, device=dev)
     k_p2, g_p2 = triton.next_power_of_2(k), triton.next_power_of_2(g)
@@ -693,15 +833,25 @@ def _dispatch_triton(world: EmulatedWorld, x, topk_ids, topk_weights):
                        counter if counter is not None else inv, h, x.stride(0),
                        world.local_experts, cap, cols, link_meta.stride(0), K=k, K_P2=k_p2, G=g,
                        BLOCK_H=block_h, COUNT=counter is not None)
-    if cap > 0:
-        back = _LINK.round_trip(link[:cap], world)
+    if cap == 0:
+        return (out_x, out_ids, out_w), _nothing
+    transfer = _LINK.send(link[:cap], world)
+
+    def finish() -> None:
+        back = transfer.finish()
         kern["unpack"][(cap, triton.cdiv(h, block_h))](
             back, _meta_view(back, meta_col), inv, out_x, out_ids, out_w, h, cols,
             link_meta.stride(0), K=k, K_P2=k_p2, BLOCK_H=block_h)
-    return out_x, out_ids, out_w
+
+    return (out_x, out_ids, out_w), finish
 
 
-def _combine_triton(world: EmulatedWorld, y):
+def _nothing() -> None:
+    pass
+
+
+def _combine_triton_issue(world: EmulatedWorld, y) -> Issued:
+    """The combine with the Triton kernels (CUDA; on CPU tensors under the interpreter)."""
     triton, kern = _kernels()
     g, f = world.rows_per_token, world.fanout
     t, h = y.shape[0] // g, y.shape[1]
@@ -709,7 +859,7 @@ def _combine_triton(world: EmulatedWorld, y):
     y = y.contiguous()
     out = torch.empty((t, h), dtype=y.dtype, device=dev)
     if t == 0:
-        return out
+        return out, _nothing
     block_h = min(1024, triton.next_power_of_2(h))
     nf = t * f
     valid = torch.empty(nf, dtype=torch.int8, device=dev)
@@ -718,16 +868,30 @@ def _combine_triton(world: EmulatedWorld, y):
     cap = world.capacity(t)
     pos = torch.cumsum(valid, 0, dtype=torch.int64) - 1
     counter = _LINK.counter(dev)
-    back = y  # never read when nothing crosses the link
+    transfer = _Transfer(y)  # never read when nothing crosses the link
     if cap > 0 and nf:
         link = torch.empty((cap, h), dtype=y.dtype, device=dev)
         kern["cpack"][(nf, triton.cdiv(h, block_h))](y, valid, pos, link, cap, h, G=g,
                                                      BLOCK_H=block_h)
-        back = _LINK.round_trip(link, world)
-    kern["sum"][(t, triton.cdiv(h, block_h))](y, back, valid, pos, out,
-                                              counter if counter is not None else pos, cap, h,
-                                              G=g, BLOCK_H=block_h, COUNT=counter is not None)
-    return out
+        transfer = _LINK.send(link, world)
+
+    def finish() -> None:
+        back = transfer.finish()
+        kern["sum"][(t, triton.cdiv(h, block_h))](
+            y, back, valid, pos, out, counter if counter is not None else pos, cap, h, G=g,
+            BLOCK_H=block_h, COUNT=counter is not None)
+
+    return out, finish
+
+
+def _dispatch_triton(world: EmulatedWorld, x, topk_ids, topk_weights):
+    """:func:`_dispatch_torch` with the Triton kernels, issued and finished."""
+    return _now(_dispatch_triton_issue(world, x, topk_ids, topk_weights))
+
+
+def _combine_triton(world: EmulatedWorld, y):
+    """:func:`_combine_torch` with the Triton kernels, issued and finished."""
+    return _now(_combine_triton_issue(world, y))
 
 
 # --------------------------------------------------------------------------------------------
@@ -779,7 +943,25 @@ def _moved_bytes(world: EmulatedWorld):
 
 
 def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
-    def dispatch(x, topk_ids, topk_weights, num_experts, group_name):
+    #: the calls issued with defer_receive and not yet received: (result key, finish)
+    pending: collections.deque = collections.deque()
+
+    def issue(issued: Issued, defer: bool) -> Any:
+        result, finish = issued
+        if defer:
+            pending.append((result[0] if isinstance(result, tuple) else result, finish))
+        else:
+            finish()
+        return result
+
+    def check_in_flight() -> None:
+        if len(pending) >= _SLOTS:
+            raise CommBackendError(
+                f"emulated backend {world.name!r}: {len(pending)} calls are in flight (issued "
+                "with defer_receive and not received) and another is issued; the link holds "
+                f"{_SLOTS} (the backend's pool: in_flight={_SLOTS}); receive one first")
+
+    def dispatch(x, topk_ids, topk_weights, num_experts, group_name, defer_receive=False):
         _check_dispatch_args(x, topk_ids, topk_weights, num_experts, world.world_size)
         _check_world(world, x, topk_ids, num_experts)
         if topk_ids.device.type == "cpu" and topk_ids.numel():
@@ -787,15 +969,37 @@ def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
             if top >= num_experts:
                 raise CommOpError(f"dbo.dispatch: topk_ids holds expert id {top} but "
                                   f"num_experts={num_experts}; ids must be < num_experts")
+        check_in_flight()
         if _use_triton(x) and x.shape[0]:
-            return _dispatch_triton(world, x, topk_ids, topk_weights)
-        return _dispatch_torch(world, x, topk_ids, topk_weights)
+            return issue(_dispatch_triton_issue(world, x, topk_ids, topk_weights), defer_receive)
+        return issue(_dispatch_torch_issue(world, x, topk_ids, topk_weights), defer_receive)
 
-    def combine(y, group_name):
+    def combine(y, group_name, defer_receive=False):
         _check_combine(world, y)
+        check_in_flight()
         if _use_triton(y) and y.shape[0]:
-            return _combine_triton(world, y)
-        return _combine_torch(world, y)
+            return issue(_combine_triton_issue(world, y), defer_receive)
+        return issue(_combine_torch_issue(world, y), defer_receive)
+
+    def receive(value: Any) -> None:
+        """The receive phase of a call issued with ``defer_receive``: the current stream
+        waits for its rows back and unpacks them (dispatch) or sums them (combine) into the
+        result ``value`` (what the call returned)."""
+        key = value[0] if isinstance(value, (tuple, list)) else value
+        for i, (k, finish) in enumerate(pending):
+            if k is key:
+                del pending[i]
+                finish()
+                return
+        raise CommBackendError(
+            f"emulated backend {world.name!r}: a receive of a value no call in flight returned "
+            f"({len(pending)} in flight); receive each call issued with defer_receive once")
+
+    def abort() -> None:
+        """Receive, in order, what a failed step issued and did not receive."""
+        while pending:
+            log.warning("dbo: emulated backend: receiving a call the aborted step left in flight")
+            pending.popleft()[1]()
 
     def dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name):
         _check_dispatch_args(x, topk_ids, topk_weights, num_experts, world.world_size)
@@ -812,6 +1016,7 @@ def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
         world.name, dispatch, combine,
         f"emulated EP-{world.world_size} world on one device (rank 0; {world.link_gbps:g} GB/s "
         f"link through pinned host memory)", dispatch_fake, combine_fake,
+        pools=(ResultPool("link", in_flight=_SLOTS),), receive=receive, abort=abort,
         moved_bytes=_moved_bytes(world), world=world)
 
 

@@ -364,7 +364,7 @@ def _label_units(ordered: list[list[fx.Node]], keys: list[tuple | None]
             label = {"dispatch": "D", "combine": "C"}.get(kind, "X")
             backend = comm_backend_of(head)
             stream = COMPUTE if backend is not None and backend.stream == "compute" else COMM
-            if backend is not None and backend.receive is not None:
+            if any(is_receive(u) for u in head.users):  # its receive is a unit of its own
                 sends.add(i)
             units.append(Unit(i, COMM, stream, ubatch, label, layer, [n.name for n in ns], 0.0))
             unit_of_issue[head.name] = units[-1]
