@@ -12,7 +12,7 @@ import torch
 from conftest import last_artifact
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import DboConfigError
-from dbo_compile.passes.calibrate import predict_split, predict_unsplit, step_features
+from dbo_compile.passes.calibrate import node_cost, predict_split, predict_unsplit, step_features
 from dbo_compile.passes.cost_model import CostModel, Figures, node_class
 from dbo_compile.runtime.engine import run_step
 from test_emulated import _options, _world_model
@@ -94,3 +94,24 @@ def test_predictions_reproduce_the_schedule_at_its_own_count(calibration):
     assert unsplit > 0 and len(step["unsplit"]) > 10
     # the prediction moves with the bucket: more tokens, more time
     assert predict_split({**FIGURES, "comm": comm}, step_features(art, cand, 1024))[0] > pred
+
+
+def test_a_send_predicts_its_comm_op_as_its_transfer_on_one_link(calibration):
+    """The emulated ops' issues are sends (their receive a unit of its own): the prediction
+    puts each comm op's calibrated time on the link as the issue's transfer, one transfer at
+    a time (the step lasts at least all of them), and the comm slowdown stretches the
+    transfers that overlap the compute stream."""
+    art = _compile(calibration=calibration)
+    cand = next(iter(art.candidates))
+    step = step_features(art, cand, 4096)
+    comm = {"launch_us": 30.0, "gbps": 5.0}  # a slow link: the transfers dominate
+    pred, sched = predict_split({**FIGURES, "comm": comm}, step)
+    sends = [u for u in sched.units if u.latency_us > 0]
+    assert len(sends) == 8 and all(u.phase == "issue" and u.cost_us < 10 for u in sends)
+    cost = node_cost({**FIGURES, "comm": comm})
+    for u in sends:
+        assert u.latency_us == pytest.approx(sum(cost(tuple(f))
+                                                 for f in step["features"][str(u.id)]), abs=1e-3)
+    assert pred >= sum(u.latency_us for u in sends)
+    slower, _ = predict_split({**FIGURES, "comm": comm}, step, slowdown=(1.0, 1.5))
+    assert slower > pred

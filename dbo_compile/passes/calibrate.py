@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from dbo_compile.errors import DboConfigError
 from dbo_compile.passes.cost_model import CostModel, Figures, predict_us
-from dbo_compile.schedule import COMM, Schedule, simulate
+from dbo_compile.schedule import COMM, Schedule, Timeline, predecessors
 
 __all__ = ["node_cost", "predict_split", "predict_unsplit", "simulate_overlapped", "step_features",
            "unit_features"]
@@ -111,27 +111,49 @@ def predict_unsplit(figures: dict[str, Any] | NodeCost, step: dict[str, Any]) ->
 Slowdown = float | tuple[float, float]
 
 
+def _placed(sched: Schedule) -> tuple[float, dict[int, tuple[float, float]]]:
+    """Simulate ``sched`` (:class:`~dbo_compile.schedule.Timeline`; sets the units' times):
+    the makespan and, per send (a unit with ``latency_us``), its transfer's interval on the
+    link (µs)."""
+    timeline = Timeline(predecessors(sched.units, sched.deps))
+    link = {}
+    for u in sched.units:
+        u.start_us, u.end_us = timeline.place(u)
+        if u.latency_us > 0:
+            link[u.id] = (timeline.ready[u.id] - u.latency_us, timeline.ready[u.id])
+    return timeline.makespan, link
+
+
 def simulate_overlapped(sched: Schedule, slowdown: Slowdown, rounds: int = 3) -> float:
     """The makespan of ``sched`` (its units' ``cost_us`` as measured alone) when the units run
     slower over the part of them that overlaps the other stream: ``slowdown`` = ``(compute,
     comm)`` factors (a float: compute only). Units are timed alone; in the step, the comm
     stream's kernels compete with compute for SMs (and SM-holding comm kernels take them), and
-    the comm ops' own kernels wait for SMs that large GEMMs hold. A fixed point of ``rounds``
+    the comm ops' own kernels wait for SMs that large GEMMs hold. A send's transfer (its
+    ``latency_us``, on the link while the comm stream runs other units) takes the comm factor
+    over the part of it that overlaps the compute stream. A fixed point of ``rounds``
     simulations; sets the units' times; ``1``: the plain timeline."""
     k_compute, k_comm = (slowdown, 1.0) if isinstance(slowdown, (int, float)) else slowdown
-    base = {u.id: u.cost_us for u in sched.units}
-    span = simulate(sched.units, sched.deps)
+    base = {u.id: (u.cost_us, u.latency_us) for u in sched.units}
+    span, link = _placed(sched)
     for _ in range(rounds if (k_compute, k_comm) != (1.0, 1.0) else 0):
         busy = {s: [(u.start_us, u.end_us) for u in sched.units if u.stream == s]
                 for s in {u.stream for u in sched.units}}
+
+        def overlap(a: float, b: float, stream: str) -> float:
+            other = [iv for s, ivs in busy.items() if s != stream for iv in ivs]
+            return sum(max(0.0, min(b, y) - max(a, x)) for x, y in other) / (b - a)
+
         for u in sched.units:
-            if u.end_us <= u.start_us:
-                continue
-            other = [iv for s, ivs in busy.items() if s != u.stream for iv in ivs]
-            ov = sum(max(0.0, min(u.end_us, b) - max(u.start_us, a)) for a, b in other)
+            cost, latency = base[u.id]
             k = k_comm if u.stream == COMM else k_compute
-            u.cost_us = base[u.id] * (1 + (k - 1) * min(1.0, ov / (u.end_us - u.start_us)))
-        span = simulate(sched.units, sched.deps)
+            if u.end_us > u.start_us:
+                u.cost_us = cost * (1 + (k - 1) * min(1.0, overlap(u.start_us, u.end_us,
+                                                                   u.stream)))
+            if u.id in link and link[u.id][1] > link[u.id][0]:
+                u.latency_us = latency * (1 + (k_comm - 1) * min(1.0, overlap(*link[u.id],
+                                                                              COMM)))
+        span, link = _placed(sched)
     return span
 
 
@@ -144,9 +166,13 @@ def predict_split(figures: dict[str, Any] | NodeCost, step: dict[str, Any],
     cost = node_cost(figures)
     sched = Schedule.from_dict(copy.deepcopy(step["schedule"]))
     for u in sched.units:
-        u.cost_us = round(sum(cost(tuple(f)) for f in step["features"][str(u.id)]), 3)
+        us = round(sum(cost(tuple(f)) for f in step["features"][str(u.id)]), 3)
+        if u.latency_us > 0:  # a send: the comm op's time is its transfer; the issue and
+            u.latency_us = us  # its receive keep the schedule's launch
+        elif u.phase != "receive":
+            u.cost_us = us
     if serial:
-        return sum(u.cost_us for u in sched.units), sched
+        return sum(u.cost_us + u.latency_us for u in sched.units), sched
     sched.predicted_step_us = round(simulate_overlapped(sched, slowdown), 3)
     sched.serial_us = round(sum(u.cost_us for u in sched.units), 3)
     sched.meta["calibrated"] = True
