@@ -136,7 +136,8 @@ def _world_of(art) -> E.EmulatedWorld:
 
 def comm_only_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int], device):
     """The link round trips of the split program alone (per layer: the ubatches' dispatches,
-    then their combines; each the static capacity)."""
+    then their combines; each the static capacity), two in flight as the split program has
+    them (each round trip is finished after the next one is sent)."""
     _, cols = payload_layout(cfg.hidden_size, dtype, cfg.top_k)
     bufs = []
     for _layer in range(cfg.num_moe_layers):
@@ -147,16 +148,26 @@ def comm_only_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int
                                     dtype=dtype))
 
     def run():
+        last = None
         for b in bufs:
-            E._LINK.round_trip(b, world)
+            sent = E._LINK.send(b, world)
+            if last is not None:
+                last.finish()
+            last = sent
+        last.finish()
     return run
 
 
 def time_units(program, split_args, outputs, timer: Timer, reps: int) -> dict[int, float]:
     """Isolated replay time (µs) of the units of layer 0 (and the prologue and final tail),
-    each captured alone ``reps`` times in one graph, on the inputs of one eager run."""
-    which = {u.id for u in program.schedule.units
-             if u.layer in (0, None) or u.label in ("P", "T")}
+    each captured alone ``reps`` times in one graph, on the inputs of one eager run. A comm
+    op whose receive is a unit of its own is timed whole, issue and receive, under its
+    issue's id."""
+    units, ios = program.schedule.units, program.unit_io
+    made_by = {name: i for i, io in enumerate(ios) for name in io.outputs}
+    receive_of = {made_by[ios[u.id].inputs[0]]: u.id for u in units if u.phase == "receive"}
+    which = {u.id for u in units if u.phase != "receive"
+             and (u.layer in (0, None) or u.label in ("P", "T"))}
     recorded: dict[int, tuple] = {}
     orig = program.units
 
@@ -176,11 +187,15 @@ def time_units(program, split_args, outputs, timer: Timer, reps: int) -> dict[in
     out = {}
     for i, a in sorted(recorded.items()):
         u = orig[i]
+        r_id = receive_of.get(i)
 
-        def fn(u=u, a=a):
+        def fn(u=u, a=a, r_id=r_id, i=i):
             r = None
             for _ in range(reps):
                 r = u(*a)
+                if r_id is not None:  # the receive, on what this issue returned
+                    made = dict(zip(ios[i].outputs, r))
+                    r = orig[r_id](*[made[name] for name in ios[r_id].inputs])
             return r
 
         try:
@@ -388,9 +403,10 @@ def _profile(args, graphs: dict, program, row) -> None:
 def comm_ops_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int], device):
     """The split program's comm ops alone, whole: the emulated backend's dispatches and
     combines with their pack and unpack kernels around the round trips (per layer: the
-    ubatches' dispatches, then their combines, as the DBO schedules order them), on uniform
-    top-k routing of ``[T, hidden]`` rows of ``dtype`` per ubatch. :func:`comm_only_fn` times the
-    round trips alone; this is what the comm stream carries."""
+    ubatches' dispatches, then their combines, as the DBO schedules order them; each op's
+    receive after the next op is issued, two in flight as the split program has them), on
+    uniform top-k routing of ``[T, hidden]`` rows of ``dtype`` per ubatch.
+    :func:`comm_only_fn` times the round trips alone; this is what the comm stream carries."""
     backend = get_comm_backend(E.register_emulated(world))
     e, k = world.num_experts, world.top_k
     gen = torch.Generator().manual_seed(0)
@@ -406,11 +422,19 @@ def comm_ops_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int]
         layers.append(ops)
 
     def run():
+        last = None
         for ops in layers:
-            for x, ids, w, _ in ops:
-                backend.dispatch(x, ids, w, e, "")
-            for *_, y in ops:
-                backend.combine(y, "")
+            calls = ([lambda x=x, ids=ids, w=w: backend.dispatch(x, ids, w, e, "",
+                                                                 defer_receive=True)
+                      for x, ids, w, _ in ops]
+                     + [lambda y=y: backend.combine(y, "", defer_receive=True)
+                        for *_, y in ops])
+            for call in calls:
+                out = call()
+                if last is not None:
+                    backend.receive(last)
+                last = out
+        backend.receive(last)
     return run
 
 

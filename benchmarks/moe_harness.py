@@ -118,9 +118,12 @@ def no_comm():
 
 def serial_and_nocomm(program, split_fn):
     """``(split serial, split without comm)``: ``split_fn`` (the split ``program`` over static
-    inputs) with its comm on the compute stream, and the same without moving data."""
+    inputs) with its comm on the compute stream (the emulated link's sends finished before
+    they return: ``dbo_compile.ops.emulated.serial_link``), and the same without moving
+    data."""
     def serial():
-        with measure.serial_comm(program):
+        with measure.serial_comm(program), (_emulated.serial_link() if _emulated
+                                            else contextlib.nullcontext()):
             return split_fn()
 
     def nocomm():
