@@ -110,6 +110,38 @@ def test_measured_table_is_identical_on_every_rank():
         assert r["max_err"] <= 1e-5
 
 
+@pytest.mark.parametrize("min_gain, split_us, choice", [
+    (None, 98.0, "unsplit"),  # 2 % faster: inside the default margin (MIN_GAIN, 3 %)
+    (None, 96.0, "split"),
+    (0.0, 99.9, "split"),
+    (0.05, 96.0, "unsplit")])
+def test_auto_splits_only_past_the_min_gain(monkeypatch, min_gain, split_us, choice):
+    """``split="auto"`` keeps a bucket unsplit unless its fastest split candidate beat the
+    unsplit graph at warm-up by ``min_gain`` (default 3 %: the timing's noise)."""
+    from dbo_compile.runtime import cudagraph_runner as R
+
+    _, model = _model(layers=1)
+    compiled = torch.compile(model, backend="dbo", options={
+        "split": "auto", "decode_token_threshold": 2, "prefill_token_threshold": 2,
+        "schedule_candidates": False})
+    runner = CudaGraphRunner(compiled, [32], max_blocks_per_req=8, timing_iters=1,
+                             **({} if min_gain is None else {"min_gain": min_gain}))
+    assert runner.min_gain == (R.MIN_GAIN if min_gain is None else min_gain)
+    monkeypatch.setattr(runner, "_time", lambda b, names: {
+        n: 100.0 if n == "unsplit" else split_us for n in names})
+    runner.capture()
+    b = runner.graphs[32]
+    assert b.best_candidate is not None and ("split" if b.use_split else "unsplit") == choice
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0])
+def test_a_min_gain_outside_0_1_is_refused(bad):
+    _, model = _model(layers=1)
+    with pytest.raises(GraphRunnerError, match="min_gain"):
+        CudaGraphRunner(torch.compile(model, backend="dbo"), [32], max_blocks_per_req=8,
+                        min_gain=bad)
+
+
 def test_split_never_keeps_every_bucket_unsplit_and_matches_eager():
     cfg, model = _model()
     compiled = torch.compile(model, backend="dbo", options={"split": "never"})

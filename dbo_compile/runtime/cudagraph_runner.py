@@ -20,8 +20,8 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
 3. times the graphs by replaying them (``timing_iters`` replays each, interleaved rounds,
    median, CUDA events), takes the max over every rank of the job and keeps the fastest split
    candidate; with ``split="auto"`` the bucket splits only where that candidate is faster than the
-   unsplit graph by ``min_gain`` (fraction) or more. The table is therefore identical on every
-   rank. ``split="always"``/``"never"`` force it (``"never"`` captures no split graph). Only
+   unsplit graph by ``min_gain`` (fraction, default 3 %: :data:`MIN_GAIN`) or more. The table
+   is therefore identical on every rank. ``split="always"``/``"never"`` force it (``"never"`` captures no split graph). Only
    graphs whose time can change the choice are timed: none in a bucket with one candidate,
    not the unsplit graph with ``"always"``.
 
@@ -93,6 +93,12 @@ from dbo_compile.runtime.padding import join_ubatch_outputs, pad_args
 from dbo_compile.runtime.vote import min_split_tokens, vote_device
 
 log = logging.getLogger(__name__)
+
+#: default ``min_gain``: a split candidate must beat the unsplit graph by 3 % at warm-up. On
+#: one H200 (2026-12-01, emulated EP-16 / 64, decode 64) warm-up and later timings of the same
+#: graphs differed by up to 3 %: splits chosen at 0.6 % / 1.0 % faster measured 1.6 % / 2.0 %
+#: slower (``benchmarks/results/emulated_v2lite_worlds_pipelined_h200_2026-12-01.json``).
+MIN_GAIN = 0.03
 
 __all__ = ["BucketGraphs", "CudaGraphRunner", "GraphRunnerError", "OutputMap",
            "WARMUP_PARTS"]
@@ -260,7 +266,9 @@ class CudaGraphRunner:
             alike).
         keep_candidates: keep every split candidate's graph after the choice (benchmarks).
         min_gain: with ``split="auto"``, the split graph is used for a bucket only when
-            ``t_split <= (1 - min_gain) * t_unsplit`` (fraction, default 0.0).
+            ``t_split <= (1 - min_gain) * t_unsplit`` (fraction, default :data:`MIN_GAIN`
+            = 0.03: the warm-up timing's noise, so that a split chosen by a margin inside it
+            never runs slower than the unsplit graph).
         device: where the synthetic warm-up step lives (default: the current CUDA device, else
             CPU, where graphs are replaced by eager re-runs).
         model_kwargs: extra keyword arguments of every model call.
@@ -272,7 +280,7 @@ class CudaGraphRunner:
 
     def __init__(self, compiled: Callable[..., Any], buckets: Sequence[int], *,
                  max_blocks_per_req: int, block_size: int | None = None, timing_iters: int = 10,
-                 min_gain: float = 0.0, device: torch.device | str | None = None,
+                 min_gain: float | None = None, device: torch.device | str | None = None,
                  vocab_size: int | None = None, keep_candidates: bool = False, **model_kwargs: Any):
         buckets = list(buckets)
         bad = [b for b in buckets if isinstance(b, bool) or not _is_int(b) or int(b) < 2]
@@ -288,7 +296,9 @@ class CudaGraphRunner:
         self.max_blocks_per_req = max_blocks_per_req
         self.block_size = block_size
         self.timing_iters = timing_iters
-        self.min_gain = min_gain
+        self.min_gain = MIN_GAIN if min_gain is None else float(min_gain)
+        if not 0.0 <= self.min_gain < 1.0:
+            raise GraphRunnerError(f"min_gain must be a fraction in [0, 1), got {min_gain!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
