@@ -115,3 +115,11 @@ def test_a_send_predicts_its_comm_op_as_its_transfer_on_one_link(calibration):
     assert pred >= sum(u.latency_us for u in sends)
     slower, _ = predict_split({**FIGURES, "comm": comm}, step, slowdown=(1.0, 1.5))
     assert slower > pred
+    # compute beside a transfer in flight counts as overlapped (the comm stream itself only
+    # holds the launches): a compute slowdown stretches the compute it overlaps
+    _, plain = predict_split({**FIGURES, "comm": {"launch_us": 30.0, "gbps": 500.0}}, step)
+    _, slowed = predict_split({**FIGURES, "comm": {"launch_us": 30.0, "gbps": 500.0}}, step,
+                              slowdown=(1.5, 1.0))
+    compute = [(a.cost_us, b.cost_us) for a, b in zip(plain.units, slowed.units)
+               if a.kind == "compute" and a.ubatch is not None]
+    assert sum(b for _, b in compute) > 1.1 * sum(a for a, _ in compute)

@@ -131,7 +131,8 @@ def simulate_overlapped(sched: Schedule, slowdown: Slowdown, rounds: int = 3) ->
     stream's kernels compete with compute for SMs (and SM-holding comm kernels take them), and
     the comm ops' own kernels wait for SMs that large GEMMs hold. A send's transfer (its
     ``latency_us``, on the link while the comm stream runs other units) takes the comm factor
-    over the part of it that overlaps the compute stream. A fixed point of ``rounds``
+    over the part of it that overlaps the compute stream, and counts as comm for the compute
+    units it overlaps. A fixed point of ``rounds``
     simulations; sets the units' times; ``1``: the plain timeline."""
     k_compute, k_comm = (slowdown, 1.0) if isinstance(slowdown, (int, float)) else slowdown
     base = {u.id: (u.cost_us, u.latency_us) for u in sched.units}
@@ -139,6 +140,7 @@ def simulate_overlapped(sched: Schedule, slowdown: Slowdown, rounds: int = 3) ->
     for _ in range(rounds if (k_compute, k_comm) != (1.0, 1.0) else 0):
         busy = {s: [(u.start_us, u.end_us) for u in sched.units if u.stream == s]
                 for s in {u.stream for u in sched.units}}
+        busy[COMM] += list(link.values())  # the transfers in flight: comm beside compute
 
         def overlap(a: float, b: float, stream: str) -> float:
             other = [iv for s, ivs in busy.items() if s != stream for iv in ivs]
