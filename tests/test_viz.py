@@ -93,6 +93,44 @@ def test_text_positions_are_proportional_and_show_overlap():
     assert "60.0%" in text and "15.0 of 25.0 µs comm hidden" in text
 
 
+def _send_schedule() -> Schedule:
+    """Sends (issues whose receive is a unit, their transfer in flight on the link): D₀'s
+    transfer 11-31 µs under A₁ (10-20), D₁'s waits for the link: 31-36, under MLP₀."""
+    def u(i, kind, ub, label, s, e, phase="issue", latency=0.0):
+        return Unit(i, kind, kind, ub, label, 0, [f"n{i}"], e - s, s, e, phase=phase,
+                    latency_us=latency)
+    units = [u(0, COMPUTE, 0, "A", 0, 10), u(1, COMM, 0, "D", 10, 11, latency=20.0),
+             u(2, COMPUTE, 1, "A", 10, 20), u(3, COMM, 1, "D", 20, 21, latency=5.0),
+             u(4, COMM, 0, "D", 31, 32, "receive"), u(5, COMPUTE, 0, "MLP", 32, 52),
+             u(6, COMM, 1, "D", 36, 37, "receive"), u(7, COMPUTE, 1, "MLP", 52, 62)]
+    deps = [(0, 1), (2, 3), (1, 4), (4, 5), (3, 6), (6, 7)]
+    return Schedule(units, deps, [], [(0, 1), (2, 3), (4, 5), (6, 7)], 2, "list", "x",
+                    predicted_step_us=62.0, serial_us=89.0)
+
+
+def test_the_link_lane_shows_the_sends_transfers_and_counts_them_as_comm(tmp_path):
+    from dbo_compile.viz.common import predicted_overlap, transfers
+
+    sched = _send_schedule()
+    assert transfers(sched) == {1: (11.0, 31.0), 3: (31.0, 36.0)}
+    # comm: the four comm units' 1 µs each + the transfers' 20 + 5; hidden: D₀ 1 (under
+    # A₁), rD₁ 1 (under MLP₀), D₀'s transfer 9 (11-20), D₁'s 4 (32-36)
+    assert predicted_overlap(sched).total() == (15.0, 29.0)
+    text = render_text(sched, width=100)
+    _check_text(sched, text)
+    link = next(line for line in text.splitlines() if line.startswith("Link:"))
+    assert [t.strip("-· ") for t in link[6:].split("|") if t.strip("-· ")] == ["D₀", "D₁"]
+    assert "15.0 of 29.0 µs comm hidden" in text and "rD" in text
+    trace = to_chrome_trace(sched)
+    link_slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 3]
+    assert [(e["ts"], e["dur"]) for e in link_slices] == [(11.0, 20.0), (31.0, 5.0)]
+    assert "Link:" not in render_text(_hand_schedule())  # no sends: no link lane
+    pytest.importorskip("matplotlib")
+    from dbo_compile.viz import to_png
+
+    assert to_png(sched, tmp_path / "s.png").stat().st_size > 0
+
+
 def test_text_narrow_width_still_lists_every_unit(schedule):
     _check_text(schedule, render_text(schedule, width=30))
 

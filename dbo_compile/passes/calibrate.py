@@ -176,6 +176,6 @@ def predict_split(figures: dict[str, Any] | NodeCost, step: dict[str, Any],
     if serial:
         return sum(u.cost_us + u.latency_us for u in sched.units), sched
     sched.predicted_step_us = round(simulate_overlapped(sched, slowdown), 3)
-    sched.serial_us = round(sum(u.cost_us for u in sched.units), 3)
+    sched.serial_us = round(sum(u.cost_us + u.latency_us for u in sched.units), 3)
     sched.meta["calibrated"] = True
     return sched.predicted_step_us, sched

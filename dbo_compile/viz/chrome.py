@@ -1,7 +1,8 @@
 """The schedule as a Chrome / Perfetto trace (open it in https://ui.perfetto.dev).
 
 Layout: ``pid`` = rank (process "rank R (predicted)"), ``tid`` 1 = compute stream, 2 = comm
-stream (named by ``M`` metadata events). One ``X`` slice per unit, times in µs from the step
+stream, 3 = the link (the sends' transfers, :func:`~dbo_compile.viz.common.transfers`; named by
+``M`` metadata events). One ``X`` slice per unit, times in µs from the step
 start, ``args`` = unit id, name, label, ubatch, layer, cost, node count. Every event edge is a
 flow (``s`` at the producer's slice end, ``f`` with ``bp: "e"`` at the consumer's slice
 start, both inside their slice, ``id`` = edge index) — Perfetto draws it as an arrow.
@@ -14,9 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from dbo_compile.schedule import COMM, COMPUTE, Schedule
-from dbo_compile.viz.common import predicted_overlap
+from dbo_compile.viz.common import predicted_overlap, transfers
 
-TID = {COMPUTE: 1, COMM: 2}
+LINK = "link"
+TID = {COMPUTE: 1, COMM: 2, LINK: 3}
 MEASURED_PID_OFFSET = 1000
 
 
@@ -65,8 +67,12 @@ def to_chrome_trace(schedule: Schedule, rank: int = 0, measured=None) -> dict[st
         if u.stream == COMM:
             args["hidden_us"] = round(ov.hidden_us[u.id], 3)
         spans.append((u.name, u.start_us, u.end_us, u.stream, args))
+    for i, (s, e) in transfers(schedule).items():
+        u = schedule.units[i]
+        spans.append((f"{u.name} transfer", s, e, LINK,
+                      {"send_id": u.id, "unit": u.name, "latency_us": u.latency_us}))
     events = _meta(rank, f"rank {rank} (predicted)", 0) + _slices(rank, spans)
-    pos = {e["args"]["unit_id"]: e for e in events if e["ph"] == "X"}
+    pos = {e["args"]["unit_id"]: e for e in events if e["ph"] == "X" and "unit_id" in e["args"]}
     for i, (a, b) in enumerate(schedule.event_edges):
         sa, sb = pos[a], pos[b]
         # inside the producer's slice (at its end) and inside the consumer's (at its start)

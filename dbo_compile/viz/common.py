@@ -2,7 +2,9 @@
 
 Overlap is measured the same way everywhere (text, chrome args, PNG title): a comm unit's time
 is *hidden* where the compute stream is busy at the same time (any compute unit, any layer,
-any ubatch). ``η_pred = hidden comm time / total comm time`` over the step. This is the
+any ubatch); a send's comm time is also its transfer on the link (:func:`transfers`: the
+emulated link, DeepEP low-latency), in flight after its issue. ``η_pred = hidden comm time /
+total comm time`` over the step. This is the
 schedule-level figure; the benchmark's η (docs/design.md, "Where performance comes from") needs
 three measured programs and is not derivable from one schedule.
 """
@@ -120,11 +122,30 @@ class Overlap:
         return h / t if t > 0 else None
 
 
+def transfers(schedule: Schedule) -> dict[int, tuple[float, float]]:
+    """Per send (a unit with ``latency_us``: the issue of a comm op whose receive is a unit of
+    its own), its transfer's ``(start, end)`` on the rank's one link, µs: as
+    :class:`~dbo_compile.schedule.Timeline` places them, one at a time in host order, each
+    from its issue's end or the previous transfer's end."""
+    out, free = {}, 0.0
+    for u in schedule.units:
+        if u.latency_us > 0:
+            start = max(u.end_us, free)
+            free = start + u.latency_us
+            out[u.id] = (start, free)
+    return out
+
+
 def predicted_overlap(schedule: Schedule) -> Overlap:
     busy = merge((u.start_us, u.end_us) for u in schedule.units if u.stream == COMPUTE)
     comm = [u for u in schedule.units if u.stream == COMM]
-    return Overlap({u.id: covered(u.start_us, u.end_us, busy) for u in comm},
-                   {u.id: u.end_us - u.start_us for u in comm})
+    link = transfers(schedule)
+    hidden = {u.id: covered(u.start_us, u.end_us, busy) for u in comm}
+    total = {u.id: u.end_us - u.start_us for u in comm}
+    for i, (s, e) in link.items():
+        hidden[i] = hidden.get(i, 0.0) + covered(s, e, busy)
+        total[i] = total.get(i, 0.0) + e - s
+    return Overlap(hidden, total)
 
 
 def fmt_pct(x: float | None) -> str:

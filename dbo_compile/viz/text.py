@@ -18,17 +18,32 @@ are shown in the block of the next unit in host order that has one.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import textwrap
 from dataclasses import dataclass
 
 from dbo_compile.schedule import COMM, COMPUTE, Schedule, Unit
-from dbo_compile.viz.common import Overlap, fmt_pct, predicted_overlap, short_label
+from dbo_compile.viz.common import Overlap, fmt_pct, predicted_overlap, short_label, transfers
 from dbo_compile.viz.profile import render_measured_table
 
-LANE_PREFIX = {COMPUTE: "Comp: ", COMM: "Comm: "}
+#: the lane of the sends' transfers (the link), below the comm stream's
+LINK = "link"
+LANE_PREFIX = {COMPUTE: "Comp: ", COMM: "Comm: ", LINK: "Link: "}
 LEGEND = ("Legend: A = attention part, S = shared experts, MLP = routed experts, D = dispatch, "
-          "C = combine, T = final tail, P = shared prologue, X = other; subscripts = ubatch; "
+          "C = combine, T = final tail, P = shared prologue, X = other; rD / rC = a receive; "
+          "Link = a send's transfer, in flight after its issue; subscripts = ubatch; "
           "· = stream busy with a unit of another layer's block.")
+
+#: unit ids of the link lane's segments: the send's id plus this
+_LINK_ID = 1 << 20
+
+
+def _link_units(schedule: Schedule) -> dict[int, Unit]:
+    """The sends' transfers as units of the link lane (ids offset by :data:`_LINK_ID`), by
+    the send's id."""
+    return {i: dataclasses.replace(schedule.units[i], id=i + _LINK_ID, stream=LINK,
+                                   start_us=s, end_us=e)
+            for i, (s, e) in transfers(schedule).items()}
 
 
 def _t(x: float) -> float:
@@ -127,7 +142,9 @@ def _col_at(anchors: list[tuple[float, int]], t: float, right: bool) -> int:
 
 
 def _render_block(schedule: Schedule, layer: int | None, units: list[Unit], width: int,
-                  overlap: Overlap) -> list[str]:
+                  overlap: Overlap, links: dict[int, Unit]) -> list[str]:
+    comm_ids = [u.id for u in units if u.stream == COMM]
+    units = units + [links[i] for i in comm_ids if i in links]
     t0 = min(_t(u.start_us) for u in units)
     t1 = max(_t(u.end_us) for u in units)
     avail = max(20, width - len(LANE_PREFIX[COMPUTE]) - 1)
@@ -143,12 +160,12 @@ def _render_block(schedule: Schedule, layer: int | None, units: list[Unit], widt
     ncols = max((s.e for s in segs.values()), default=0) + 1
     ids = {u.id for u in units}
     lines = []
-    comm_ids = [u.id for u in units if u.stream == COMM]
     h, tot = overlap.total(comm_ids)
     name = "Layers (none)" if layer is None else f"Layer {layer}"
     lines.append(f"{name}  ·  {t0:.1f} … {t1:.1f} µs  ·  overlap {fmt_pct(overlap.eta(comm_ids)).strip()} "
                  f"({h:.1f} of {tot:.1f} µs comm hidden)")
-    for stream in (COMPUTE, COMM):
+    everything = list(schedule.units) + list(links.values())
+    for stream in (COMPUTE, COMM) + ((LINK,) if links else ()):
         lane = [" "] * ncols
         mine = sorted((segs[u.id] for u in units if u.stream == stream), key=lambda s: s.unit.id)
         for seg in mine:
@@ -159,7 +176,7 @@ def _render_block(schedule: Schedule, layer: int | None, units: list[Unit], widt
             lane[seg.e] = "|"
             lane[seg.s + 1:seg.e] = list(body)
         # time this stream spends on units of other blocks, inside this block's window
-        for u in schedule.units:
+        for u in everything:
             if u.stream != stream or u.id in ids or _t(u.end_us) <= t0 or _t(u.start_us) >= t1:
                 continue
             a = _col_at(anchors, max(_t(u.start_us), t0), right=True)
@@ -186,7 +203,8 @@ def summary_line(schedule: Schedule, overlap: Overlap | None = None) -> str:
 
 
 def render_text(schedule: Schedule, width: int = 100, measured=None) -> str:
-    """The schedule as text: a summary line, one two-lane block per layer, the legend.
+    """The schedule as text: a summary line, one block per layer (compute and comm lanes, and
+    a link lane of the sends' transfers where the schedule has sends), the legend.
 
     Args:
         schedule: a compiled :class:`~dbo_compile.passes.stream_assign.Schedule`.
@@ -199,9 +217,10 @@ def render_text(schedule: Schedule, width: int = 100, measured=None) -> str:
         The text, lines joined by ``\\n``, no trailing newline.
     """
     overlap = predicted_overlap(schedule)
+    links = _link_units(schedule)
     out = [summary_line(schedule, overlap), ""]
     for layer, units in layer_blocks(schedule):
-        out.extend(_render_block(schedule, layer, units, width, overlap))
+        out.extend(_render_block(schedule, layer, units, width, overlap, links))
         out.append("")
     out.extend(textwrap.wrap(LEGEND, width=max(width, 40), subsequent_indent="  "))
     if measured is not None:
