@@ -45,6 +45,17 @@ with overflow under-counts the comm by the counted rows. The combine finds the r
 matter by value (a row of ``y`` that is all zeros needs no transfer: its contribution is zero).
 The local share (row ``t*G``) never leaves the device.
 
+**Send and receive** (the receive phase, as DeepEP low-latency's hook): an op called with
+``defer_receive`` (``dbo.moe_dispatch`` / ``dbo.moe_combine`` in a split program: the compiler
+sets it, ``passes/insert_yields.py``) packs its rows and starts the copies, then returns; its
+receive (:meth:`EmulatedBackend` ``receive``, a schedule unit of its own) makes the stream wait
+for that op's copies (its own event) and unpacks them (dispatch) or sums them (combine) into
+the result. Meanwhile the comm stream packs the next op, whose copies follow on the link. The
+backend's pool allows two calls in flight (``ResultPool("link", in_flight=2)``): each holds one
+of the link's two pinned host slots until it is received; a third is refused
+(:class:`~dbo_compile.errors.CommBackendError`), never a race. :func:`serial_link` finishes
+every send before it returns (the benchmark's "split serial").
+
 **Throttling.** The copies run at the hardware's pace (measured on one H200: 51 GB/s per
 direction alone, 84–91 GB/s both at once: ``docs/references.md``). Where the asked
 ``link_gbps`` is below the hardware's duplex figure (``copy_gbps``, measured at the first eager

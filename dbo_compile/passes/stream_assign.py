@@ -38,10 +38,11 @@ compiled unsplit with the reason (:class:`UnsplittableGraphError`). :func:`check
 verifies the final order of every schedule, and :func:`unsplit_pool_violation` the unsplit
 program's node order.
 
-A backend whose wait phase does work (DeepEP low-latency's receive hook) gets a second comm
-unit per op, its *receive* (``phase="receive"``), on the backend's stream; the issue then
-costs its launch and its transfer is the issue's ``latency_us``, in flight while the stream
-runs other units.
+A backend whose wait phase does work (DeepEP low-latency's receive hook, the emulated link's
+unpack) gets a second comm unit per op, its *receive* (``phase="receive"``), on the backend's
+stream; the issue (a *send*) then costs its launch and its transfer is the issue's
+``latency_us``, in flight while the stream runs other units, on the rank's one link: the
+timeline (:class:`~dbo_compile.schedule.Timeline`) runs transfers one at a time.
 """
 
 from __future__ import annotations
