@@ -134,12 +134,50 @@ def test_auto_splits_only_past_the_min_gain(monkeypatch, min_gain, split_us, cho
     assert b.best_candidate is not None and ("split" if b.use_split else "unsplit") == choice
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.0])
+@pytest.mark.parametrize("bad", [-0.1, 1.0, True, False, "0.5", float("nan"), [0.1]])
 def test_a_min_gain_outside_0_1_is_refused(bad):
     _, model = _model(layers=1)
     with pytest.raises(GraphRunnerError, match="min_gain"):
         CudaGraphRunner(torch.compile(model, backend="dbo"), [32], max_blocks_per_req=8,
                         min_gain=bad)
+
+
+def test_a_failed_replay_leaves_no_deferred_call_in_flight():
+    """The CPU stand-in of a graph replays the split program outside a step transaction: a
+    step failing between an emulated op's send and its receive left the call in flight, and
+    every later step was refused ("2 calls are in flight"). The replay now drains it."""
+    from dbo_compile.models.batch import fill_kv_cache
+    from dbo_compile.ops import emulated as E
+    from dbo_compile.testing import faults
+
+    cfg = get_config("tiny", num_experts=8, top_k=3, num_layers=2)
+    model = faults.FaultyMoEModel(cfg, emulated_world_size=4)
+    ref = model.emulated_reference()
+    for m in (model, ref):
+        m.allocate_kv_cache(64, 16)
+    cm = torch.compile(model, backend="dbo", options={
+        "split": "always", "comm_backend": "emulated", "emulate_world_size": 4,
+        "schedule_candidates": False})
+    runner = CudaGraphRunner(cm, [32], max_blocks_per_req=8, block_size=16, timing_iters=1)
+    runner.capture()
+    step = make_step(cfg, decode_context_lens=[20, 37, 5, 60], prefills=[(0, 20)],
+                     block_size=16, num_blocks=64)
+    with torch.no_grad():
+        faults.arm("experts", 0)  # the first routed experts: their dispatch is in flight
+        try:
+            with pytest.raises(Exception):
+                runner(step.input_ids, step.positions, step.attn_metadata,
+                       step.num_scheduled_tokens)
+        finally:
+            faults.disarm()
+        assert not any(any(b) for b in E._LINK.busy.values())
+        for _ in range(2):
+            fill_kv_cache(ref, step, seed=0)
+            want = ref(step.input_ids, step.positions, step.attn_metadata)
+            fill_kv_cache(model, step, seed=0)
+            out = runner(step.input_ids, step.positions, step.attn_metadata,
+                         step.num_scheduled_tokens)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_split_never_keeps_every_bucket_unsplit_and_matches_eager():

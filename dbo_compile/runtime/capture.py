@@ -15,7 +15,22 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["capture"]
+from dbo_compile.ops.comm import abort_pending_receives
+
+__all__ = ["capture", "run_draining"]
+
+
+def run_draining(fn: Callable[[], Any]) -> Any:
+    """``fn()``; where it raises, every comm backend first receives what the failed program
+    left in flight (:func:`~dbo_compile.ops.comm.abort_pending_receives`: a deferred call
+    without its receive would make the next step's calls find the link's slots taken), then
+    the error propagates. Steps through ``run_step`` get this from their transaction; graph
+    warm-up, capture and the CPU stand-in's replay run programs outside one."""
+    try:
+        return fn()
+    except BaseException:
+        abort_pending_receives()
+        raise
 
 
 def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
@@ -35,13 +50,13 @@ def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
-            fn()
+            run_draining(fn)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+        out = run_draining(fn)
     torch.cuda.synchronize()
     if times is not None:
         times["warmup_s"] = t1 - t0

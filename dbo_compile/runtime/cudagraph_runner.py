@@ -80,7 +80,7 @@ import torch.utils._pytree as pytree
 from dbo_compile.errors import GraphRunnerError, UBatchExecutionError
 from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata, HostCounts
 from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision
-from dbo_compile.runtime.capture import capture
+from dbo_compile.runtime.capture import capture, run_draining
 from dbo_compile.runtime.context import (
     last_outputs,
     record_calls,
@@ -242,10 +242,10 @@ class _EagerGraph:
 
     def __init__(self, fn: Callable[[], Any]):
         self.fn = fn
-        self.out = fn()
+        self.out = run_draining(fn)
 
     def replay(self) -> None:
-        for dst, src in zip(_tensors(self.out), _tensors(self.fn())):
+        for dst, src in zip(_tensors(self.out), _tensors(run_draining(self.fn))):
             dst.copy_(src)
 
 
@@ -296,9 +296,12 @@ class CudaGraphRunner:
         self.max_blocks_per_req = max_blocks_per_req
         self.block_size = block_size
         self.timing_iters = timing_iters
-        self.min_gain = MIN_GAIN if min_gain is None else float(min_gain)
-        if not 0.0 <= self.min_gain < 1.0:
+        if min_gain is None:
+            min_gain = MIN_GAIN
+        if (isinstance(min_gain, bool) or not isinstance(min_gain, (int, float))
+                or not 0.0 <= min_gain < 1.0):
             raise GraphRunnerError(f"min_gain must be a fraction in [0, 1), got {min_gain!r}")
+        self.min_gain = float(min_gain)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
