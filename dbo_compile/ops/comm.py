@@ -854,9 +854,10 @@ def comm_receive(value: Any, backend: str) -> Any:
         backend: the op's backend spec (:func:`backend_for_group` of its arguments).
 
     Raises:
-        CommBackendError: the backend has no receive phase, or ``value`` is not the oldest
-            call it has in flight (the schedule broke the backend's in-flight rule: raised
-            before the receive is launched, which would hang).
+        CommBackendError: the backend has no receive phase, or ``value`` is no call it has
+            in flight (DeepEP low-latency also refuses one that is not the oldest: the
+            schedule broke its in-flight rule, raised before the receive is launched, which
+            would hang; the emulated link receives in any order).
     """
     impl = get_comm_backend(backend)
     if impl.receive is None:

@@ -374,10 +374,14 @@ class _Link:
             return _Transfer(out)
         slot = self.take_slot(src.device)
         try:
-            host = self.host_buffer(src.device, nbytes, slot)[:nbytes]
-        except BaseException:
+            return self._send(src, out, nbytes, slot, world)
+        except BaseException:  # nothing holds the transfer: its slot is free again
             self.free_slot(src.device, slot)
             raise
+
+    def _send(self, src: torch.Tensor, out: torch.Tensor, nbytes: int, slot: int,
+              world: EmulatedWorld) -> "_Transfer":
+        host = self.host_buffer(src.device, nbytes, slot)[:nbytes]
         host = host.view(src.dtype).view(src.shape)
         if not src.is_cuda:  # synchronous copies; the slot is held until finished all the same
             host.copy_(src)
@@ -985,7 +989,7 @@ def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
             return issue(_dispatch_triton_issue(world, x, topk_ids, topk_weights), defer_receive)
         return issue(_dispatch_torch_issue(world, x, topk_ids, topk_weights), defer_receive)
 
-    def combine(y, group_name, defer_receive=False):
+    def combine(y, group_name, defer_receive=False):  # y is read until the receive
         _check_combine(world, y)
         check_in_flight()
         if _use_triton(y) and y.shape[0]:
@@ -995,7 +999,9 @@ def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
     def receive(value: Any) -> None:
         """The receive phase of a call issued with ``defer_receive``: the current stream
         waits for its rows back and unpacks them (dispatch) or sums them (combine) into the
-        result ``value`` (what the call returned)."""
+        result ``value`` (what the call returned). A combine's input ``y`` must stay as it
+        was until then (its local rows are summed here; a compiled graph never writes it);
+        a dispatch copied what it sends at its issue. Calls may be received in any order."""
         key = value[0] if isinstance(value, (tuple, list)) else value
         for i, (k, finish) in enumerate(pending):
             if k is key:
