@@ -248,6 +248,8 @@ class Timeline:
         self.free = {COMPUTE: 0.0, COMM: 0.0}
         #: when the link is free of the transfers placed so far
         self.link_free = 0.0
+        #: per placed send, its transfer's ``(start, end)`` on the link (µs)
+        self.transfers: dict[int, tuple[float, float]] = {}
         self.end: dict[int, float] = {}
         #: when a placed unit's dependents may start (its end plus its ``latency_us``)
         self.ready: dict[int, float] = {}
@@ -264,7 +266,9 @@ class Timeline:
         end = start + unit.cost_us
         self.end[unit.id] = end
         if unit.latency_us > 0:
-            self.link_free = max(end, self.link_free) + unit.latency_us
+            begin = max(end, self.link_free)
+            self.link_free = begin + unit.latency_us
+            self.transfers[unit.id] = (begin, self.link_free)
             self.ready[unit.id] = self.link_free
         else:
             self.ready[unit.id] = end

@@ -116,12 +116,9 @@ def _placed(sched: Schedule) -> tuple[float, dict[int, tuple[float, float]]]:
     the makespan and, per send (a unit with ``latency_us``), its transfer's interval on the
     link (µs)."""
     timeline = Timeline(predecessors(sched.units, sched.deps))
-    link = {}
     for u in sched.units:
         u.start_us, u.end_us = timeline.place(u)
-        if u.latency_us > 0:
-            link[u.id] = (timeline.ready[u.id] - u.latency_us, timeline.ready[u.id])
-    return timeline.makespan, link
+    return timeline.makespan, timeline.transfers
 
 
 def simulate_overlapped(sched: Schedule, slowdown: Slowdown, rounds: int = 3) -> float:

@@ -21,9 +21,9 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
    median, CUDA events), takes the max over every rank of the job and keeps the fastest split
    candidate; with ``split="auto"`` the bucket splits only where that candidate is faster than the
    unsplit graph by ``min_gain`` (fraction, default 3 %: :data:`MIN_GAIN`) or more. The table
-   is therefore identical on every rank. ``split="always"``/``"never"`` force it (``"never"`` captures no split graph). Only
-   graphs whose time can change the choice are timed: none in a bucket with one candidate,
-   not the unsplit graph with ``"always"``.
+   is therefore identical on every rank. ``split="always"``/``"never"`` force it (``"never"``
+   captures no split graph). Only graphs whose time can change the choice are timed: none in
+   a bucket with one candidate, not the unsplit graph with ``"always"``.
 
 Capture refuses what a replay could not serve correctly (``GraphRunnerError``): a step that runs
 several compiled graphs (graph breaks); a graph specialised to the warm-up layout (a

@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from dbo_compile.schedule import COMM, COMPUTE, Schedule
-from dbo_compile.viz.common import predicted_overlap, transfers
+from dbo_compile.viz.common import LINK, predicted_overlap, transfers
 
-LINK = "link"
 TID = {COMPUTE: 1, COMM: 2, LINK: 3}
 MEASURED_PID_OFFSET = 1000
 

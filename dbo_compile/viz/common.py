@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 SUBSCRIPTS = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
 STREAMS = (COMPUTE, COMM)
+#: the lane of the sends' transfers (:func:`transfers`), drawn beside the two streams
+LINK = "link"
 
 
 def short_label(unit: Unit) -> str:

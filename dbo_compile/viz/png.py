@@ -1,8 +1,9 @@
 """The schedule as a PNG Gantt chart (matplotlib, Agg backend; no display needed).
 
 Rows: compute stream on top, comm stream below, the sends' transfers on the link under it
-where the schedule has sends (with a profile: measured compute and comm rows under a gap). Bars are coloured by ubatch (grey: shared prologue), labelled when wide
-enough; comm time hidden under compute is shaded on the comm row. The title gives the
+where the schedule has sends (with a profile: measured compute and comm rows under a gap).
+Bars are coloured by ubatch (grey: shared prologue), labelled when wide enough; comm time
+hidden under compute is shaded on the comm and link rows. The title gives the
 predicted step time, the serial time (all units on one stream) and
 ``η_pred = hidden comm / total comm`` (see :mod:`dbo_compile.viz.common`).
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dbo_compile.schedule import COMM, COMPUTE, Schedule
-from dbo_compile.viz.common import fmt_pct, merge, predicted_overlap, short_label, transfers
+from dbo_compile.viz.common import (LINK, fmt_pct, merge, predicted_overlap, short_label,
+                                    transfers)
 
 _COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
 _PROLOGUE = "#9e9e9e"
@@ -38,7 +40,7 @@ def to_png(schedule: Schedule, path: str | Path, measured=None, dpi: int = 120) 
     link = transfers(schedule)
     rows = [("compute (pred)", COMPUTE, None), ("comm (pred)", COMM, None)]
     if link:
-        rows.append(("link (pred)", "link", None))
+        rows.append(("link (pred)", LINK, None))
     if measured is not None:
         rows += [("compute (meas)", COMPUTE, measured), ("comm (meas)", COMM, measured)]
     span = max([schedule.predicted_step_us] + ([measured.step_us] if measured else []) + [1e-6])
@@ -53,9 +55,9 @@ def to_png(schedule: Schedule, path: str | Path, measured=None, dpi: int = 120) 
             ax.broken_barh([(s, e - s) for s, e in busy_compute], (y, 0.8), facecolor="#bbbbbb",
                            edgecolor="black", linewidth=0.3)
         for u in schedule.units:
-            if (u.id not in link) if stream == "link" else u.stream != stream:
+            if (u.id not in link) if stream == LINK else u.stream != stream:
                 continue
-            if stream == "link":
+            if stream == LINK:
                 s, e = link[u.id]
             elif m is None:
                 s, e = u.start_us, u.end_us
@@ -66,7 +68,7 @@ def to_png(schedule: Schedule, path: str | Path, measured=None, dpi: int = 120) 
             w = max(e - s, span * 0.001)
             ax.broken_barh([(s, w)], (y, 0.8), facecolor=_color(u.ubatch), edgecolor="black",
                            linewidth=0.4, alpha=0.9)
-            if stream in (COMM, "link"):  # shade the hidden part
+            if stream in (COMM, LINK):  # shade the hidden part
                 for bs, be in busy_compute:
                     lo, hi = max(s, bs), min(e, be)
                     if hi > lo:

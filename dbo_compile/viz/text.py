@@ -23,11 +23,10 @@ import textwrap
 from dataclasses import dataclass
 
 from dbo_compile.schedule import COMM, COMPUTE, Schedule, Unit
-from dbo_compile.viz.common import Overlap, fmt_pct, predicted_overlap, short_label, transfers
+from dbo_compile.viz.common import (LINK, Overlap, fmt_pct, predicted_overlap, short_label,
+                                    transfers)
 from dbo_compile.viz.profile import render_measured_table
 
-#: the lane of the sends' transfers (the link), below the comm stream's
-LINK = "link"
 LANE_PREFIX = {COMPUTE: "Comp: ", COMM: "Comm: ", LINK: "Link: "}
 LEGEND = ("Legend: A = attention part, S = shared experts, MLP = routed experts, D = dispatch, "
           "C = combine, T = final tail, P = shared prologue, X = other; rD / rC = a receive; "
