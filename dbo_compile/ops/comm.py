@@ -117,6 +117,7 @@ __all__ = [
     "get_comm_backend",
     "register_comm_backend",
     "register_lazy_comm_backend",
+    "result_key",
 ]
 
 
@@ -825,9 +826,8 @@ def moe_combine(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         if impl.handle:
             return impl.combine(y, topk_ids, topk_weights, recv_ids, recv_weights, handle,
                                 group_name, defer_receive)
-        if impl.receive is not None:
-            return impl.combine(y, group_name, defer_receive=defer_receive)
-        return impl.combine(y, group_name)
+        more = {"defer_receive": defer_receive} if impl.receive is not None else {}
+        return impl.combine(y, group_name, **more)
 
 
 @moe_combine.register_fake
@@ -841,6 +841,13 @@ def _moe_combine_fake(y, topk_ids, topk_weights, recv_ids, recv_weights, handle,
         return impl.combine_fake(y, group_name)
     _check_combine_args(y, ep_world_size(group_name))
     return y.new_empty((topk_ids.shape[0], y.shape[1]))
+
+
+def result_key(value: Any) -> Any:
+    """The tensor a call in flight is known by until its receive: the first of the results
+    (``recv_x`` of a dispatch), or the result itself (a combine's ``out``). ``value`` is what
+    the call returned, as :func:`comm_receive` gets it (a tuple, a list or one tensor)."""
+    return value[0] if isinstance(value, (tuple, list)) else value
 
 
 def comm_receive(value: Any, backend: str) -> Any:

@@ -85,6 +85,7 @@ from dbo_compile.ops.comm import (
     ResultPool,
     ep_world_size,
     register_comm_backend,
+    result_key,
 )
 from dbo_compile.ops.registry import backend_spec, import_optional, op_arg
 
@@ -313,7 +314,7 @@ class _LowLatency:
         return out
 
     def receive(self, value: Any) -> None:
-        key = value[0] if isinstance(value, (tuple, list)) else value
+        key = result_key(value)
         if not self.pending or self.pending[0][0] is not key:
             raise CommBackendError(
                 "deep_ep: a receive that is not the oldest LL op in flight (the schedule broke "

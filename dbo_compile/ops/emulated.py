@@ -102,6 +102,7 @@ from dbo_compile.ops.comm import (
     get_comm_backend,
     payload_layout,
     register_comm_backend,
+    result_key,
 )
 from dbo_compile.ops.registry import backend_spec, bound_backend, comm_kind
 
@@ -964,7 +965,7 @@ def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
     def issue(issued: Issued, defer: bool) -> Any:
         result, finish = issued
         if defer:
-            pending.append((result[0] if isinstance(result, tuple) else result, finish))
+            pending.append((result_key(result), finish))
         else:
             finish()
         return result
@@ -1002,7 +1003,7 @@ def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
         result ``value`` (what the call returned). A combine's input ``y`` must stay as it
         was until then (its local rows are summed here; a compiled graph never writes it);
         a dispatch copied what it sends at its issue. Calls may be received in any order."""
-        key = value[0] if isinstance(value, (tuple, list)) else value
+        key = result_key(value)
         for i, (k, finish) in enumerate(pending):
             if k is key:
                 del pending[i]
