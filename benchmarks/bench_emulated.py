@@ -40,6 +40,7 @@ Per bucket, side by side in one run (µs, median of CUDA-event-timed replays), t
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -134,6 +135,20 @@ def _world_of(art) -> E.EmulatedWorld:
     return E.emulated_backend(name).world
 
 
+def two_in_flight(starts: list, finish) -> None:
+    """Call each of ``starts`` (each starts one transfer or comm op and returns it) and
+    ``finish`` each one after the next has started: two in flight, as the split program has
+    them (the emulated backend's pool)."""
+    last = None
+    for start in starts:
+        now = start()
+        if last is not None:
+            finish(last)
+        last = now
+    if last is not None:
+        finish(last)
+
+
 def comm_only_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int], device):
     """The link round trips of the split program alone (per layer: the ubatches' dispatches,
     then their combines; each the static capacity), two in flight as the split program has
@@ -148,13 +163,8 @@ def comm_only_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int
                                     dtype=dtype))
 
     def run():
-        last = None
-        for b in bufs:
-            sent = E._LINK.send(b, world)
-            if last is not None:
-                last.finish()
-            last = sent
-        last.finish()
+        two_in_flight([functools.partial(E._LINK.send, b, world) for b in bufs],
+                      lambda transfer: transfer.finish())
     return run
 
 
@@ -421,20 +431,15 @@ def comm_ops_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int]
             ops.append((x, ids, w, (rx * (rids >= 0).any(-1, keepdim=True)).contiguous()))
         layers.append(ops)
 
+    calls = []
+    for ops in layers:
+        calls += [functools.partial(backend.dispatch, x, ids, w, e, "", defer_receive=True)
+                  for x, ids, w, _ in ops]
+        calls += [functools.partial(backend.combine, y, "", defer_receive=True)
+                  for *_, y in ops]
+
     def run():
-        last = None
-        for ops in layers:
-            calls = ([lambda x=x, ids=ids, w=w: backend.dispatch(x, ids, w, e, "",
-                                                                 defer_receive=True)
-                      for x, ids, w, _ in ops]
-                     + [lambda y=y: backend.combine(y, "", defer_receive=True)
-                        for *_, y in ops])
-            for call in calls:
-                out = call()
-                if last is not None:
-                    backend.receive(last)
-                last = out
-        backend.receive(last)
+        two_in_flight(calls, backend.receive)
     return run
 
 
