@@ -530,7 +530,8 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     key = None
     if config.cache_dir:
         key = runner.time("cache_key", cache.cache_key, gm, example_inputs, config, input_kinds)
-        found = runner.time("cache_load", _from_cache, key, gm, config, runner)
+        found = runner.time("cache_load", _from_cache, key, gm, config, runner,
+                            lowering.folded_floats(gm, example_inputs))
         if found is not None:
             found.compile_times = dict(runner.times)
             return found
@@ -714,10 +715,12 @@ def _to_cache(key: str, compiled: DboCompiledModule, programs: dict[str, SplitPr
         "float_guards": compiled.float_guards})
 
 
-def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRunner
-                ) -> DboCompiledModule | None:
+def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRunner,
+                folds: tuple[tuple[int, float], ...]) -> DboCompiledModule | None:
     """The artifact of ``key``'s entry (``None``: no usable entry); ``gm``: the bound Dynamo
-    graph (the float guards' fallback compiles it unsplit).
+    graph (the float guards' fallback compiles it unsplit); ``folds``: the floats this graph's
+    lowering would fold (:func:`~dbo_compile.lowering.folded_floats`), which must be the
+    entry's (they are part of the key; an entry folding others is ignored).
 
     Raises:
         UnsplittableGraphError: the entry says the graph is unsplittable (why, as compiled).
@@ -730,6 +733,10 @@ def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRun
         e.row_local = bool(payload.get("row_local"))
         raise e
     try:
+        if tuple(payload["float_guards"]) != tuple(folds):
+            raise ValueError(f"its programs fold the floats (input, value) "
+                             f"{list(payload['float_guards'])}, this graph's inputs hold "
+                             f"{list(folds)}")
         compile_stage = stage_compiler(config)
         made = [cache.load_graph(data) for data, _, _ in payload["units"]]
         programs: dict[str, SplitProgram] = {}
