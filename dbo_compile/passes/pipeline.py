@@ -61,6 +61,7 @@ from dbo_compile.ops import emulated
 from dbo_compile.ops.comm import (
     EXPERT_MAJOR,
     RANK_MAJOR,
+    backend_for_group,
     comm_backend_of,
     ep_world_size,
     get_comm_backend,
@@ -259,7 +260,7 @@ def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) ->
             if why is not None:
                 raise CommBackendError(
                     f"comm_backend={config.comm_backend!r} cannot serve {f['node']}: {why}; "
-                    "use comm_backend='auto' (falls back to torch) or 'torch'")
+                    "comm_backend='auto' chooses one that serves it")
         return spec
     if not facts:
         return None
@@ -365,23 +366,31 @@ def _bind_backends(gm: fx.GraphModule, st: CompileState) -> None:
     (:func:`_choose_comm`, :func:`_choose_experts`); on every rank the same (the packages,
     shapes and options are).
 
+    Every comm op is checked against the backend it will run with, the model's choice too
+    (:func:`_check_model_comm`): its process group must be one of this process, of a size
+    the backend serves (``torch`` needs a group, ``local`` one of one rank).
+
     Raises:
         CommBackendError / ExpertsOpError: an explicit backend is unknown, cannot be loaded or
-            cannot serve an op of the graph.
+            cannot serve an op of the graph; a comm op names a process group this process
+            does not hold.
     """
+    config = st.config
     calls = [n for n in gm.graph.nodes if n.op == "call_function"
              and getattr(op_info(n.target), "backend", None) is not None]
     # comm_backend="emulated" binds the instance of the config's emulate_* options, also over
     # the one a model built for the emulated world names (:func:`emulated.bind_name`)
-    emulate = emulated.is_emulated(st.config.comm_backend)
+    emulate = emulated.is_emulated(config.comm_backend)
     comm = [n for n in calls if op_info(n.target).backend == "comm"
             and (not bound_backend(n) or (emulate and emulated.is_emulated(bound_backend(n))))]
+    _check_model_comm(gm, [n for n in calls if op_info(n.target).backend == "comm"
+                           and n not in comm], len(comm), config)
     if not comm:
         comm_spec = None
     elif emulate:
-        comm_spec = emulated.bind_name(gm.graph, st.config)
+        comm_spec = emulated.bind_name(gm.graph, config)
     else:
-        comm_spec = _choose_comm(gm, st.config, comm)
+        comm_spec = _choose_comm(gm, config, comm)
     for node in comm:
         if comm_spec is not None:
             set_op_arg(node, "backend", comm_spec)
@@ -389,9 +398,37 @@ def _bind_backends(gm: fx.GraphModule, st: CompileState) -> None:
     for node in calls:
         if op_info(node.target).backend != "experts" or bound_backend(node):
             continue
-        spec = _choose_experts(node, st.config, comm_spec, said)
+        spec = _choose_experts(node, config, comm_spec, said)
         if spec is not None:
             set_op_arg(node, "backend", spec)
+
+
+def _check_model_comm(gm: fx.GraphModule, nodes: list[fx.Node], bound: int,
+                      config: DboConfig) -> None:
+    """The comm ops whose backend the model named (``nodes``; the config's is not bound to
+    them): each backend must serve its op (its group, shapes), as a backend the config names
+    must; a WARNING where ``comm_backend`` or its options are given and the config binds
+    none of the graph's comm ops (``bound``: how many it binds).
+
+    Raises:
+        CommBackendError: a backend cannot serve its op, or an op's process group is not
+            one of this process.
+    """
+    dispatch_of = _dispatch_of(gm)
+    for node in nodes:
+        spec = backend_for_group(op_arg(node, "group_name", ""), bound_backend(node))
+        why = _comm_unsupported(get_comm_backend(spec), _comm_facts(node, dispatch_of))
+        if why is not None:
+            raise CommBackendError(f"the model's comm op {node.name} names the comm backend "
+                                   f"{spec!r} (its backend argument), which cannot serve it: "
+                                   f"{why}; build the model without naming one (comm_backend "
+                                   "then chooses) or name one that serves it")
+    given = config.comm_backend != "auto" or config.comm_backend_options
+    if nodes and not bound and given:
+        log.warning("dbo: comm_backend=%r, comm_backend_options %s are not used: the model "
+                    "names the backend of every comm op (%s); build it without one to let "
+                    "the config choose", config.comm_backend, dict(config.comm_backend_options),
+                    sorted({bound_backend(n) for n in nodes}))
 
 
 def bind_passes(config: DboConfig) -> list[GraphPass]:
