@@ -193,3 +193,82 @@ def test_local_comm_backend_over_a_group_of_two_ranks_fails_the_compile():
                            [os.path.dirname(here), here])})
     print(p.stdout)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+
+
+# -- backend options under "auto" (issue 29, finding 7) -----------------------------------------
+
+
+@pytest.mark.parametrize("options, error, says", [
+    ({"comm_backend_options": {"mode": "bogus"}}, CommBackendError, "mode='bogus'"),
+    ({"comm_backend_options": {"max_tokens": -5}}, CommBackendError, "max_tokens=-5"),
+    ({"comm_backend_options": {"nope": 1}}, CommBackendError, "deep_ep: mode, max_tokens"),
+    ({"experts_backend_options": {"path": "bogus"}}, ExpertsOpError, "path='bogus'"),
+    ({"experts_backend_options": {"expected_m": 0}}, ExpertsOpError, "expected_m=0"),
+    ({"experts_backend_options": {"nope": 1}}, ExpertsOpError, "deep_gemm: fp8, expected_m"),
+])
+def test_auto_checks_the_options_of_every_backend_it_may_choose(options, error, says):
+    """Under the default ``"auto"`` backends, options were dropped when ``auto`` chose another
+    backend (always on CPU, where DeepEP and DeepGEMM do not import). They are checked by the
+    backend they would configure, whichever ``auto`` picks, and without its package."""
+    err, artifacts = _compile_error(TinyMoE(), options)
+    assert isinstance(err, error), err
+    assert artifacts == 0
+    kind = "comm" if error is CommBackendError else "experts"
+    assert says in str(err) and f"{kind}_backend='auto'" in str(err), err
+
+
+def test_options_are_checked_on_a_graph_without_comm_ops():
+    class Dense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return torch.relu(x @ self.w)
+
+    for options, error in (({"comm_backend_options": {"mode": "bogus"}}, CommBackendError),
+                           ({"comm_backend": "deep_ep", "comm_backend_options": {"mode": "x"}},
+                            CommBackendError),
+                           ({"experts_backend_options": {"fp8": "yes"}}, ExpertsOpError)):
+        torch._dynamo.reset()
+        err, _ = _compile_error(Dense(), options)
+        assert isinstance(err, error), (options, err)
+
+
+def test_auto_warns_of_options_the_backend_it_chose_does_not_take(caplog):
+    """Valid options of a backend ``auto`` did not choose (DeepEP's ``mode`` where the EP group
+    has one rank, DeepGEMM's ``fp8`` for rank-major rows) are not used: a WARNING says so, and
+    what to name to require that backend."""
+    import logging
+
+    model, x, compiled = _compile({"comm_backend_options": {"mode": "low_latency"},
+                                   "experts_backend_options": {"fp8": True}})
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        torch.testing.assert_close(compiled(x), model(x))
+    assert "comm_backend=auto chose local" in caplog.text
+    assert "configure deep_ep" in caplog.text and "comm_backend='deep_ep'" in caplog.text
+    assert "experts_backend=auto chose torch" in caplog.text
+    assert "configure deep_gemm" in caplog.text and "experts_backend='deep_gemm'" in caplog.text
+
+
+def test_auto_applies_the_options_of_the_backend_it_chose(caplog):
+    """``experts_backend_options={"path": "sorted"}`` is the torch backend's: where ``auto``
+    chooses torch, it is bound with them (it was dropped: the op ran its own default)."""
+    import logging
+
+    model, x, compiled = _compile({"experts_backend_options": {"path": "sorted"}})
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        torch.testing.assert_close(compiled(x), model(x))
+    art = last_artifact()
+    assert {bound_backend(n) for n in art.split_gm.graph.nodes
+            if n.op == "call_function" and getattr(op_info(n.target), "backend", None) ==
+            "experts"} == {"torch:path=sorted"}
+    assert "not used" not in caplog.text
+
+
+def test_emulated_takes_no_comm_backend_options():
+    from dbo_compile import DboConfig, DboConfigError
+
+    with pytest.raises(DboConfigError, match="comm_backend_options.*emulate_"):
+        DboConfig(comm_backend="emulated", emulate_world_size=4,
+                  comm_backend_options={"mode": "low_latency"})

@@ -110,6 +110,7 @@ __all__ = [
     "available_comm_backends",
     "abort_pending_receives",
     "comm_receive",
+    "comm_options_for",
     "backend_for_group",
     "ep_group_name",
     "ep_size_of_rows",
@@ -289,6 +290,11 @@ class CommBackend:
         configure: ``configure(**options) -> CommBackend``: the backend with the spec's
             options, its package checked (raises ``CommBackendError`` naming what is missing
             and the fallback); ``None``: no options.
+        check_options: ``check_options(**options)``: raises ``CommBackendError`` for a bad
+            option value without importing the package the backend wraps; its keyword
+            parameters are the options the backend takes (``comm_backend="auto"`` deals
+            ``comm_backend_options`` to the backends it may choose by them); ``None``: the
+            options are checked by ``configure``.
         supports: ``supports(facts) -> reason | None``: why it cannot serve a comm op with
             these facts (``op``: ``"moe"`` or ``"rank_major"``, ``hidden``, ``dtype``,
             ``top_k``, ``num_experts``, ``world_size``, ``device``), ``None`` if it can; the
@@ -323,6 +329,7 @@ class CommBackend:
     moved_bytes: Callable[..., int] | None = None
     bind: Callable[[list[dict]], str] | None = None
     abort: Callable[[], None] | None = None
+    check_options: Callable[..., None] | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in (RANK_MAJOR, EXPERT_MAJOR):
@@ -376,6 +383,17 @@ def get_comm_backend(name: str) -> CommBackend:
             ``deep_ep``) cannot be imported, or an option is unknown or bad.
     """
     return _REGISTRY.get(name)
+
+
+def comm_options_for(names: Any, options: Any) -> dict[str, dict[str, Any]]:
+    """``options`` dealt to the comm backends ``names``, each value checked by the backend
+    that takes it, whether its package imports or not
+    (:meth:`~dbo_compile.ops.registry.BackendRegistry.options_for`).
+
+    Raises:
+        CommBackendError: an unknown backend, an option none of them takes, or a bad value.
+    """
+    return _REGISTRY.options_for(names, options)
 
 
 def clear_configured_comm_backends() -> None:

@@ -63,10 +63,11 @@ from dbo_compile.ops.comm import (
     RANK_MAJOR,
     backend_for_group,
     comm_backend_of,
+    comm_options_for,
     ep_world_size,
     get_comm_backend,
 )
-from dbo_compile.ops.experts import get_experts_backend
+from dbo_compile.ops.experts import experts_options_for, get_experts_backend
 from dbo_compile.ops.registry import (
     backend_spec,
     bound_backend,
@@ -76,6 +77,7 @@ from dbo_compile.ops.registry import (
     kv_block_sizes,
     op_arg,
     op_info,
+    parse_backend_spec,
     set_op_arg,
 )
 from dbo_compile.passes import (
@@ -239,14 +241,61 @@ def _dispatch_of(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return out
 
 
+#: the backends ``comm_backend="auto"`` chooses from: DeepEP, else each op's own
+_AUTO_COMM = ("deep_ep", "torch", "local")
+#: the backends ``experts_backend="auto"`` chooses from
+_AUTO_EXPERTS = ("deep_gemm", "torch")
+
+
+def _backend_options(kind: str, name: str, options: Any) -> dict[str, dict[str, Any]]:
+    """``{kind}_backend_options`` (``kind``: ``"comm"`` / ``"experts"``) dealt to the backends
+    they may configure: the named backend, or every backend ``"auto"`` may choose
+    (:data:`_AUTO_COMM`, :data:`_AUTO_EXPERTS`), each value checked by the backend that takes
+    it whatever is chosen, without importing its package.
+
+    Raises:
+        CommBackendError / ExpertsOpError: an unknown backend, an option none of them takes,
+            or a bad value.
+    """
+    deal, auto = ((comm_options_for, _AUTO_COMM) if kind == "comm"
+                  else (experts_options_for, _AUTO_EXPERTS))
+    # the values a backend's configure gets: through its spec, as the ops carry it
+    options = parse_backend_spec(backend_spec(kind, options))[1]
+    if name != "auto":
+        return deal((name,), options)
+    try:
+        return deal(auto, options)
+    except (CommBackendError, ExpertsOpError) as e:
+        raise type(e)(f"{kind}_backend='auto' checks {kind}_backend_options against every "
+                      f"backend it may choose: {e}; name the backend they are for "
+                      f"({kind}_backend=...), or drop them") from None
+
+
+def _unused_options(kind: str, chosen: str, dealt: dict[str, dict[str, Any]],
+                    say: Callable[[str], None] = log.warning) -> None:
+    """``say`` (a WARNING) which of ``dealt``'s options ``"auto"`` leaves unused by choosing
+    ``chosen``, and for which backend they are."""
+    unused = {k: v for opts in dealt.values() for k, v in opts.items()
+              if k not in dealt.get(chosen, {})}
+    if unused:
+        owners = sorted(n for n, opts in dealt.items() if set(opts) & set(unused))
+        say(f"dbo: {kind}_backend=auto chose {chosen}, which takes no option "
+            f"{sorted(unused)}: {kind}_backend_options {unused} configure "
+            f"{' / '.join(owners)} and are not used here (name {kind}_backend="
+            f"{owners[0]!r} to require it, or drop them)")
+
+
 def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) -> str | None:
     """The comm backend spec to bind to every comm op (``None``: leave each op's own), and log
-    the choice of ``comm_backend="auto"`` and why.
+    the choice of ``comm_backend="auto"`` and why (a WARNING for ``comm_backend_options`` it
+    leaves unused).
 
     Raises:
         CommBackendError: an explicit backend is unknown, cannot be loaded, or cannot serve one
-            of the graph's comm ops (the reason and the fallback).
+            of the graph's comm ops (the reason and the fallback); a bad or unknown option
+            (``"auto"``: of every backend it may choose, :func:`_backend_options`).
     """
+    dealt = _backend_options("comm", config.comm_backend, config.comm_backend_options)
     dispatch_of = _dispatch_of(gm)
     facts = [_comm_facts(n, dispatch_of) for n in nodes]
     if config.comm_backend != "auto":
@@ -266,8 +315,9 @@ def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) ->
         return None
     if all(f["world_size"] == 1 for f in facts):
         log.info("dbo: comm_backend=auto -> local: one EP rank, no all-to-all")
+        _unused_options("comm", "local", dealt)
         return None
-    spec = backend_spec("deep_ep", config.comm_backend_options)
+    spec = backend_spec("deep_ep", dealt["deep_ep"])
     try:
         backend = get_comm_backend(spec)
         if backend.bind is not None:
@@ -275,12 +325,14 @@ def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) ->
             backend = get_comm_backend(spec)
     except CommBackendError as e:
         log.info("dbo: comm_backend=auto -> torch: %s", e)
+        _unused_options("comm", "torch", dealt)
         return None
     for f in facts:
         why = _comm_unsupported(backend, f)
         if why is not None:
             log.info("dbo: comm_backend=auto -> torch: deep_ep cannot serve %s: %s",
                      f["node"], why)
+            _unused_options("comm", "torch", dealt)
             return None
     log.info("dbo: comm_backend=auto -> %s (%s)", spec, backend.description)
     return spec
@@ -320,11 +372,14 @@ def _experts_layout(node: fx.Node, comm_spec: str | None) -> str:
 def _choose_experts(node: fx.Node, config: DboConfig, comm_spec: str | None,
                     said: set[str]) -> str | None:
     """The experts backend spec for one ``dbo.grouped_experts`` call (``None``: the op's own),
-    logging the choice of ``experts_backend="auto"`` once per reason.
+    logging the choice of ``experts_backend="auto"`` once per reason (a WARNING for
+    ``experts_backend_options`` it leaves unused).
 
     Raises:
-        ExpertsOpError: an explicit backend is unknown, cannot be loaded or cannot serve it.
+        ExpertsOpError: an explicit backend is unknown, cannot be loaded or cannot serve it; a
+            bad or unknown option (``"auto"``: of every backend it may choose).
     """
+    dealt = _backend_options("experts", config.experts_backend, config.experts_backend_options)
     facts = _experts_facts(node, _experts_layout(node, comm_spec))
     if config.experts_backend != "auto":
         spec = backend_spec(config.experts_backend, config.experts_backend_options)
@@ -335,27 +390,32 @@ def _choose_experts(node: fx.Node, config: DboConfig, comm_spec: str | None,
                                  f"{node.name}: {why}; use experts_backend='auto' or 'torch'")
         return spec
 
-    def say(msg: str, *args: Any) -> None:
-        text = msg % args
+    def say(msg: str, *args: Any, level: int = logging.INFO) -> None:
+        text = msg % args if args else msg
         if text not in said:
             said.add(text)
-            log.info(text)
+            log.log(level, text)
+
+    def torch_spec() -> str | None:  # the op's own, or torch with its options
+        _unused_options("experts", "torch", dealt, lambda m: say(m, level=logging.WARNING))
+        return backend_spec("torch", dealt["torch"]) if dealt["torch"] else None
 
     if facts["layout"] != EXPERT_MAJOR:
         say("dbo: experts_backend=auto -> torch for the rank-major rows (torch._grouped_mm; "
             "experts_backend='deep_gemm' runs its contiguous grouped GEMM there)")
-        return None
-    spec = backend_spec("deep_gemm", config.experts_backend_options)
+        return torch_spec()
+    spec = backend_spec("deep_gemm", dealt["deep_gemm"])
     try:
         backend = get_experts_backend(spec)
     except ExpertsOpError as e:
         say("dbo: experts_backend=auto -> torch: %s", e)
-        return None
+        return torch_spec()
     why = backend.supports(facts) if backend.supports is not None else None
     if why is not None:
         say("dbo: experts_backend=auto -> torch: deep_gemm cannot serve the experts: %s", why)
-        return None
+        return torch_spec()
     say("dbo: experts_backend=auto -> %s for the expert-major rows (masked grouped GEMM)", spec)
+    _unused_options("experts", "deep_gemm", dealt, lambda m: say(m, level=logging.WARNING))
     return spec
 
 
@@ -372,10 +432,13 @@ def _bind_backends(gm: fx.GraphModule, st: CompileState) -> None:
 
     Raises:
         CommBackendError / ExpertsOpError: an explicit backend is unknown, cannot be loaded or
-            cannot serve an op of the graph; a comm op names a process group this process
-            does not hold.
+            cannot serve an op of the graph; an option is bad or no backend it may configure
+            takes it (checked whether the graph has ops of its kind or not); a comm op names
+            a process group this process does not hold.
     """
     config = st.config
+    _backend_options("comm", config.comm_backend, config.comm_backend_options)
+    _backend_options("experts", config.experts_backend, config.experts_backend_options)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"
              and getattr(op_info(n.target), "backend", None) is not None]
     # comm_backend="emulated" binds the instance of the config's emulate_* options, also over
