@@ -281,7 +281,11 @@ class DboConfig:
             time, naming what is missing and the fallback.
         comm_backend_options: options of the comm backend (a dict; ``deep_ep``:
             ``mode`` ``"auto"`` / ``"low_latency"`` / ``"normal"``, ``max_tokens``, ...), bound
-            with its name; an unknown option raises ``CommBackendError`` at compile time.
+            with its name; an unknown option or a bad value raises ``CommBackendError`` at
+            compile time, under ``"auto"`` too (checked by the backend among those ``"auto"``
+            may choose that takes it, whether its package imports or not); options of a
+            backend ``"auto"`` did not choose are not used, with a WARNING. Refused with
+            ``"emulated"`` (its ``emulate_*`` fields are its options).
         experts_backend: the backend of ``dbo.grouped_experts``: ``"auto"`` (default):
             DeepGEMM (``"deep_gemm"``) for the calls it serves best where it imports (the
             expert-major layout of DeepEP low-latency: its masked grouped GEMM), else the op's
@@ -289,7 +293,9 @@ class DboConfig:
             (``dbo_compile.ops.experts.available_experts_backends()``).
         experts_backend_options: options of the experts backend (``deep_gemm``: ``fp8``,
             ``expected_m``; ``torch``: ``path``, ``"auto"`` / ``"fused"`` / ``"sorted"``, the
-            CUDA path of its rank-major calls, :mod:`dbo_compile.ops.fused_moe`).
+            CUDA path of its rank-major calls, :mod:`dbo_compile.ops.fused_moe`); checked as
+            ``comm_backend_options`` (``ExpertsOpError``); under ``"auto"`` each call's
+            backend gets the options it takes, the others are not used, with a WARNING.
         check_host_mirrors: compare the host mirrors of the attention metadata
             (``query_start_loc_cpu``, ...; see :mod:`dbo_compile.metadata`) with their
             device tensors every step: a device read per mirrored field, for debugging an
@@ -459,7 +465,7 @@ class DboConfig:
 
     def _check_emulated(self, bad) -> None:
         """The ``emulate_*`` options: only with ``comm_backend="emulated"``, which needs
-        ``emulate_world_size``."""
+        ``emulate_world_size`` and takes no ``comm_backend_options``."""
         names = ("emulate_world_size", "emulate_link_gbps", "emulate_latency_us",
                  "emulate_copy_gbps", "emulate_capacity_factor", "emulate_comm_sms")
         given = [n for n in names if getattr(self, n) is not None]
@@ -471,6 +477,10 @@ class DboConfig:
         if self.emulate_world_size is None:
             raise bad("emulate_world_size", "comm_backend='emulated' needs the emulated EP "
                       "world size (an int >= 1, e.g. 8)")
+        if self.comm_backend_options:
+            raise bad("comm_backend_options", "does not apply with comm_backend='emulated', "
+                      "which takes its options from the emulate_* fields (emulate_world_size, "
+                      "emulate_link_gbps, ...)")
         for name in ("emulate_world_size", "emulate_comm_sms"):
             v = getattr(self, name)
             low = 1 if name == "emulate_world_size" else 0

@@ -174,15 +174,7 @@ def fold_tensorified_floats(gm: fx.GraphModule, example_inputs: Sequence[Any]
     the artifact must check it every call (a host read of a CPU tensor) and run the original
     graph when it changed (``DboCompiledModule.float_guards``).
     """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    folds = []
-    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
-        grapharg = node.meta.get("grapharg")
-        if (isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor)
-                and value.dim() == 0 and value.dtype == torch.float64 and value.device.type == "cpu"
-                and getattr(grapharg, "pass_arg_as_tensor", False) and node.users
-                and all(u.op == "call_method" and u.target == "item" for u in node.users)):
-            folds.append((i, float(value)))
+    folds = folded_floats(gm, example_inputs)
     if not folds:
         return gm, ()
     graph = fx.Graph()
@@ -194,6 +186,37 @@ def fold_tensorified_floats(gm: fx.GraphModule, example_inputs: Sequence[Any]
             graph.erase_node(user)
     folded = fx.GraphModule(gm, graph)
     return folded, tuple(folds)
+
+
+def folded_floats(gm: fx.GraphModule, example_inputs: Sequence[Any]
+                  ) -> tuple[tuple[int, float], ...]:
+    """The ``(input index, value)`` pairs :func:`fold_tensorified_floats` folds into ``gm``
+    (a Dynamo graph and its example inputs): the floats Dynamo passed as 0-dim float64 CPU
+    tensors that only ``.item()`` reads."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    folds = []
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        grapharg = node.meta.get("grapharg")
+        if (isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor)
+                and value.dim() == 0 and value.dtype == torch.float64 and value.device.type == "cpu"
+                and getattr(grapharg, "pass_arg_as_tensor", False) and node.users
+                and all(u.op == "call_method" and u.target == "item" for u in node.users)):
+            folds.append((i, float(value)))
+    return tuple(folds)
+
+
+def baked_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[tuple[int, Any], ...]:
+    """The inputs of ``gm`` whose *values*, not only their types and shapes, the lowered graph
+    (and every program made from it) is a function of, as ``(input index, value)`` in input
+    order: the floats :func:`fold_tensorified_floats` folds (:func:`folded_floats`) and the
+    scalar inputs that are not symbolic (a Python int, float, bool, ... traced as a constant,
+    :func:`_fakeify`). A tensor input's values and a SymInt's are read at run time. Another
+    value of one of these needs another lowered graph: the compile cache keys by them."""
+    baked = dict(folded_floats(gm, example_inputs))
+    for i, value in enumerate(example_inputs):
+        if not isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            baked[i] = value
+    return tuple(sorted(baked.items()))
 
 
 @dataclass

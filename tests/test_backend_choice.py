@@ -3,6 +3,11 @@ chosen backend runs (eagerly and in the split program) and a bad choice fails th
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from torch import nn
@@ -97,3 +102,173 @@ def test_an_unknown_backend_fails_the_compile_and_names_the_registered_ones(opti
     while cause is not None and not isinstance(cause, error):
         cause = cause.__cause__ or cause.__context__
     assert isinstance(cause, error), info.value
+
+
+def _compile_error(model, options, x=None):
+    """The DboError the first call (the compile) of ``model`` raises, and whether the backend
+    returned an artifact before it."""
+    from dbo_compile.backend import compiled_artifacts
+    from dbo_compile.errors import dbo_error_of
+
+    x = torch.randn(32, 8) if x is None else x
+    torch._dynamo.mark_dynamic(x, 0)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always", **options})
+    with pytest.raises(Exception) as info, torch.no_grad():
+        compiled(x)
+    return dbo_error_of(info.value) or info.value, len(compiled_artifacts())
+
+
+# -- a comm backend over a process group the model lacks (issue 29, finding 5) -----------------
+
+
+class NamedGroupMoE(TinyMoE):
+    """TinyMoE whose comm ops name a process group (and, optionally, a backend) themselves."""
+
+    def __init__(self, group, backend=""):
+        super().__init__()
+        self.group, self.backend = group, backend
+
+    def forward(self, x):
+        w, ids = torch.topk(torch.softmax(self.gate(x), -1), 2)
+        recv, rid, rw = torch.ops.dbo.dispatch(x, ids, w.float(), 4, self.group, self.backend)
+        y = torch.ops.dbo.grouped_experts(recv, rid, rw, self.w13, self.w2)
+        return torch.ops.dbo.combine(y, self.group, self.backend) + x
+
+
+@pytest.mark.parametrize("model, options", [
+    (TinyMoE, {"comm_backend": "torch"}),            # the config names it
+    (lambda: NamedGroupMoE("", "torch"), {}),        # the model names it
+])
+def test_torch_comm_backend_on_a_model_without_a_group_fails_the_compile(model, options):
+    """``comm_backend="torch"`` on a model built without an EP group was accepted, and then
+    every call raised (the op resolving the group named ``''``) while saying the next step
+    runs normally. It is a CommBackendError at compile time, naming what the model lacks and
+    what to pass instead."""
+    err, artifacts = _compile_error(model(), options)
+    assert isinstance(err, CommBackendError), err
+    assert artifacts == 0  # the compile failed, not a call
+    msg = str(err)
+    assert "group_name ''" in msg and "ep_group=" in msg and "local backend serves" in msg
+
+
+@pytest.mark.parametrize("options", [{}, {"comm_backend": "torch"}, {"comm_backend": "local"}])
+def test_a_comm_op_naming_no_group_of_this_process_fails_clearly(options):
+    """A comm op naming a process group this process does not hold (``"auto"`` too): a
+    CommBackendError at compile time naming the group, the registered ones and what to build."""
+    err, artifacts = _compile_error(NamedGroupMoE("no_such_group"), options)
+    assert isinstance(err, CommBackendError), err
+    assert artifacts == 0
+    msg = str(err)
+    assert "'no_such_group' is no process group" in msg and "registered" in msg
+    assert "ep_group=" in msg
+
+
+def test_local_comm_backend_over_a_group_of_two_ranks_fails_the_compile():
+    """``comm_backend="local"`` runs no collective: over an EP group of 2 ranks it would route
+    every expert to this rank, whose weights hold only its own. Refused at compile time (a
+    subprocess: it starts a fake two-rank process group)."""
+    code = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from dbo_compile import dbo_error_of
+        from dbo_compile.errors import CommBackendError
+        from test_backend_choice import NamedGroupMoE
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        x = torch.randn(32, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        model = NamedGroupMoE(dist.group.WORLD.group_name)
+        try:
+            torch.compile(model, backend="dbo", options={"comm_backend": "local"})(x)
+            raise SystemExit("accepted")
+        except Exception as e:
+            err = dbo_error_of(e)
+            assert isinstance(err, CommBackendError), repr(e)
+            print(err)
+            assert "of 2 ranks" in str(err) and "comm_backend='auto' chooses" in str(err), err
+        dist.destroy_process_group()
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=here, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                           [os.path.dirname(here), here])})
+    print(p.stdout)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+
+
+# -- backend options under "auto" (issue 29, finding 7) -----------------------------------------
+
+
+@pytest.mark.parametrize("options, error, says", [
+    ({"comm_backend_options": {"mode": "bogus"}}, CommBackendError, "mode='bogus'"),
+    ({"comm_backend_options": {"max_tokens": -5}}, CommBackendError, "max_tokens=-5"),
+    ({"comm_backend_options": {"nope": 1}}, CommBackendError, "deep_ep: mode, max_tokens"),
+    ({"experts_backend_options": {"path": "bogus"}}, ExpertsOpError, "path='bogus'"),
+    ({"experts_backend_options": {"expected_m": 0}}, ExpertsOpError, "expected_m=0"),
+    ({"experts_backend_options": {"nope": 1}}, ExpertsOpError, "deep_gemm: fp8, expected_m"),
+])
+def test_auto_checks_the_options_of_every_backend_it_may_choose(options, error, says):
+    """Under the default ``"auto"`` backends, options were dropped when ``auto`` chose another
+    backend (always on CPU, where DeepEP and DeepGEMM do not import). They are checked by the
+    backend they would configure, whichever ``auto`` picks, and without its package."""
+    err, artifacts = _compile_error(TinyMoE(), options)
+    assert isinstance(err, error), err
+    assert artifacts == 0
+    kind = "comm" if error is CommBackendError else "experts"
+    assert says in str(err) and f"{kind}_backend='auto'" in str(err), err
+
+
+def test_options_are_checked_on_a_graph_without_comm_ops():
+    class Dense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return torch.relu(x @ self.w)
+
+    for options, error in (({"comm_backend_options": {"mode": "bogus"}}, CommBackendError),
+                           ({"comm_backend": "deep_ep", "comm_backend_options": {"mode": "x"}},
+                            CommBackendError),
+                           ({"experts_backend_options": {"fp8": "yes"}}, ExpertsOpError)):
+        torch._dynamo.reset()
+        err, _ = _compile_error(Dense(), options)
+        assert isinstance(err, error), (options, err)
+
+
+def test_auto_warns_of_options_the_backend_it_chose_does_not_take(caplog):
+    """Valid options of a backend ``auto`` did not choose (DeepEP's ``mode`` where the EP group
+    has one rank, DeepGEMM's ``fp8`` for rank-major rows) are not used: a WARNING says so, and
+    what to name to require that backend."""
+    import logging
+
+    model, x, compiled = _compile({"comm_backend_options": {"mode": "low_latency"},
+                                   "experts_backend_options": {"fp8": True}})
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        torch.testing.assert_close(compiled(x), model(x))
+    assert "comm_backend=auto chose local" in caplog.text
+    assert "configure deep_ep" in caplog.text and "comm_backend='deep_ep'" in caplog.text
+    assert "experts_backend=auto chose torch" in caplog.text
+    assert "configure deep_gemm" in caplog.text and "experts_backend='deep_gemm'" in caplog.text
+
+
+def test_auto_applies_the_options_of_the_backend_it_chose(caplog):
+    """``experts_backend_options={"path": "sorted"}`` is the torch backend's: where ``auto``
+    chooses torch, it is bound with them (it was dropped: the op ran its own default)."""
+    import logging
+
+    model, x, compiled = _compile({"experts_backend_options": {"path": "sorted"}})
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        torch.testing.assert_close(compiled(x), model(x))
+    art = last_artifact()
+    assert {bound_backend(n) for n in art.split_gm.graph.nodes
+            if n.op == "call_function" and getattr(op_info(n.target), "backend", None) ==
+            "experts"} == {"torch:path=sorted"}
+    assert "not used" not in caplog.text
+
+
+def test_emulated_takes_no_comm_backend_options():
+    from dbo_compile import DboConfig, DboConfigError
+
+    with pytest.raises(DboConfigError, match="comm_backend_options.*emulate_"):
+        DboConfig(comm_backend="emulated", emulate_world_size=4,
+                  comm_backend_options={"mode": "low_latency"})

@@ -221,3 +221,119 @@ def test_cache_dir_option():
     assert DboConfig(cache_dir="/x").fingerprint() == DboConfig().fingerprint()
     with pytest.raises(DboConfigError, match="cache_dir"):
         DboConfig(cache_dir=3)
+
+
+# -- what the programs bake in (issue 29, finding 1) --------------------------------------------
+
+#: a mixed step small enough for one CUDA-graph bucket
+SMALL = dict(decode_context_lens=[30] * 8, prefills=[(0, 24)])
+
+
+def _served(eps, cache_dir=None, runner=True):
+    """What one process serves for a step of the tiny model with ``rms_eps=eps`` compiled with
+    ``dynamic=True`` (Dynamo passes the norms' eps as 0-dim tensors; the backend folds them
+    into the programs): ``run_step``'s logits, its artifact and the steps it split, then
+    (``runner``) ``CudaGraphRunner``'s logits, from the same KV caches."""
+    from dbo_compile.models.batch import fill_kv_cache, make_step
+    from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+    from dbo_compile.runtime.engine import run_step
+    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from moe_cases import capture_then_serve
+
+    torch._dynamo.reset()  # a fresh process, as far as Dynamo and the backend can tell
+    cfg = get_config("tiny", num_layers=1, rms_eps=eps)
+    model = DeepseekMoEModel(cfg, seed=0)
+    step = make_step(cfg, block_size=16, seed=0, **SMALL)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    fill_kv_cache(model, step, seed=0)
+    saved = [c.clone() for c in model.kv_caches()]
+    options = {"split": "always", "compute_backend": "aten", "schedule_candidates": False}
+    if cache_dir is not None:
+        options["cache_dir"] = str(cache_dir)
+    compiled = torch.compile(model, backend="dbo", dynamic=True, options=options)
+    with torch.no_grad():
+        out = run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                       step.num_scheduled_tokens)
+        art = last_artifact()
+        art.split_by_run_step = art.stats.split_steps
+        if not runner:
+            return out, art, None
+        for c, s in zip(model.kv_caches(), saved):
+            c.copy_(s)
+        runner = CudaGraphRunner(compiled, [step.num_tokens], block_size=16, timing_iters=1,
+                                 max_blocks_per_req=int(step.attn_metadata.block_table.shape[1]))
+        served = capture_then_serve(runner, model, step, saved).clone()
+    return out, art, served
+
+
+def test_folded_floats_are_part_of_the_key(tmp_path, caplog):
+    """Under ``dynamic=True`` the norms' eps are folded into the lowered and split programs
+    (``float_guards``). A process whose model has ``rms_eps=1e-6`` read the entry written for
+    ``1e-2``: its CUDA-graph runner served the ``1e-2`` programs (logits off), and ``run_step``
+    never split (the guard saw the float "change"). Every value folded in is in the key: the
+    second process compiles its own entry and serves what a process without the cache serves."""
+    _served(1e-2, tmp_path)
+    assert len(_entries(tmp_path)) == 1
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        out, art, served = _served(1e-6, tmp_path)
+    assert "lower" in art.compile_times, "read the entry of another eps"
+    assert len(_entries(tmp_path)) == 2
+    assert "changed from the value" not in caplog.text
+    assert art.split_by_run_step == 1, art.stats.last_decision
+    assert 1e-6 in dict(art.float_guards).values() and 1e-2 not in dict(art.float_guards).values()
+    want_out, _, want_served = _served(1e-6)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(served, want_served, rtol=0, atol=0)
+    # and the same eps again reads its own entry
+    again, art, served = _served(1e-6, tmp_path)
+    assert "cache_load" in art.compile_times and "lower" not in art.compile_times
+    torch.testing.assert_close(again, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(served, want_served, rtol=0, atol=0)
+
+
+def test_an_entry_folding_other_floats_is_not_read(tmp_path, caplog, monkeypatch):
+    """Checked on read as well: an entry whose programs fold other floats than this graph's
+    inputs hold (a key that missed them: here every graph gets one key) is ignored with a
+    WARNING, and the graph is compiled (and split) with its own."""
+    monkeypatch.setattr(cache, "cache_key", lambda *args: "0" * 64)
+    _served(1e-2, tmp_path, runner=False)
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        out, art, _ = _served(1e-6, tmp_path, runner=False)
+    assert "lower" in art.compile_times and "cache_load" in art.compile_times
+    assert "does not rebuild" in caplog.text and "fold the floats" in caplog.text
+    assert art.split_by_run_step == 1
+    assert 1e-6 in dict(art.float_guards).values() and 1e-2 not in dict(art.float_guards).values()
+    want, _, _ = _served(1e-6, runner=False)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_the_key_sees_what_the_programs_bake_in(monkeypatch):
+    """Besides the graph, the key holds what a lowered program bakes in that two processes may
+    differ in: a scalar input traced as a constant, the world size of the process group a comm
+    op names (its fake shapes, ``[W*T, H]``, are static in ``W``), and the placeholder names
+    that classify a graph without Dynamo sources."""
+    from types import SimpleNamespace
+
+    from dbo_compile.ops import comm
+
+    sizes = {"ep": 2}
+    monkeypatch.setattr(comm, "_resolve_group", lambda name: SimpleNamespace(
+        size=lambda: sizes[name]))
+
+    def key(name="x", scale=0.5):
+        g = torch.fx.Graph()
+        x, ids, w, s = (g.placeholder(n) for n in (name, "ids", "w", "scale"))
+        recv = g.call_function(torch.ops.dbo.dispatch.default, (x, ids, w, 4, "ep"))
+        g.output((g.call_function(operator.mul, (g.call_function(operator.getitem, (recv, 0)),
+                                                 s)),))
+        gm = torch.fx.GraphModule(torch.nn.Module(), g)
+        inputs = [torch.randn(6, 8), torch.zeros(6, 2, dtype=torch.int64), torch.ones(6, 2),
+                  scale]
+        return cache.cache_key(gm, inputs, DboConfig(), ["token", "token", "token", "scalar"])
+
+    first = key()
+    assert key() == first
+    assert key(scale=0.25) != first
+    assert key(name="hidden") != first
+    sizes["ep"] = 4
+    assert key() != first

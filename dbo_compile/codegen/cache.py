@@ -8,11 +8,15 @@ Inductor's own FX-graph cache, which this leaves alone).
 
 **Key** (:func:`cache_key`): a SHA-256 of everything the compiled artifact is a function of:
 the Dynamo graph (ops by qualified name, arguments, wiring, each node's decoder layer, which
-the lowering reads), its inputs (Dynamo sources, which classify them; dtypes, devices, sizes
-and strides, symbolic where Dynamo made them dynamic, so that one entry serves every token
-count of a dynamic graph), the explicit input kinds of a graph not from Dynamo, the config
-fingerprint (:meth:`~dbo_compile.config.DboConfig.fingerprint`, resolved device defaults
-included), the torch version, and the package's version and source (a digest of its ``.py``
+the lowering reads), its inputs (names and Dynamo sources, which classify them; dtypes,
+devices, sizes and strides, symbolic where Dynamo made them dynamic, so that one entry serves
+every token count of a dynamic graph), the values the programs bake in besides the graph's
+constants (:func:`~dbo_compile.lowering.baked_inputs`: the floats folded under
+``dynamic=True``, a norm's eps or a rope scale, and scalar inputs traced as constants; the
+world size of each process group a comm op names, static in the ops' fake shapes), the
+explicit input kinds of a graph not from Dynamo, the config fingerprint
+(:meth:`~dbo_compile.config.DboConfig.fingerprint`, resolved device defaults included), the
+torch version, and the package's version and source (a digest of its ``.py``
 files: an edited checkout never reads an entry an older one wrote). The lowering is a
 function of these, so the key determines the lowered graph the issue asks to key by, and a
 lookup needs no lowering (AOTAutograd was most of the compile time).
@@ -30,8 +34,9 @@ keyed by it, hits for it too.
 processes writing one key leave one whole file). A file that cannot be read, unpickles to
 something else, names another key or other versions, or fails to rebuild is ignored with a
 WARNING naming the file and why, and the graph is compiled as if there were no entry (the
-new entry then replaces it). A directory that cannot be written only logs a WARNING. Nothing
-is ever evicted.
+new entry then replaces it); so is an entry whose folded floats are not this graph's
+(checked on read as well, ``passes/pipeline.py``). A directory that cannot be written only
+logs a WARNING. Nothing is ever evicted.
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ import torch.fx as fx
 
 import dbo_compile
 from dbo_compile.config import DboConfig
-from dbo_compile.lowering import graph_module, layer_of, source_name
+from dbo_compile.errors import CommBackendError
+from dbo_compile.lowering import baked_inputs, graph_module, layer_of, source_name
+from dbo_compile.ops.comm import ep_world_size
+from dbo_compile.ops.registry import comm_group_name
 from dbo_compile.schedule import CommPlan
 
 log = logging.getLogger(__name__)
@@ -118,6 +126,11 @@ def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConf
                                      else (f"<tensor {_tensor_digest(x)}>"
                                            if isinstance(x, torch.Tensor) else x))
 
+    # what the programs bake in besides the graph: the values of the inputs the lowering folds
+    # or traces as constants (lowering.baked_inputs: a norm's eps under dynamic=True), and the
+    # size of each process group a comm op names (its fake shapes, [W*T, H], are static in W)
+    lines.append(f"baked {list(baked_inputs(gm, example_inputs))!r}")
+    lines.append(f"groups {_group_sizes(gm)!r}")
     placeholders = 0
     for n in gm.graph.nodes:
         index[n] = len(index)
@@ -126,7 +139,8 @@ def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConf
             if example is None and placeholders < len(example_inputs):
                 example = example_inputs[placeholders]
             placeholders += 1
-            lines.append(f"placeholder {source_name(n)!r} {_describe(example)}")
+            # the name too: a graph without Dynamo sources is classified by it
+            lines.append(f"placeholder {n.name} {source_name(n)!r} {_describe(example)}")
             continue
         if n.op == "get_attr":
             obj: Any = gm
@@ -137,6 +151,20 @@ def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConf
             target = _target_name(n.target)
         lines.append(f"{n.op} {target} {arg(n.args)!r} {arg(n.kwargs)!r} {layer_of(n)!r}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _group_sizes(gm: fx.GraphModule) -> list[tuple[str, Any]]:
+    """``(name, world size)`` of each process group the graph's comm ops name (``None``: a
+    name that resolves to no group here), sorted."""
+    sizes: dict[str, Any] = {}
+    for n in gm.graph.nodes:
+        name = comm_group_name(n)
+        if name is not None and name not in sizes:
+            try:
+                sizes[name] = ep_world_size(name)
+            except CommBackendError:  # the bind pass refused it for our own ops
+                sizes[name] = None
+    return sorted(sizes.items())
 
 
 def _tensor_digest(t: torch.Tensor) -> str:

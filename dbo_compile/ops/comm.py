@@ -110,11 +110,13 @@ __all__ = [
     "available_comm_backends",
     "abort_pending_receives",
     "comm_receive",
+    "comm_options_for",
     "backend_for_group",
     "ep_group_name",
     "ep_size_of_rows",
     "ep_world_size",
     "get_comm_backend",
+    "process_group_names",
     "register_comm_backend",
     "register_lazy_comm_backend",
     "result_key",
@@ -141,12 +143,43 @@ def ep_group_name(group: dist.ProcessGroup | None) -> str:
     return group.group_name
 
 
+def process_group_names() -> list[str]:
+    """The names of the process groups registered in this process (for messages)."""
+    try:
+        return sorted(str(n) for n in dist.distributed_c10d._world.pg_names.values())
+    except Exception:  # noqa: BLE001 - a private table; only a message depends on it
+        return []
+
+
+#: what a model without the EP group its comm ops name can do (CommBackendError messages)
+_NO_GROUP_FIX = ("build the model with an EP process group of this process "
+                 "(DeepseekMoEModel(..., ep_group=group) after torch.distributed."
+                 "init_process_group), or without one (ep_group=None: one EP rank, "
+                 "comm_backend='local' or 'auto')")
+
+
 def _resolve_group(group_name: str) -> dist.ProcessGroup:
-    return _resolve_process_group(group_name)
+    """The process group named ``group_name``.
+
+    Raises:
+        CommBackendError: no process group of this process has that name (``""`` included:
+            the name of no group), naming the registered ones and what to build instead.
+    """
+    try:
+        return _resolve_process_group(group_name)
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError / KeyError / ValueError
+        raise CommBackendError(
+            f"the comm op's EP group {group_name!r} is no process group of this process "
+            f"({type(e).__name__}; registered: {process_group_names()}): {_NO_GROUP_FIX}"
+        ) from None
 
 
 def ep_world_size(group_name: str) -> int:
-    """World size ``W`` of the EP group named ``group_name`` (1 for ``""``)."""
+    """World size ``W`` of the EP group named ``group_name`` (1 for ``""``).
+
+    Raises:
+        CommBackendError: ``group_name`` names no process group of this process.
+    """
     if group_name == "":
         return 1
     return _resolve_group(group_name).size()
@@ -257,6 +290,11 @@ class CommBackend:
         configure: ``configure(**options) -> CommBackend``: the backend with the spec's
             options, its package checked (raises ``CommBackendError`` naming what is missing
             and the fallback); ``None``: no options.
+        check_options: ``check_options(**options)``: raises ``CommBackendError`` for a bad
+            option value without importing the package the backend wraps; its keyword
+            parameters are the options the backend takes (``comm_backend="auto"`` deals
+            ``comm_backend_options`` to the backends it may choose by them); ``None``: the
+            options are checked by ``configure``.
         supports: ``supports(facts) -> reason | None``: why it cannot serve a comm op with
             these facts (``op``: ``"moe"`` or ``"rank_major"``, ``hidden``, ``dtype``,
             ``top_k``, ``num_experts``, ``world_size``, ``device``), ``None`` if it can; the
@@ -291,6 +329,7 @@ class CommBackend:
     moved_bytes: Callable[..., int] | None = None
     bind: Callable[[list[dict]], str] | None = None
     abort: Callable[[], None] | None = None
+    check_options: Callable[..., None] | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in (RANK_MAJOR, EXPERT_MAJOR):
@@ -344,6 +383,17 @@ def get_comm_backend(name: str) -> CommBackend:
             ``deep_ep``) cannot be imported, or an option is unknown or bad.
     """
     return _REGISTRY.get(name)
+
+
+def comm_options_for(names: Any, options: Any) -> dict[str, dict[str, Any]]:
+    """``options`` dealt to the comm backends ``names``, each value checked by the backend
+    that takes it, whether its package imports or not
+    (:meth:`~dbo_compile.ops.registry.BackendRegistry.options_for`).
+
+    Raises:
+        CommBackendError: an unknown backend, an option none of them takes, or a bad value.
+    """
+    return _REGISTRY.options_for(names, options)
 
 
 def clear_configured_comm_backends() -> None:
@@ -589,11 +639,35 @@ def _sum_sources(recv: torch.Tensor, world_size: int) -> torch.Tensor:
     return summed.to(recv.dtype)
 
 
+def _local_supports(facts: dict) -> str | None:
+    """``local`` computes one EP rank's share alone: over a group of several ranks it would
+    route every expert to this rank, whose weights hold only its own."""
+    if facts.get("world_size", 1) != 1:
+        return (f"it runs no collective (one EP rank), and {facts.get('node', 'the op')} runs "
+                f"over the EP group {facts.get('group_name')!r} of {facts['world_size']} ranks, "
+                "whose experts are spread over them (the torch backend serves it; or build the "
+                "model without a group, ep_group=None)")
+    return None
+
+
+def _torch_supports(facts: dict) -> str | None:
+    """``torch`` runs ``all_to_all_single`` over the op's process group: it needs one."""
+    if facts.get("group_name", "") == "":
+        return (f"it runs all_to_all_single over the op's EP process group, and "
+                f"{facts.get('node', 'the op')} names none (group_name ''): the model was built "
+                "without an EP group (one EP rank: the local backend serves it; for expert "
+                "parallelism build the model with its group, DeepseekMoEModel(..., "
+                "ep_group=group))")
+    return None
+
+
 register_comm_backend(CommBackend(
-    "local", _local_dispatch, _local_combine, "world size 1: no collective"))
+    "local", _local_dispatch, _local_combine, "world size 1: no collective",
+    supports=_local_supports))
 register_comm_backend(CommBackend(
     "torch", _torch_dispatch, _torch_combine,
-    "static-capacity all_to_all_single over a torch.distributed process group (NCCL/Gloo)"))
+    "static-capacity all_to_all_single over a torch.distributed process group (NCCL/Gloo)",
+    supports=_torch_supports))
 register_lazy_comm_backend("deep_ep", "dbo_compile.ops.deep_ep")
 
 

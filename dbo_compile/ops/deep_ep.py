@@ -423,16 +423,21 @@ def _auto_bind(options: dict) -> Any:
     return bind
 
 
-def _configure(mode: str = "auto", max_tokens: int = _DEFAULT_MAX_TOKENS, **unknown: Any
-               ) -> CommBackend:
-    if unknown:
-        raise CommBackendError(f"comm backend 'deep_ep': unknown option(s) {sorted(unknown)}; "
-                               "valid: mode, max_tokens")
+def _check_options(mode: str = "auto", max_tokens: int = _DEFAULT_MAX_TOKENS) -> None:
+    """The options' values (module docstring), checked without importing ``deep_ep``."""
     if mode not in MODES:
         raise CommBackendError(f"comm backend 'deep_ep': mode={mode!r}; choose one of {MODES}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise CommBackendError(f"comm backend 'deep_ep': max_tokens={max_tokens!r} must be an "
                                "int >= 1")
+
+
+def _configure(mode: str = "auto", max_tokens: int = _DEFAULT_MAX_TOKENS, **unknown: Any
+               ) -> CommBackend:
+    if unknown:
+        raise CommBackendError(f"comm backend 'deep_ep': unknown option(s) {sorted(unknown)}; "
+                               "valid: mode, max_tokens")
+    _check_options(mode, max_tokens)
     _deep_ep()  # the package must import, or the error says what to do
     if mode == "auto":
         # resolved per graph when the compiler binds it (the EP group's size decides)
@@ -463,7 +468,7 @@ def _unbound(*args: Any, **kwargs: Any) -> Any:
 def deep_ep_backend() -> CommBackend:
     """The registry entry (options: :func:`_configure`)."""
     return CommBackend("deep_ep", _unbound, _unbound, "DeepEP low-latency / normal mode",
-                       configure=_configure)
+                       configure=_configure, check_options=_check_options)
 
 
 register_comm_backend(deep_ep_backend())

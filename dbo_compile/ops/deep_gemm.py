@@ -269,17 +269,22 @@ class _DeepGemm:
         return None
 
 
-def _configure(fp8: bool = False, expected_m: int | None = None, **unknown: Any
-               ) -> ExpertsBackend:
-    if unknown:
-        raise ExpertsOpError(f"experts backend 'deep_gemm': unknown option(s) {sorted(unknown)};"
-                             " valid: fp8, expected_m")
+def _check_options(fp8: bool = False, expected_m: int | None = None) -> None:
+    """The options' values (module docstring), checked without importing ``deep_gemm``."""
     if not isinstance(fp8, bool):
         raise ExpertsOpError(f"experts backend 'deep_gemm': fp8={fp8!r} must be a bool")
     if expected_m is not None and (isinstance(expected_m, bool) or not isinstance(expected_m, int)
                                    or expected_m < 1):
         raise ExpertsOpError(f"experts backend 'deep_gemm': expected_m={expected_m!r} must be "
                              "an int >= 1")
+
+
+def _configure(fp8: bool = False, expected_m: int | None = None, **unknown: Any
+               ) -> ExpertsBackend:
+    if unknown:
+        raise ExpertsOpError(f"experts backend 'deep_gemm': unknown option(s) {sorted(unknown)};"
+                             " valid: fp8, expected_m")
+    _check_options(fp8, expected_m)
     impl = _DeepGemm(fp8, expected_m)
     what = "FP8 (1x128 / 128x128 block scales)" if fp8 else "bf16"
     return ExpertsBackend("deep_gemm", impl.run,
@@ -293,7 +298,7 @@ def deep_gemm_backend() -> ExpertsBackend:
         raise ExpertsOpError("internal: the deep_gemm backend is used through its spec")
 
     return ExpertsBackend("deep_gemm", unconfigured, "DeepGEMM m-grouped GEMMs",
-                          configure=_configure)
+                          configure=_configure, check_options=_check_options)
 
 
 register_experts_backend(deep_gemm_backend())

@@ -69,7 +69,8 @@ from dbo_compile.ops.comm import ep_size_of_rows
 from dbo_compile.ops.registry import BackendRegistry, OpInfo, register_op
 
 __all__ = ["ACTIVATIONS", "EXPERTS_PATHS", "ExpertFn", "ExpertsBackend", "ExpertsOpError",
-           "available_experts_backends", "experts_loop", "experts_path_choices",
+           "available_experts_backends", "experts_loop", "experts_options_for",
+           "experts_path_choices",
            "get_experts_backend", "grouped_experts",
            "grouped_reference", "register_experts_backend", "register_lazy_experts_backend"]
 
@@ -515,17 +516,22 @@ def _configure_torch(path: str = "auto", **unknown: Any) -> ExpertsBackend:
     if unknown:
         raise ExpertsOpError(f"experts backend 'torch': unknown option(s) {sorted(unknown)}; "
                              f"it takes path (one of {', '.join(EXPERTS_PATHS)})")
+    _check_torch_options(path)
+    return _torch_backend(path)
+
+
+def _check_torch_options(path: str = "auto") -> None:
     if path not in EXPERTS_PATHS:
         raise ExpertsOpError(f"experts backend 'torch': path={path!r}; expected one of "
                              f"{', '.join(EXPERTS_PATHS)}")
-    return _torch_backend(path)
 
 
 def _torch_backend(path: str = "auto") -> ExpertsBackend:
     return ExpertsBackend(
         "torch", functools.partial(_grouped_torch, path=path),
         "torch._grouped_mm or fused Triton grouped GEMMs on CUDA (bf16, sm90+), a loop elsewhere"
-        + ("" if path == "auto" else f"; path={path}"), configure=_configure_torch)
+        + ("" if path == "auto" else f"; path={path}"), configure=_configure_torch,
+        check_options=_check_torch_options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,6 +548,9 @@ class ExpertsBackend:
         supports: ``supports(facts) -> reason | None``: why it cannot serve a call with these
             facts (``layout``, ``dtype``, ``device``, ``activation``, ``bias``, ``hidden``,
             ``intermediate``, ``num_experts``); asked by the compiler before binding it.
+        check_options: ``check_options(**options)``: raises ``ExpertsOpError`` for a bad
+            option value without importing the package the backend wraps; its keyword
+            parameters are the options the backend takes (as ``CommBackend.check_options``).
     """
 
     name: str
@@ -549,6 +558,7 @@ class ExpertsBackend:
     description: str = ""
     configure: Callable[..., "ExpertsBackend"] | None = None
     supports: Callable[[dict], str | None] | None = None
+    check_options: Callable[..., None] | None = None
 
 
 _REGISTRY: BackendRegistry[ExpertsBackend] = BackendRegistry("experts backend", ExpertsOpError,
@@ -579,6 +589,17 @@ def get_experts_backend(name: str) -> ExpertsBackend:
             imported, or an option is unknown or bad.
     """
     return _REGISTRY.get(name or "torch")
+
+
+def experts_options_for(names: Any, options: Any) -> dict[str, dict[str, Any]]:
+    """``options`` dealt to the experts backends ``names``, each value checked by the backend
+    that takes it, whether its package imports or not (as :func:`~dbo_compile.ops.comm.
+    comm_options_for`).
+
+    Raises:
+        ExpertsOpError: an unknown backend, an option none of them takes, or a bad value.
+    """
+    return _REGISTRY.options_for(names, options)
 
 
 def clear_configured_experts_backends() -> None:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import operator
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import sympy
 import torch
@@ -390,7 +391,10 @@ class BackendRegistry(Generic[B]):
     ``"deep_ep:max_tokens=256,mode=low_latency"``) and, when it has a ``configure`` attribute
     (``configure(**options) -> backend``: checks the options and the package the backend wraps,
     and returns the configured backend), the configured backend is built once per spec and
-    kept. A backend without ``configure`` takes no options.
+    kept. A backend without ``configure`` takes no options. Its ``check_options`` attribute
+    (``check_options(**options)``, ``None``: none declared) checks option values without
+    importing the package (which may be absent), and its keyword parameters are the options
+    the backend takes (:meth:`options_for`).
 
     Args:
         kind: what they are, for errors (``"comm backend"``).
@@ -452,6 +456,40 @@ class BackendRegistry(Generic[B]):
         configured = configure(**options)
         self._configured[spec] = configured
         return configured
+
+    def options_for(self, names: Sequence[str], options: Any) -> dict[str, dict[str, Any]]:
+        """``options`` (a mapping) dealt to the backends ``names``: each gets those it takes
+        (the keyword parameters of its ``check_options``; a backend with ``configure`` and no
+        ``check_options`` takes them all and checks them when it is configured), their values
+        checked by its ``check_options``, which imports nothing: the options of a backend are
+        checked whether its package is present or not.
+
+        Raises:
+            ``self.error``: a name is unknown, an option none of them takes (saying what each
+                takes), or a bad value (the taker's message).
+        """
+        options = dict(options)
+        takes: dict[str, tuple[str, ...] | None] = {}
+        for name in names:
+            backend = self._load(name)
+            check = getattr(backend, "check_options", None)
+            if check is not None:
+                takes[name] = tuple(p.name for p in inspect.signature(check).parameters.values()
+                                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+            else:
+                takes[name] = None if getattr(backend, "configure", None) is not None else ()
+        dealt = {name: {k: v for k, v in options.items() if t is None or k in t}
+                 for name, t in takes.items()}
+        unknown = sorted(k for k in options if not any(k in d for d in dealt.values()))
+        if unknown:
+            said = "; ".join(f"{n}: {', '.join(t) if t else 'no options'}"
+                             for n, t in takes.items())
+            raise self.error(f"unknown {self.kind} option(s) {unknown} ({said})")
+        for name, given in dealt.items():
+            check = getattr(self._load(name), "check_options", None)
+            if check is not None and given:
+                check(**given)
+        return dealt
 
     def _load(self, name: str) -> B:
         if name in self._loaded:

@@ -61,11 +61,13 @@ from dbo_compile.ops import emulated
 from dbo_compile.ops.comm import (
     EXPERT_MAJOR,
     RANK_MAJOR,
+    backend_for_group,
     comm_backend_of,
+    comm_options_for,
     ep_world_size,
     get_comm_backend,
 )
-from dbo_compile.ops.experts import get_experts_backend
+from dbo_compile.ops.experts import experts_options_for, get_experts_backend
 from dbo_compile.ops.registry import (
     backend_spec,
     bound_backend,
@@ -75,6 +77,7 @@ from dbo_compile.ops.registry import (
     kv_block_sizes,
     op_arg,
     op_info,
+    parse_backend_spec,
     set_op_arg,
 )
 from dbo_compile.passes import (
@@ -238,14 +241,61 @@ def _dispatch_of(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return out
 
 
+#: the backends ``comm_backend="auto"`` chooses from: DeepEP, else each op's own
+_AUTO_COMM = ("deep_ep", "torch", "local")
+#: the backends ``experts_backend="auto"`` chooses from
+_AUTO_EXPERTS = ("deep_gemm", "torch")
+
+
+def _backend_options(kind: str, name: str, options: Any) -> dict[str, dict[str, Any]]:
+    """``{kind}_backend_options`` (``kind``: ``"comm"`` / ``"experts"``) dealt to the backends
+    they may configure: the named backend, or every backend ``"auto"`` may choose
+    (:data:`_AUTO_COMM`, :data:`_AUTO_EXPERTS`), each value checked by the backend that takes
+    it whatever is chosen, without importing its package.
+
+    Raises:
+        CommBackendError / ExpertsOpError: an unknown backend, an option none of them takes,
+            or a bad value.
+    """
+    deal, auto = ((comm_options_for, _AUTO_COMM) if kind == "comm"
+                  else (experts_options_for, _AUTO_EXPERTS))
+    # the values a backend's configure gets: through its spec, as the ops carry it
+    options = parse_backend_spec(backend_spec(kind, options))[1]
+    if name != "auto":
+        return deal((name,), options)
+    try:
+        return deal(auto, options)
+    except (CommBackendError, ExpertsOpError) as e:
+        raise type(e)(f"{kind}_backend='auto' checks {kind}_backend_options against every "
+                      f"backend it may choose: {e}; name the backend they are for "
+                      f"({kind}_backend=...), or drop them") from None
+
+
+def _unused_options(kind: str, chosen: str, dealt: dict[str, dict[str, Any]],
+                    say: Callable[[str], None] = log.warning) -> None:
+    """``say`` (a WARNING) which of ``dealt``'s options ``"auto"`` leaves unused by choosing
+    ``chosen``, and for which backend they are."""
+    unused = {k: v for opts in dealt.values() for k, v in opts.items()
+              if k not in dealt.get(chosen, {})}
+    if unused:
+        owners = sorted(n for n, opts in dealt.items() if set(opts) & set(unused))
+        say(f"dbo: {kind}_backend=auto chose {chosen}, which takes no option "
+            f"{sorted(unused)}: {kind}_backend_options {unused} configure "
+            f"{' / '.join(owners)} and are not used here (name {kind}_backend="
+            f"{owners[0]!r} to require it, or drop them)")
+
+
 def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) -> str | None:
     """The comm backend spec to bind to every comm op (``None``: leave each op's own), and log
-    the choice of ``comm_backend="auto"`` and why.
+    the choice of ``comm_backend="auto"`` and why (a WARNING for ``comm_backend_options`` it
+    leaves unused).
 
     Raises:
         CommBackendError: an explicit backend is unknown, cannot be loaded, or cannot serve one
-            of the graph's comm ops (the reason and the fallback).
+            of the graph's comm ops (the reason and the fallback); a bad or unknown option
+            (``"auto"``: of every backend it may choose, :func:`_backend_options`).
     """
+    dealt = _backend_options("comm", config.comm_backend, config.comm_backend_options)
     dispatch_of = _dispatch_of(gm)
     facts = [_comm_facts(n, dispatch_of) for n in nodes]
     if config.comm_backend != "auto":
@@ -259,14 +309,15 @@ def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) ->
             if why is not None:
                 raise CommBackendError(
                     f"comm_backend={config.comm_backend!r} cannot serve {f['node']}: {why}; "
-                    "use comm_backend='auto' (falls back to torch) or 'torch'")
+                    "comm_backend='auto' chooses one that serves it")
         return spec
     if not facts:
         return None
     if all(f["world_size"] == 1 for f in facts):
         log.info("dbo: comm_backend=auto -> local: one EP rank, no all-to-all")
+        _unused_options("comm", "local", dealt)
         return None
-    spec = backend_spec("deep_ep", config.comm_backend_options)
+    spec = backend_spec("deep_ep", dealt["deep_ep"])
     try:
         backend = get_comm_backend(spec)
         if backend.bind is not None:
@@ -274,12 +325,14 @@ def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) ->
             backend = get_comm_backend(spec)
     except CommBackendError as e:
         log.info("dbo: comm_backend=auto -> torch: %s", e)
+        _unused_options("comm", "torch", dealt)
         return None
     for f in facts:
         why = _comm_unsupported(backend, f)
         if why is not None:
             log.info("dbo: comm_backend=auto -> torch: deep_ep cannot serve %s: %s",
                      f["node"], why)
+            _unused_options("comm", "torch", dealt)
             return None
     log.info("dbo: comm_backend=auto -> %s (%s)", spec, backend.description)
     return spec
@@ -319,11 +372,14 @@ def _experts_layout(node: fx.Node, comm_spec: str | None) -> str:
 def _choose_experts(node: fx.Node, config: DboConfig, comm_spec: str | None,
                     said: set[str]) -> str | None:
     """The experts backend spec for one ``dbo.grouped_experts`` call (``None``: the op's own),
-    logging the choice of ``experts_backend="auto"`` once per reason.
+    logging the choice of ``experts_backend="auto"`` once per reason (a WARNING for
+    ``experts_backend_options`` it leaves unused).
 
     Raises:
-        ExpertsOpError: an explicit backend is unknown, cannot be loaded or cannot serve it.
+        ExpertsOpError: an explicit backend is unknown, cannot be loaded or cannot serve it; a
+            bad or unknown option (``"auto"``: of every backend it may choose).
     """
+    dealt = _backend_options("experts", config.experts_backend, config.experts_backend_options)
     facts = _experts_facts(node, _experts_layout(node, comm_spec))
     if config.experts_backend != "auto":
         spec = backend_spec(config.experts_backend, config.experts_backend_options)
@@ -334,27 +390,32 @@ def _choose_experts(node: fx.Node, config: DboConfig, comm_spec: str | None,
                                  f"{node.name}: {why}; use experts_backend='auto' or 'torch'")
         return spec
 
-    def say(msg: str, *args: Any) -> None:
-        text = msg % args
+    def say(msg: str, *args: Any, level: int = logging.INFO) -> None:
+        text = msg % args if args else msg
         if text not in said:
             said.add(text)
-            log.info(text)
+            log.log(level, text)
+
+    def torch_spec() -> str | None:  # the op's own, or torch with its options
+        _unused_options("experts", "torch", dealt, lambda m: say(m, level=logging.WARNING))
+        return backend_spec("torch", dealt["torch"]) if dealt["torch"] else None
 
     if facts["layout"] != EXPERT_MAJOR:
         say("dbo: experts_backend=auto -> torch for the rank-major rows (torch._grouped_mm; "
             "experts_backend='deep_gemm' runs its contiguous grouped GEMM there)")
-        return None
-    spec = backend_spec("deep_gemm", config.experts_backend_options)
+        return torch_spec()
+    spec = backend_spec("deep_gemm", dealt["deep_gemm"])
     try:
         backend = get_experts_backend(spec)
     except ExpertsOpError as e:
         say("dbo: experts_backend=auto -> torch: %s", e)
-        return None
+        return torch_spec()
     why = backend.supports(facts) if backend.supports is not None else None
     if why is not None:
         say("dbo: experts_backend=auto -> torch: deep_gemm cannot serve the experts: %s", why)
-        return None
+        return torch_spec()
     say("dbo: experts_backend=auto -> %s for the expert-major rows (masked grouped GEMM)", spec)
+    _unused_options("experts", "deep_gemm", dealt, lambda m: say(m, level=logging.WARNING))
     return spec
 
 
@@ -365,23 +426,34 @@ def _bind_backends(gm: fx.GraphModule, st: CompileState) -> None:
     (:func:`_choose_comm`, :func:`_choose_experts`); on every rank the same (the packages,
     shapes and options are).
 
+    Every comm op is checked against the backend it will run with, the model's choice too
+    (:func:`_check_model_comm`): its process group must be one of this process, of a size
+    the backend serves (``torch`` needs a group, ``local`` one of one rank).
+
     Raises:
         CommBackendError / ExpertsOpError: an explicit backend is unknown, cannot be loaded or
-            cannot serve an op of the graph.
+            cannot serve an op of the graph; an option is bad or no backend it may configure
+            takes it (checked whether the graph has ops of its kind or not); a comm op names
+            a process group this process does not hold.
     """
+    config = st.config
+    _backend_options("comm", config.comm_backend, config.comm_backend_options)
+    _backend_options("experts", config.experts_backend, config.experts_backend_options)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"
              and getattr(op_info(n.target), "backend", None) is not None]
     # comm_backend="emulated" binds the instance of the config's emulate_* options, also over
     # the one a model built for the emulated world names (:func:`emulated.bind_name`)
-    emulate = emulated.is_emulated(st.config.comm_backend)
+    emulate = emulated.is_emulated(config.comm_backend)
     comm = [n for n in calls if op_info(n.target).backend == "comm"
             and (not bound_backend(n) or (emulate and emulated.is_emulated(bound_backend(n))))]
+    _check_model_comm(gm, [n for n in calls if op_info(n.target).backend == "comm"
+                           and n not in comm], len(comm), config)
     if not comm:
         comm_spec = None
     elif emulate:
-        comm_spec = emulated.bind_name(gm.graph, st.config)
+        comm_spec = emulated.bind_name(gm.graph, config)
     else:
-        comm_spec = _choose_comm(gm, st.config, comm)
+        comm_spec = _choose_comm(gm, config, comm)
     for node in comm:
         if comm_spec is not None:
             set_op_arg(node, "backend", comm_spec)
@@ -389,9 +461,37 @@ def _bind_backends(gm: fx.GraphModule, st: CompileState) -> None:
     for node in calls:
         if op_info(node.target).backend != "experts" or bound_backend(node):
             continue
-        spec = _choose_experts(node, st.config, comm_spec, said)
+        spec = _choose_experts(node, config, comm_spec, said)
         if spec is not None:
             set_op_arg(node, "backend", spec)
+
+
+def _check_model_comm(gm: fx.GraphModule, nodes: list[fx.Node], bound: int,
+                      config: DboConfig) -> None:
+    """The comm ops whose backend the model named (``nodes``; the config's is not bound to
+    them): each backend must serve its op (its group, shapes), as a backend the config names
+    must; a WARNING where ``comm_backend`` or its options are given and the config binds
+    none of the graph's comm ops (``bound``: how many it binds).
+
+    Raises:
+        CommBackendError: a backend cannot serve its op, or an op's process group is not
+            one of this process.
+    """
+    dispatch_of = _dispatch_of(gm)
+    for node in nodes:
+        spec = backend_for_group(op_arg(node, "group_name", ""), bound_backend(node))
+        why = _comm_unsupported(get_comm_backend(spec), _comm_facts(node, dispatch_of))
+        if why is not None:
+            raise CommBackendError(f"the model's comm op {node.name} names the comm backend "
+                                   f"{spec!r} (its backend argument), which cannot serve it: "
+                                   f"{why}; build the model without naming one (comm_backend "
+                                   "then chooses) or name one that serves it")
+    given = config.comm_backend != "auto" or config.comm_backend_options
+    if nodes and not bound and given:
+        log.warning("dbo: comm_backend=%r, comm_backend_options %s are not used: the model "
+                    "names the backend of every comm op (%s); build it without one to let "
+                    "the config choose", config.comm_backend, dict(config.comm_backend_options),
+                    sorted({bound_backend(n) for n in nodes}))
 
 
 def bind_passes(config: DboConfig) -> list[GraphPass]:
@@ -530,7 +630,8 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     key = None
     if config.cache_dir:
         key = runner.time("cache_key", cache.cache_key, gm, example_inputs, config, input_kinds)
-        found = runner.time("cache_load", _from_cache, key, gm, config, runner)
+        found = runner.time("cache_load", _from_cache, key, gm, config, runner,
+                            lowering.folded_floats(gm, example_inputs))
         if found is not None:
             found.compile_times = dict(runner.times)
             return found
@@ -714,10 +815,12 @@ def _to_cache(key: str, compiled: DboCompiledModule, programs: dict[str, SplitPr
         "float_guards": compiled.float_guards})
 
 
-def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRunner
-                ) -> DboCompiledModule | None:
+def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRunner,
+                folds: tuple[tuple[int, float], ...]) -> DboCompiledModule | None:
     """The artifact of ``key``'s entry (``None``: no usable entry); ``gm``: the bound Dynamo
-    graph (the float guards' fallback compiles it unsplit).
+    graph (the float guards' fallback compiles it unsplit); ``folds``: the floats this graph's
+    lowering would fold (:func:`~dbo_compile.lowering.folded_floats`), which must be the
+    entry's (they are part of the key; an entry folding others is ignored).
 
     Raises:
         UnsplittableGraphError: the entry says the graph is unsplittable (why, as compiled).
@@ -730,6 +833,10 @@ def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRun
         e.row_local = bool(payload.get("row_local"))
         raise e
     try:
+        if tuple(payload["float_guards"]) != tuple(folds):
+            raise ValueError(f"its programs fold the floats (input, value) "
+                             f"{list(payload['float_guards'])}, this graph's inputs hold "
+                             f"{list(folds)}")
         compile_stage = stage_compiler(config)
         made = [cache.load_graph(data) for data, _, _ in payload["units"]]
         programs: dict[str, SplitProgram] = {}

@@ -23,6 +23,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import DboConfigError
 from dbo_compile.metadata import AttentionMetadata, HostCounts
+from dbo_compile.ops.comm import process_group_names
 from dbo_compile.runtime.context import counting, current_step_context, note_call, note_outputs
 from dbo_compile.runtime.padding import WriteBack, pad_args, restore_outputs
 from dbo_compile.runtime.step_txn import run_in_transaction, ubatch_token_counts
@@ -99,14 +100,6 @@ def dp_group(config: DboConfig) -> Any:
     return dist.group.WORLD if dist.get_world_size() > 1 else None
 
 
-def _group_names() -> list[str]:
-    """The names of the process groups registered in this process (for messages)."""
-    try:
-        return sorted(str(n) for n in dist.distributed_c10d._world.pg_names.values())
-    except Exception:  # noqa: BLE001 - a private table; only a message depends on it
-        return []
-
-
 def check_groups(config: DboConfig, ep_group_names: Sequence[str]) -> None:
     """Check at compile time the groups a step will use (deterministic: every rank checks
     the same): ``dp_group_name`` names a registered group of an initialised
@@ -128,8 +121,8 @@ def check_groups(config: DboConfig, ep_group_names: Sequence[str]) -> None:
         except Exception as e:  # noqa: BLE001 - torch raises RuntimeError / KeyError / ValueError
             raise DboConfigError(
                 f"DboConfig.dp_group_name={name!r} names no process group of this process "
-                f"({type(e).__name__}); registered: {_group_names()} (pass the group_name of "
-                "the CPU (Gloo) group that carries the DP vote)") from None
+                f"({type(e).__name__}); registered: {process_group_names()} (pass the "
+                "group_name of the CPU (Gloo) group that carries the DP vote)") from None
     group = dp_group(config)
     if group is None:
         return
