@@ -225,7 +225,9 @@ class ResultPool:
 
     ``None`` means no limit. A schedule that cannot honour the limits (e.g. joined experts that
     read three results at once with ``live=2``) is refused: the graph is compiled unsplit with
-    the reason.
+    the reason. Reuse a backend does not declare (a result in the storage of an earlier call's
+    live result, other than call ``k - S`` or before of its ``live = S`` pool) is refused at
+    each program's first call (:func:`watching_results`), with the declaration to make.
 
     A backend raises a :class:`~dbo_compile.errors.DboError` (e.g. ``CommOpError``) only
     before it posts its collective: a rank whose step fails then issues the collective again
@@ -817,8 +819,7 @@ def _check_results(impl: CommBackend, op: str, kind: str, group_name: str, resul
                        "calls earlier; declare live= the number of buffers it rotates")
             else:
                 why = ("the backend reuses its result buffers across calls (views of rotating "
-                       "workspaces) but declares no ResultPool with live= for "
-                       f"{kind!r} (and these calls)")
+                       "workspaces) without a ResultPool with live= that covers both calls")
             raise CommBackendError(
                 f"comm backend {impl.name!r}: result {i} of {this} lies in the storage of "
                 f"{seen.what}, which is still alive: {why}, so the scheduler may let a reader "
