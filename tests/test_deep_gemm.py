@@ -80,6 +80,22 @@ def test_contiguous_gemm_with_aligned_segments_equals_the_loop(fake):
     assert fake.CALLS["bf16_contiguous"] == 2
 
 
+def test_contiguous_gemm_ids_outside_the_local_experts_contribute_nothing(fake):
+    """Issue 29, finding 8, on the deep_gemm path: slots whose id is outside ``[0, E_local)``
+    contribute nothing (``dbo.grouped_experts``' rule). Before: such a slot kept its weight
+    and read the spare row past the segments (clamped on CPU, out of bounds on CUDA)."""
+    x, ids, w = _rank_major()
+    w13, w2 = _weights()
+    bad = ids.clone()
+    bad[4:12, 0] = 4       # E_local: another rank's first expert
+    bad[12:20, 1] = 2**20  # far past it
+    bad[20:24, 2] = -5     # negative, not the padding -1
+    y = torch.ops.dbo.grouped_experts(x, bad, w, w13, w2, "deep_gemm")
+    local = torch.where((bad >= 0) & (bad < 4), bad, -1)
+    torch.testing.assert_close(y.float(), experts_loop(x, local, w, w13, w2).float(), **BF16)
+    assert torch.isfinite(y).all()
+
+
 def test_misaligned_segments_would_be_wrong(fake, monkeypatch):
     """The check above can fail: segments laid out without DeepGEMM's 128-row alignment are
     computed with the wrong expert (silently, as on the GPU)."""

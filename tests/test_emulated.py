@@ -11,7 +11,7 @@ import torch
 import dbo_compile.ops  # noqa: F401 - registers torch.ops.dbo.*
 from conftest import last_artifact
 from dbo_compile.config import DboConfig
-from dbo_compile.errors import CommBackendError, CommOpError, DboConfigError
+from dbo_compile.errors import CommBackendError, CommOpError, DboConfigError, dbo_error_of
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops import emulated as E
 from dbo_compile.ops.comm import ep_size_of_rows, get_comm_backend
@@ -299,6 +299,99 @@ def test_a_model_built_for_another_world_size_is_refused():
     while cause is not None and not isinstance(cause, CommBackendError):
         cause = cause.__cause__ or cause.__context__
     assert isinstance(cause, CommBackendError)
+
+
+def _compile_error(fn):
+    """The DboError a compile inside ``fn()`` raised (Dynamo wraps it)."""
+    with pytest.raises(Exception) as info:
+        fn()
+    err = dbo_error_of(info.value)
+    assert err is not None, info.value
+    return err
+
+
+@pytest.mark.parametrize("w", [2, 4, 8])
+def test_a_model_not_built_for_an_emulated_world_is_refused(w):
+    """Issue 29, finding 2: a plain model (every expert local) compiled with
+    comm_backend="emulated" ran its first E/W experts on every slot and returned logits off by
+    2.3-2.6, without an error. The expert op holds E experts, not rank 0's E/W: refused at
+    compile time, naming the model to build and what another model must provide."""
+    cfg = get_config("tiny", num_experts=8, top_k=3, num_layers=2)
+    model = DeepseekMoEModel(cfg)
+    model.allocate_kv_cache(64, 16)
+    step = make_step(cfg, decode_context_lens=[20, 37, 5, 60], prefills=[(0, 28)],
+                     block_size=16)
+    cm = torch.compile(model, backend="dbo", options=_options(emulate_world_size=w))
+    with torch.no_grad():
+        err = _compile_error(lambda: run_step(cm, step.input_ids, step.positions,
+                                              step.attn_metadata, step.num_scheduled_tokens))
+    msg = str(err)
+    assert isinstance(err, CommBackendError), err
+    assert f"DeepseekMoEModel(..., emulated_world_size={w})" in msg, msg
+    assert "holds 8 experts" in msg and f"= {8 // w}" in msg, msg
+    assert f"register_emulated(EmulatedWorld({w}, 8, 3))" in msg, msg
+
+
+def test_a_model_naming_the_world_but_holding_every_expert_is_refused():
+    """Naming the emulated instance is not enough where the expert op shows otherwise."""
+    cfg = get_config("tiny", num_experts=8, top_k=3, num_layers=2)
+    model = DeepseekMoEModel(cfg)
+    name = E.register_emulated(E.EmulatedWorld(4, 8, 3))
+    for layer in model.layers:
+        layer.mlp.comm_backend = name
+    model.allocate_kv_cache(64, 16)
+    step = make_step(cfg, decode_context_lens=[20, 37], prefills=[], block_size=16)
+    cm = torch.compile(model, backend="dbo", options=_options())
+    with torch.no_grad():
+        err = _compile_error(lambda: run_step(cm, step.input_ids, step.positions,
+                                              step.attn_metadata, step.num_scheduled_tokens))
+    assert "holds 8 experts" in str(err) and "EP-4" in str(err), err
+
+
+class _RankMajorMoe(torch.nn.Module):
+    """Experts written in other ops than dbo.grouped_experts (rank-major rows, scaled)."""
+
+    def __init__(self, backend: str = ""):
+        super().__init__()
+        self.backend = {"backend": backend} if backend else {}
+
+    def forward(self, x):
+        w, ids = torch.topk(torch.softmax(x[:, :8], -1), 3)
+        rx, rid, rw = torch.ops.dbo.dispatch(x, ids, w.float(), 8, "", **self.backend)
+        return torch.ops.dbo.combine(rx * 2, "", **self.backend) + x
+
+
+def test_experts_in_other_ops_need_the_models_declaration():
+    """Where no expert op shows the model's expert count, the comm ops must name the emulated
+    instance (the model's declaration that it is rank 0's); with it the graph compiles."""
+    x = torch.randn(16, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    cm = torch.compile(_RankMajorMoe(), backend="dbo", options=_options())
+    err = _compile_error(lambda: cm(x))
+    assert "reach no dbo.grouped_experts and it names no emulated instance" in str(err), err
+    assert "DeepseekMoEModel(..., emulated_world_size=4)" in str(err), err
+    torch._dynamo.reset()
+    declared = _RankMajorMoe(E.register_emulated(E.EmulatedWorld(4, 8, 3)))
+    cm = torch.compile(declared, backend="dbo", options=_options())
+    assert cm(x).shape == x.shape
+
+
+def test_a_model_of_a_real_ep_group_is_refused():
+    """A model built for a real EP group holds its rank's experts, not rank 0's of the
+    emulated world (DeepseekMoEModel refuses ep_group with emulated_world_size too)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dbo_compile.ops.registry import set_op_arg
+
+    world = E.EmulatedWorld(4, 8, 3)
+    gm = make_fx(_RankMajorMoe(E.register_emulated(world)), tracing_mode="fake")(
+        torch.randn(16, 8))
+    E.check_built_for(gm.graph, world)  # one device, declared: built for the world
+    for n in gm.graph.nodes:
+        if comm_kind(n) is not None:
+            set_op_arg(n, "group_name", "ep0")
+    with pytest.raises(CommBackendError, match="runs over the EP process group 'ep0'"):
+        E.check_built_for(gm.graph, world)
 
 
 @pytest.mark.parametrize("options, match", [

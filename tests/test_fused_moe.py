@@ -131,6 +131,56 @@ print("ok")
 """
 
 
+_OUT_OF_RANGE_CHECK = """
+import torch
+from test_experts import _case
+_empty = torch.empty
+
+
+def poisoned(*args, **kwargs):  # every buffer the kernels leave undefined reads as poison
+    t = _empty(*args, **kwargs)
+    return t.fill_(float("nan") if t.dtype.is_floating_point else torch.iinfo(t.dtype).max)
+
+
+torch.empty = poisoned
+from dbo_compile.ops.experts import (_grouped_fused, _grouped_triton, experts_loop,
+                                     grouped_reference)
+from dbo_compile.ops.fused_moe import FusedConfig
+
+paths = {"loop": experts_loop, "reference": grouped_reference, "sorted": _grouped_triton,
+         "fused": lambda *a: _grouped_fused(*a, FusedConfig(16, 16, 16))}
+for dtype in (torch.float32, torch.bfloat16):
+    x, ids, w, w13, w2 = _case(n=40, e=4, seed=11, dtype=dtype)
+    bad = ids.clone()
+    bad[5:10, 0] = 4        # E_local: another rank's first expert
+    bad[10:15, 1] = 2**20   # past the align kernel's bins and the narrow sort keys
+    bad[15:20, 2] = -7      # negative, not the padding -1
+    bad[20, :] = 2**40      # every slot of a row
+    local = torch.where((bad >= 0) & (bad < 4), bad, -1)
+    want = experts_loop(x.float(), local, w, w13.float(), w2.float())
+    int32 = bad.clamp(-2**31, 2**31 - 1).int()  # the kernels take int32 ids too
+    for name, fn, ids_ in [(n, f, bad) for n, f in paths.items()] + [
+            ("sorted int32", _grouped_triton, int32), ("fused int32", paths["fused"], int32)]:
+        got = fn(x, ids_, w, w13, w2).float()
+        assert bool(torch.isfinite(got).all()), (name, dtype)
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), (name, dtype, err)
+        assert got[20].abs().max() == 0, name  # no local slot: a zero row
+print("ok")
+"""
+
+
+def test_ids_outside_the_local_experts_contribute_nothing_in_interpreter():
+    """Issue 29, finding 8: a slot whose id is outside ``[0, E_local)`` (another rank's expert,
+    a huge id, a negative id other than -1) contributes nothing on every path, and no kernel
+    reads out of bounds (the undefined buffers are poisoned). Before: the fused and the sorted
+    kernels read ``o`` at the undefined position of such a slot (a segfault under the
+    interpreter), the torch-ops reference summed garbage rows."""
+    from triton_interp import run_interpreted
+
+    assert run_interpreted(_OUT_OF_RANGE_CHECK).strip().endswith("ok")
+
+
 def test_fused_kernels_match_loop_in_interpreter():
     """Gate/up + SiLU and down GEMMs over the aligned slots, then the weighted gather-sum,
     against the reference loop: fp32 and bf16, H and I not multiples of the tiles, one row,
@@ -237,3 +287,50 @@ def test_fused_kernels_refuse_disagreeing_shapes(bad):
         ids = ids[:3]
     with pytest.raises(ExpertsOpError, match=r"expected x \[N, H\]"):
         fused_moe.expert_outputs(x, ids, w13, w2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["fused", "sorted"])
+def test_gpu_ids_outside_the_local_experts_in_a_captured_graph(path, monkeypatch):
+    """bf16 on the GPU, both CUDA paths of ``dbo.grouped_experts`` (the ``path`` option),
+    captured in a CUDA graph and replayed: slots with ids outside ``[0, E_local)`` contribute
+    nothing. Every buffer the kernels leave undefined is poisoned (in the graph too: the fills
+    are captured), so a kernel reading one (an undefined sorted position: far out of bounds)
+    fails here, and under ``compute-sanitizer``."""
+    from test_experts import _case
+
+    from dbo_compile.ops.experts import get_experts_backend
+
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.dtype.is_floating_point else torch.iinfo(t.dtype).max)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    torch.manual_seed(0)
+    x, ids, w, w13, w2 = (t.cuda() for t in _case(n=64, h=128, inter=64, e=4, seed=11,
+                                                  dtype=torch.bfloat16))
+    bad = ids.clone()
+    bad[5:10, 0] = 4
+    bad[10:15, 1] = 2**20
+    bad[15:20, 2] = -7
+    bad[20, :] = 2**40
+    local = torch.where((bad >= 0) & (bad < 4), bad, -1)
+    want = experts.experts_loop(x.float(), local, w, w13.float(), w2.float())
+    run = get_experts_backend(f"torch:path={path}").run
+    assert experts._prefer_fused(x, bad, w, w13, w2, path) == (path == "fused")
+    static = bad.clone()
+    run(x, static, w, w13, w2)  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = run(x, static, w, w13, w2)
+    for ids_ in (bad, ids):  # new ids copied in, replayed
+        static.copy_(ids_)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = want if ids_ is bad else experts.experts_loop(x.float(), ids, w, w13.float(),
+                                                            w2.float())
+        assert torch.isfinite(y).all()
+        err = float((y.float() - ref).abs().max() / ref.abs().max())
+        assert err < 2e-2, (path, err)

@@ -16,10 +16,18 @@ import torch
 
 import dbo_compile.ops  # noqa: F401
 from conftest import last_artifact
-from dbo_compile.errors import ScheduleError
+from dbo_compile.errors import CommBackendError, ScheduleError, UBatchExecutionError
+from dbo_compile.ops import comm
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
-from dbo_compile.ops.comm import CommBackend, ResultPool, get_comm_backend, register_comm_backend
+from dbo_compile.ops.comm import (
+    CommBackend,
+    ResultPool,
+    get_comm_backend,
+    register_comm_backend,
+    run_watched,
+    watching_results,
+)
 from dbo_compile.passes import stream_assign
 from dbo_compile.schedule import Schedule
 
@@ -88,34 +96,99 @@ def _run(model_and_step, **options):
     return last_artifact(), (out - eager).abs().max().item()
 
 
-def test_without_a_declaration_the_rotating_backend_gives_wrong_answers(model_and_step):
-    """The negative control: the hazard is real (what the declaration must prevent)."""
-    _register(live=None)
-    art, err = _run(model_and_step, scheduler="list", num_ubatches=2)
-    assert art.is_split and art.stats.split_steps == 1
-    assert err > 1e-2, err
+def _refusal(info) -> CommBackendError:
+    """The backend's own error inside the step's ``UBatchExecutionError``."""
+    cause = info.value
+    while cause is not None and not isinstance(cause, CommBackendError):
+        cause = cause.__cause__
+    assert isinstance(cause, CommBackendError), info.value
+    return cause
 
 
 @pytest.mark.parametrize("scheduler,n", CASES)
-def test_declared_pool_splits_exactly(model_and_step, scheduler, n):
+def test_undeclared_reuse_is_refused_at_the_first_call(model_and_step, scheduler, n):
+    """Issue 29, finding 4: without the declaration the list schedule read a result after the
+    call two later overwrote it (errors 2.4-3.3 with 2-4 ubatches, no error). The first call
+    of the program now sees a result in the storage of an earlier call's live result and
+    refuses, naming the declaration to add."""
+    _register(live=None)
+    with pytest.raises(UBatchExecutionError, match="ResultPool") as info:
+        _run(model_and_step, scheduler=scheduler, num_ubatches=n)
+    msg = str(_refusal(info))
+    assert "'rotating'" in msg and "live=" in msg and "register_comm_backend" in msg, msg
+    assert last_artifact().is_split
+    # the program stays unchecked after a refusal: the next call refuses too
+    with pytest.raises(UBatchExecutionError, match="ResultPool"):
+        _run(model_and_step, scheduler=scheduler, num_ubatches=n)
+
+
+def test_undeclared_reuse_is_refused_by_the_unsplit_program(model_and_step):
+    """The unsplit program's first call checks too (its reuse is the same undeclared
+    contract, whichever program runs first)."""
+    _register(live=None)
+    with pytest.raises(UBatchExecutionError, match="ResultPool") as info:
+        _run(model_and_step, split="never")
+    assert "dbo.moe_dispatch" in str(_refusal(info))
+    assert last_artifact().stats.unsplit_steps == 1
+
+
+def test_undeclared_reuse_is_refused_at_the_graph_runners_warm_up(model_and_step):
+    """CudaGraphRunner's warm-up runs each program eagerly before capturing it: the refusal
+    comes there, before any graph is captured or served."""
+    from dbo_compile.runtime.graphs import CudaGraphRunner
+
+    _register(live=None)
+    model = model_and_step[0]
+    compiled = torch.compile(model, backend="dbo", options={
+        "split": "always", "comm_backend": "rotating", "schedule_candidates": False})
+    runner = CudaGraphRunner(compiled, [32], max_blocks_per_req=8, block_size=16,
+                             timing_iters=1)
+    with pytest.raises(Exception, match="ResultPool"):
+        runner.capture()
     _register(live=2)
-    art, err = _run(model_and_step, scheduler=scheduler, num_ubatches=n)
-    assert art.is_split and art.stats.split_steps == 1, art.reason
-    assert err < 1e-5, err
-    sched = art.schedule
-    (key,) = sched.pools
-    assert sched.pools[key] == {"live": 2, "in_flight": None} and key.startswith("rotating|")
-    assert "rotating" in sched.comm_backends
-    # every call of the pool after the first two waits for the readers of call k - 2
-    plan = stream_assign.pool_plan_of(art.split_gm.graph, sched)
-    stream_assign.check_pools(sched, plan)
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo", options={
+        "split": "always", "comm_backend": "rotating", "schedule_candidates": False}), [32],
+        max_blocks_per_req=8, block_size=16, timing_iters=1)
+    runner.capture()  # declared: warmed up and captured
+
+
+def test_the_watch_checks_a_programs_first_call_only():
+    """``run_watched`` checks the first call of a program that passes, and no call after it
+    (a set lookup); a refused program stays unchecked."""
+    _register(live=None)
+    x, ids, w = torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.int64), torch.rand(4, 2)
+
+    def program(backend):  # call 3 writes the workspace of call 1, whose result is alive
+        first = torch.ops.dbo.dispatch(x, ids, w, 2, "", backend)
+        torch.ops.dbo.dispatch(x, ids, w, 2, "", backend)
+        return first, torch.ops.dbo.dispatch(x, ids, w, 2, "", backend)
+
+    with pytest.raises(CommBackendError, match="result 0 of dbo.dispatch call #3 of backend "
+                       "'rotating' lies in the storage of result 0 of dbo.dispatch call #1"):
+        run_watched(program, "rotating")
+    assert program not in comm._WATCHED
+    assert comm._WATCH.depth == 0 and not comm._WATCH.seen
+    run_watched(program, "local")  # results of their own: checked, passes
+    assert program in comm._WATCHED
+    run_watched(program, "rotating")  # checked already: not watched again
+    _register(live=2)
+    with watching_results():  # declared: call 3 overwrites call 1, two calls of the pool before
+        program("rotating")
+    _register(live=3)  # two workspaces declared as three: under-declared is refused too
+    with pytest.raises(CommBackendError, match=r"declares ResultPool\('workspaces', live=3\) "
+                       r"for 'dispatch', but this call reuses the storage of the pool's call 2 "
+                       "calls earlier"):
+        with watching_results():
+            program("rotating")
 
 
 def test_the_checker_refuses_the_unconstrained_order(model_and_step):
-    """The list schedule compiled without the declaration (the wrong one above) breaks the
-    declared rule: the checker names the call and the reader it may overtake."""
+    """The list schedule compiled without the declaration (refused at its first call, above)
+    breaks the declared rule: the checker names the call and the reader it may overtake."""
     _register(live=None)
-    art, _ = _run(model_and_step, scheduler="list", num_ubatches=2)
+    with pytest.raises(UBatchExecutionError, match="ResultPool"):
+        _run(model_and_step, scheduler="list", num_ubatches=2)
+    art = last_artifact()
     _register(live=2)  # the same backend, declared: the plan the scheduler would honour
     plan = stream_assign.pool_plan_of(art.split_gm.graph, art.schedule)
     with pytest.raises(ScheduleError, match="may run before"):

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.errors import ScheduleError
+from dbo_compile.ops.comm import watching_results
 from dbo_compile.ops.registry import is_receive, is_wait
 from dbo_compile.runtime import streams as _streams
 from dbo_compile.schedule import COMM, Schedule, range_name
@@ -308,6 +309,8 @@ class SplitProgram:
         runner never times, or a warm start's, costs no Python compile of its code)."""
         self.streams = _streams.StreamSet(self.num_events)
         self._fn: Callable | None = None
+        #: the first call ran under :func:`~dbo_compile.ops.comm.watching_results`
+        self._results_checked = False
         log.debug("generated dbo_step:\n%s", self.code)
 
     def _compiled(self) -> Callable:
@@ -322,6 +325,17 @@ class SplitProgram:
         return self._fn
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
+        """Run the schedule on one step's per-ubatch inputs. The first call checks that no comm
+        backend reuses result memory it did not declare (:func:`~dbo_compile.ops.comm.
+        watching_results`; raises ``CommBackendError`` naming the ``ResultPool`` to declare)."""
+        if not self._results_checked:
+            with watching_results():
+                out = self._run(*args)
+            self._results_checked = True
+            return out
+        return self._run(*args)
+
+    def _run(self, *args: Any) -> tuple[Any, ...]:
         fn = self._fn or self._compiled()
         if self.carveout_sms is None:
             return fn(self, *args)

@@ -70,11 +70,13 @@ between issue and receive), where its units run, and whether its wait phase does
 receive, :func:`comm_receive`). The scheduler honours the declaration or refuses to split.
 """
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import threading
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -120,6 +122,8 @@ __all__ = [
     "register_comm_backend",
     "register_lazy_comm_backend",
     "result_key",
+    "run_watched",
+    "watching_results",
 ]
 
 
@@ -221,7 +225,9 @@ class ResultPool:
 
     ``None`` means no limit. A schedule that cannot honour the limits (e.g. joined experts that
     read three results at once with ``live=2``) is refused: the graph is compiled unsplit with
-    the reason.
+    the reason. Reuse a backend does not declare (a result in the storage of an earlier call's
+    live result, other than call ``k - S`` or before of its ``live = S`` pool) is refused at
+    each program's first call (:func:`watching_results`), with the declaration to make.
 
     A backend raises a :class:`~dbo_compile.errors.DboError` (e.g. ``CommOpError``) only
     before it posts its collective: a rank whose step fails then issues the collective again
@@ -711,6 +717,122 @@ class _posting:
 
 
 # --------------------------------------------------------------------------------------------
+# Undeclared result reuse: checked at a program's first call
+# --------------------------------------------------------------------------------------------
+
+
+class _ResultWatch(threading.local):
+    """Per thread, while :func:`watching_results` is open: the storages of the comm results
+    seen so far (``id(storage) ->`` :class:`_Seen`), the calls made, and per declared pool
+    (``(backend, group, pool)``) the calls drawn from it."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.calls = 0
+        self.seen: dict[int, _Seen] = {}
+        self.pool_calls: dict[tuple[str, str, str], int] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seen:
+    """A comm result's storage, weakly (alive while anything holds it: a view of the result,
+    or the backend's workspace), what returned it and its call's place in its ``live`` pool
+    (``None``: no such pool)."""
+
+    ref: weakref.ref
+    what: str
+    pool: tuple[str, str, str] | None
+    index: int
+
+
+_WATCH = _ResultWatch()
+#: programs (split or unsplit, any callable) whose first call passed the watch
+_WATCHED: weakref.WeakSet = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def watching_results() -> Iterator[None]:
+    """Check every comm call made inside (this thread, any backend) for undeclared reuse of its
+    result memory (:func:`_check_results`); re-entrant, forgets what it saw when the outermost
+    exits. The programs open it around their first call (:func:`run_watched`), so that the
+    warm-up of :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` and the first eager step
+    check, and no later call pays for it. Reads no device value (fine inside a capture)."""
+    _WATCH.depth += 1
+    try:
+        yield
+    finally:
+        _WATCH.depth -= 1
+        if _WATCH.depth == 0:
+            _WATCH.seen.clear()
+            _WATCH.pool_calls.clear()
+            _WATCH.calls = 0
+
+
+def run_watched(program: Callable[..., Any], *args: Any) -> Any:
+    """``program(*args)``, its first call (per program object, e.g. an unsplit GraphModule)
+    under :func:`watching_results`; later calls cost a set lookup.
+
+    Raises:
+        CommBackendError: a comm backend of the program reuses result memory without declaring
+            it (:func:`_check_results`); the program stays unchecked (its next call checks).
+    """
+    if program in _WATCHED:
+        return program(*args)
+    with watching_results():
+        out = program(*args)
+    _WATCHED.add(program)
+    return out
+
+
+def _check_results(impl: CommBackend, op: str, kind: str, group_name: str, result: Any) -> None:
+    """Under :func:`watching_results`: refuse a result of ``impl`` that lies in the storage of
+    an earlier call's result while that storage is still alive (not freed and reallocated: the
+    same storage object), unless ``impl`` declares it: a :class:`ResultPool` with ``live = S``
+    for ``kind``, and the earlier call is of the same pool and at least ``S`` of its calls
+    earlier (the overwrite the scheduler orders after the earlier result's readers). A backend
+    returning views of workspaces it reuses (DeepEP low-latency style) without that
+    declaration, or with a larger ``S`` than it has workspaces, lets the scheduler read the
+    earlier result after the later call overwrote it: a wrong answer, without an error.
+
+    Raises:
+        CommBackendError: naming the backend, both calls and the declaration to make.
+    """
+    pool = impl.pool_of(kind)
+    live = pool.live if pool is not None else None
+    key = None if live is None else (impl.name, group_name, pool.name)
+    index = 0
+    if key is not None:
+        index = _WATCH.pool_calls[key] = _WATCH.pool_calls.get(key, -1) + 1
+    _WATCH.calls += 1
+    this = f"{op} call #{_WATCH.calls} of backend {impl.name!r}"
+    mine: dict[int, _Seen] = {}
+    for i, t in enumerate(result if isinstance(result, (tuple, list)) else (result,)):
+        if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+            continue
+        storage = t.untyped_storage()
+        seen = _WATCH.seen.get(id(storage))
+        if seen is not None and seen.ref() is storage and not (
+                key is not None and seen.pool == key and index - seen.index >= live):
+            if key is not None and seen.pool == key:
+                why = (f"it declares ResultPool({pool.name!r}, live={live}) for {kind!r}, but "
+                       f"this call reuses the storage of the pool's call {index - seen.index} "
+                       "calls earlier; declare live= the number of buffers it rotates")
+            else:
+                why = ("the backend reuses its result buffers across calls (views of rotating "
+                       "workspaces) without a ResultPool with live= that covers both calls")
+            raise CommBackendError(
+                f"comm backend {impl.name!r}: result {i} of {this} lies in the storage of "
+                f"{seen.what}, which is still alive: {why}, so the scheduler may let a reader "
+                "of the earlier result run after this call overwrote it (a wrong answer). "
+                "Declare the reuse in its record, register_comm_backend(CommBackend(..., "
+                "pools=(ResultPool('workspaces', live=S),))) with S the number of buffers it "
+                "rotates, or return tensors of their own (e.g. .clone()) from dispatch and "
+                "combine")
+        mine[id(storage)] = _Seen(weakref.ref(storage), f"result {i} of {this}", key, index)
+    _WATCH.seen.update(mine)
+
+
+# --------------------------------------------------------------------------------------------
 # Custom ops
 # --------------------------------------------------------------------------------------------
 
@@ -757,7 +879,10 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     """
     impl = _rank_major_backend(group_name, backend, "dbo.dispatch")
     with _posting():
-        return impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
+        out = impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name)
+    if _WATCH.depth:
+        _check_results(impl, "dbo.dispatch", "dispatch", group_name, out)
+    return out
 
 
 def _rank_major_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name):
@@ -798,7 +923,10 @@ def combine(y: torch.Tensor, group_name: str, backend: str = "") -> torch.Tensor
     """
     impl = _rank_major_backend(group_name, backend, "dbo.combine")
     with _posting():
-        return impl.combine(y, group_name)
+        out = impl.combine(y, group_name)
+    if _WATCH.depth:
+        _check_results(impl, "dbo.combine", "combine", group_name, out)
+    return out
 
 
 def _check_combine_args(y: torch.Tensor, world_size: int) -> None:
@@ -853,12 +981,15 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     impl = get_comm_backend(backend_for_group(group_name, backend))
     with _posting():
         if impl.handle:
-            return impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name,
-                                 defer_receive)
-        more = {"defer_receive": defer_receive} if impl.receive is not None else {}
-        recv_x, recv_ids, recv_w = impl.dispatch(x, topk_ids, topk_weights, num_experts,
-                                                 group_name, **more)
-    return recv_x, recv_ids, recv_w, _empty_handle(x)
+            out = impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name,
+                                defer_receive)
+        else:
+            more = {"defer_receive": defer_receive} if impl.receive is not None else {}
+            out = (*impl.dispatch(x, topk_ids, topk_weights, num_experts, group_name, **more),
+                   _empty_handle(x))
+    if _WATCH.depth:
+        _check_results(impl, "dbo.moe_dispatch", "dispatch", group_name, out)
+    return out
 
 
 @moe_dispatch.register_fake
@@ -898,10 +1029,14 @@ def moe_combine(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     impl = get_comm_backend(backend_for_group(group_name, backend))
     with _posting():
         if impl.handle:
-            return impl.combine(y, topk_ids, topk_weights, recv_ids, recv_weights, handle,
-                                group_name, defer_receive)
-        more = {"defer_receive": defer_receive} if impl.receive is not None else {}
-        return impl.combine(y, group_name, **more)
+            out = impl.combine(y, topk_ids, topk_weights, recv_ids, recv_weights, handle,
+                               group_name, defer_receive)
+        else:
+            more = {"defer_receive": defer_receive} if impl.receive is not None else {}
+            out = impl.combine(y, group_name, **more)
+    if _WATCH.depth:
+        _check_results(impl, "dbo.moe_combine", "combine", group_name, out)
+    return out
 
 
 @moe_combine.register_fake

@@ -55,6 +55,7 @@ from dbo_compile.ops.experts import (
     _sorted_slots,
     _triton_kernel,
     _weighted_gather_sum_torch,
+    gather_sum,
     register_experts_backend,
 )
 
@@ -234,18 +235,11 @@ class _DeepGemm:
                     expected_m_for_psum_layout=expected)
         pos = torch.empty_like(order)
         pos.scatter_(0, order, dst)  # each slot's row in the segments
+        if x.is_cuda and _triton_kernel() is not None:
+            return gather_sum(o, pos, ids, weights, x, e)  # reads the local slots only
         w = torch.where(valid, weights.reshape(-1), 0.0)
-        built = _triton_kernel() if x.is_cuda else None
-        if built is None:
-            return _weighted_gather_sum_torch(o, pos.view(n, k).clamp(max=m_pad - 1),
-                                              w.view(n, k), valid, x.dtype)
-        triton, kern = built
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        block_h = min(1024, triton.next_power_of_2(hidden))
-        kern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids.contiguous(),
-                                                       weights.contiguous(), y, hidden, K=k,
-                                                       BLOCK_H=block_h)
-        return y
+        return _weighted_gather_sum_torch(o, pos.view(n, k).clamp(max=m_pad - 1),
+                                          w.view(n, k), valid, x.dtype)
 
     def run(self, x, ids, weights, w13, w2, fn: ExpertFn = PLAIN) -> torch.Tensor:
         if not fn.plain:

@@ -104,13 +104,20 @@ from dbo_compile.ops.comm import (
     register_comm_backend,
     result_key,
 )
-from dbo_compile.ops.registry import backend_spec, bound_backend, comm_kind
+from dbo_compile.ops.registry import (
+    backend_spec,
+    bound_backend,
+    comm_group_name,
+    comm_kind,
+    op_arg,
+    op_info,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EmulatedBackend", "EmulatedWorld", "NAME", "bind_name", "emulated_backend",
-           "is_emulated", "link_figures", "register_emulated", "reset_stats", "serial_link",
-           "stats", "without_link"]
+__all__ = ["EmulatedBackend", "EmulatedWorld", "NAME", "bind_name", "check_built_for",
+           "emulated_backend", "is_emulated", "link_figures", "register_emulated", "reset_stats",
+           "serial_link", "stats", "without_link"]
 
 #: the name users give (``DboConfig.comm_backend``); registered instances are ``NAME:...``
 NAME = "emulated"
@@ -1128,10 +1135,13 @@ def bind_name(graph: fx.Graph, config: Any) -> str:
     with under ``config`` (``comm_backend="emulated"``): the config's ``emulate_*`` options and
     the graph's expert count and top-k, which every dispatch must share.
 
+    The emulated backend answers right only for a model built as rank 0 of its world
+    (:func:`check_built_for`), which is checked here, at compile time.
+
     Raises:
         CommBackendError: the dispatches disagree on the expert count or top-k, an expert
-            count is not a multiple of ``emulate_world_size``, or a model built for another
-            emulated world size is compiled with this one.
+            count is not a multiple of ``emulate_world_size``, or the model was not built for
+            an emulated world of ``emulate_world_size`` ranks (:func:`check_built_for`).
     """
     facts = set()
     for node in graph.nodes:
@@ -1142,15 +1152,89 @@ def bind_name(graph: fx.Graph, config: Any) -> str:
                 raise CommBackendError(f"emulated backend: dispatch {node.name} has no static "
                                        "expert count or top-k to size the emulated world by")
             facts.add((e, int(ids.shape[1])))
-            own = emulated_backend(bound_backend(node) or "")
-            if own is not None and own.world.world_size != config.emulate_world_size:
-                raise CommBackendError(
-                    f"emulated backend: the model's dispatch {node.name} is built for an "
-                    f"emulated world of {own.world.world_size} ranks but the config asks for "
-                    f"emulate_world_size={config.emulate_world_size}; build the model with the "
-                    "same world size")
     if len(facts) != 1:
         raise CommBackendError(f"emulated backend: the graph's dispatches must share one "
                                f"(num_experts, top_k), found {sorted(facts)}")
     (e, k), = facts
-    return register_emulated(world_of_config(config, e, k))
+    world = world_of_config(config, e, k)
+    check_built_for(graph, world)
+    return register_emulated(world)
+
+
+def _experts_of(dispatch: fx.Node) -> list[fx.Node]:
+    """The expert ops (``dbo.grouped_experts``: an op of the ``experts`` backend registry) that
+    compute on the rows ``dispatch`` receives: reached from it through its users, up to the
+    next comm op."""
+    found, todo, seen = [], list(dispatch.users), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or comm_kind(n) is not None:
+            continue
+        seen.add(n)
+        if getattr(op_info(n.target), "backend", None) == "experts":
+            found.append(n)
+        else:
+            todo.extend(n.users)
+    return sorted(found, key=lambda n: n.name)
+
+
+def check_built_for(graph: fx.Graph, world: EmulatedWorld) -> None:
+    """Check that the model of ``graph`` was built as rank 0 of ``world``, for every comm op.
+
+    The emulated dispatch delivers local ids ``id mod E_local`` (``E_local = E / W``) of rank
+    0's ``E_local`` experts, whose weights the world repeats every ``E_local`` experts; a model
+    holding all ``E`` experts (built for no EP world) would run its first ``E_local`` experts
+    on every slot and return a wrong answer without an error. What proves the model right:
+
+    - an expert op (``dbo.grouped_experts``) on a dispatch's rows holds ``E / W`` experts
+      (``w13.shape[0]``), and
+    - a comm op that names an emulated instance names one of ``W`` ranks, and runs over no
+      process group (the world is one device; a model built for a real EP group holds that
+      group's rank's experts, not rank 0's of the emulated world);
+    - a dispatch whose rows reach no expert op (experts written with other ops) must name an
+      emulated instance of ``W`` ranks: the model's declaration that its experts are rank
+      0's (``DeepseekMoEModel(..., emulated_world_size=W)`` names it).
+
+    Raises:
+        CommBackendError: the first comm op that breaks a rule, and what to build instead.
+    """
+    w, e, el = world.world_size, world.num_experts, world.local_experts
+    build = (f"build the model with DeepseekMoEModel(..., emulated_world_size={w}); another "
+             f"model must hold rank 0's E/W = {e}/{w} = {el} experts (the world's experts "
+             f"repeat every {el}) in its dbo.grouped_experts (w13 / w2 [{el}, ...]), or, with "
+             "experts written in other ops, hold them there and declare it by naming the "
+             "emulated instance in its dispatch and combine (backend=dbo_compile.ops.emulated."
+             f"register_emulated(EmulatedWorld({w}, {e}, {world.top_k})))")
+    for node in graph.nodes:
+        kind = comm_kind(node)
+        if kind not in ("dispatch", "combine"):
+            continue
+        own = emulated_backend(bound_backend(node) or "")
+        if own is not None and own.world.world_size != w:
+            raise CommBackendError(
+                f"emulated backend: the model's {kind} {node.name} is built for an emulated "
+                f"world of {own.world.world_size} ranks but the config asks for "
+                f"emulate_world_size={w}; build the model with the same world size")
+        group = comm_group_name(node)
+        if group:
+            raise CommBackendError(
+                f"emulated backend: the model's {kind} {node.name} runs over the EP process "
+                f"group {group!r}: the model was built for a real EP world, not as rank 0 of "
+                f"an emulated one on this device; {build} (and no ep_group)")
+        if kind != "dispatch":
+            continue
+        experts = _experts_of(node)
+        for x in experts:
+            w13 = _value(op_arg(x, "w13"))
+            held = int(w13.shape[0]) if isinstance(w13, torch.Tensor) else None
+            if held != el:
+                raise CommBackendError(
+                    f"emulated backend: the expert op {x.name} on the rows of {node.name} "
+                    f"holds {held} experts, but rank 0 of the emulated EP-{w} world holds "
+                    f"num_experts/W = {e}/{w} = {el}: the model was not built for this "
+                    f"emulated world and its answer would be wrong; {build}")
+        if not experts and own is None:
+            raise CommBackendError(
+                f"emulated backend: nothing shows that the model was built for an emulated "
+                f"world of {w} ranks: the rows of {node.name} reach no dbo.grouped_experts "
+                f"and it names no emulated instance; {build}")

@@ -5,10 +5,15 @@ b13=None, b2=None, alpha=1.702, limit=7.0) -> y``, in either receive layout of
 ``dbo.moe_dispatch`` (``dbo_compile.ops.comm``), told apart by ``x.dim()``:
 
 - **rank-major** (``x [N, H]``, ``N = W * T`` rows; torch, local, DeepEP normal):
-  ``ids [N, K]`` int64 local expert id per slot in ``[-1, E_local)`` (``-1``: the slot's
-  expert is not on this rank; larger ids are undefined behaviour on the device), ``weights
-  [N, K]`` fp32 routing weights; returns ``y [N, H]``: ``y[n] = sum_k weights[n, k] *
-  f_{ids[n, k]}(x[n])``, accumulated in fp32; rows with no local slot are zeros.
+  ``ids [N, K]`` int64 local expert id per slot in ``[-1, E_local)``, ``weights [N, K]`` fp32
+  routing weights; returns ``y [N, H]``: ``y[n] = sum_k weights[n, k] * f_{ids[n, k]}(x[n])``
+  over the **local slots**, accumulated in fp32; rows with no local slot are zeros. A slot is
+  local when ``0 <= id < E_local`` (``E_local = w13.shape[0]``); any other id contributes
+  nothing, whatever its weight: ``-1`` (the dispatch's "expert not on this rank",
+  ``dbo_compile.ops.comm``), another negative id, or an id ``>= E_local`` (another rank's
+  expert: a routing bug upstream or a bad input). Every path (the loop, the sorted and the
+  fused CUDA paths, ``deep_gemm``) applies the rule, in its kernels too (no read out of
+  bounds, also in a captured CUDA graph; no host read).
 - **expert-major** (``x [E_local, M, H]``; DeepEP low-latency): ``ids [E_local]`` int32, the
   valid rows of each expert (rows ``[0, ids[e])`` of ``x[e]``; the others are undefined and
   never read), ``weights`` unused (the dispatch's row ranges); returns ``y [E_local, M, H]``,
@@ -70,8 +75,7 @@ from dbo_compile.ops.registry import BackendRegistry, OpInfo, register_op
 
 __all__ = ["ACTIVATIONS", "EXPERTS_PATHS", "ExpertFn", "ExpertsBackend", "ExpertsOpError",
            "available_experts_backends", "experts_loop", "experts_options_for",
-           "experts_path_choices",
-           "get_experts_backend", "grouped_experts",
+           "experts_path_choices", "gather_sum", "get_experts_backend", "grouped_experts",
            "grouped_reference", "register_experts_backend", "register_lazy_experts_backend"]
 
 #: the experts' activations (module docstring)
@@ -193,9 +197,10 @@ def _expert_offsets(sorted_keys: torch.Tensor, num_experts: int) -> torch.Tensor
 
 def _sorted_slots(ids: torch.Tensor, num_experts: int, with_keys: bool = False):
     """Slots sorted by expert: ``(order, rows, offs, valid)`` (and the sorted keys, the expert
-    of each sorted slot, ``num_experts`` for slots not here); slots with id < 0 sort last."""
+    of each sorted slot, ``num_experts`` for slots not here); slots not local (id outside
+    ``[0, num_experts)``, module docstring) sort last."""
     flat = ids.reshape(-1)
-    valid = flat >= 0
+    valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, num_experts).to(_narrow_key_dtype(num_experts))
     sorted_keys, order = torch.sort(key, stable=True)
     offs = _expert_offsets(sorted_keys, num_experts)
@@ -290,11 +295,13 @@ def _triton_kernel():
 
     @triton.jit
     def slot_key_kernel(ids_ptr, key_ptr, n, E, BLOCK: tl.constexpr):
-        """``key = ids`` as a narrow int, slots not on this rank (id < 0) -> ``E`` (sort last)."""
+        """``key = ids`` as a narrow int, slots not on this rank (id outside ``[0, E)``) ->
+        ``E`` (sort last)."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         i = tl.load(ids_ptr + offs, mask=m, other=0)
-        tl.store(key_ptr + offs, tl.where(i >= 0, i, E).to(key_ptr.dtype.element_ty), mask=m)
+        key = tl.where((i >= 0) & (i < E), i, E)
+        tl.store(key_ptr + offs, key.to(key_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def gather_sorted_kernel(x_ptr, order_ptr, skey_ptr, xs_ptr, pos_ptr, H, E, stride_x,
@@ -312,14 +319,17 @@ def _triton_kernel():
                 tl.store(pos_ptr + s, i.to(tl.int32))
 
     @triton.jit
-    def wgs_kernel(o_ptr, pos_ptr, ids_ptr, w_ptr, y_ptr, H, K: tl.constexpr,
+    def wgs_kernel(o_ptr, pos_ptr, ids_ptr, w_ptr, y_ptr, H, E, K: tl.constexpr,
                    BLOCK_H: tl.constexpr):
+        """``y[t] = sum_j w[t, j] * o[pos[t, j]]`` over the local slots (id in ``[0, E)``);
+        the positions of the others are never read (undefined)."""
         t = tl.program_id(0).to(tl.int64)  # t * H overflows int32 past 2**31 elements
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         m = cols < H
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(K):
-            if tl.load(ids_ptr + t * K + j) >= 0:  # slots on another rank: rows never read
+            i = tl.load(ids_ptr + t * K + j)
+            if (i >= 0) & (i < E):  # slots on another rank: rows never read
                 w = tl.load(w_ptr + t * K + j)
                 p = tl.load(pos_ptr + t * K + j).to(tl.int64)
                 acc += w * tl.load(o_ptr + p * H + cols, mask=m, other=0.0).to(tl.float32)
@@ -376,21 +386,22 @@ def _grouped_triton(x, ids, weights, w13, w2) -> torch.Tensor:
     kern["silu_mul"][(nk, triton.cdiv(inter, block))](h, act, offs[-1:], nk, inter,
                                                         BLOCK=block)
     o = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
-    return _gather_sum(o, pos, ids, weights, x)
+    return gather_sum(o, pos, ids, weights, x, e)
 
 
-def _gather_sum(o: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                x: torch.Tensor) -> torch.Tensor:
+def gather_sum(o: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               x: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``y [N, H]`` (``x``'s shape and dtype, row-major whatever ``x``'s strides): ``y[n] =
-    sum_k weights[n, k] * o[pos[n*K + k]]`` over the local slots (``ids >= 0``), fp32
-    accumulation, by the Triton ``wgs`` kernel; it writes every row (zeros without a slot)."""
+    sum_k weights[n, k] * o[pos[n*K + k]]`` over the local slots (``0 <= ids < num_experts``;
+    the other slots' ``pos`` are never read), fp32 accumulation, by the Triton ``wgs`` kernel;
+    it writes every row (zeros without a slot)."""
     triton, kern = _triton_kernel()
     n, k = ids.shape
     hidden = x.shape[1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_h = min(1024, triton.next_power_of_2(hidden))
     kern["wgs"][(n, triton.cdiv(hidden, block_h))](o, pos, ids.contiguous(), weights.contiguous(),
-                                                   y, hidden, K=k, BLOCK_H=block_h)
+                                                   y, hidden, num_experts, K=k, BLOCK_H=block_h)
     return y
 
 
@@ -401,7 +412,7 @@ def _grouped_fused(x, ids, weights, w13, w2,
     if ids.shape[0] == 0:
         return torch.zeros_like(x)
     o, pos = fused_moe.expert_outputs(x, ids, w13, w2, config)
-    return _gather_sum(o, pos, ids, weights, x)
+    return gather_sum(o, pos, ids, weights, x, w13.shape[0])
 
 
 #: without a measurement (a call first seen inside a CUDA-graph capture): the fused path up to

@@ -103,12 +103,12 @@ def _kernels():
                          BLOCK_M: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr):
         e = tl.program_id(0)
         lanes = tl.arange(0, BLOCK)
-        # pass 1: every expert's count (slots elsewhere, id < 0, fall in bin E)
+        # pass 1: every expert's count (slots elsewhere, id outside [0, E), fall in bin E)
         counts = tl.zeros([BINS], tl.int32)
         for s0 in range(0, nk, BLOCK):
             offs = s0 + lanes
             k = tl.load(ids_ptr + offs, mask=offs < nk, other=-1)
-            k = tl.where(k >= 0, k, E).to(tl.int32)
+            k = tl.where((k >= 0) & (k < E), k, E).to(tl.int32)
             counts += tl.histogram(k, BINS)
         bins = tl.arange(0, BINS)
         padded = tl.where(bins < E, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
@@ -215,8 +215,9 @@ def _kernels():
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int):
-    """``(sorted_slots, pos, tile_expert)`` of the slots ``ids [N, K]`` (int, ``-1`` = not
-    here) over ``num_experts`` experts, each expert's rows padded to ``block_m``:
+    """``(sorted_slots, pos, tile_expert)`` of the slots ``ids [N, K]`` (int; an id outside
+    ``[0, num_experts)``, e.g. ``-1``, is not here) over ``num_experts`` experts, each expert's
+    rows padded to ``block_m``:
     ``sorted_slots [P]`` int32 (slot index ``n*K + k``; padding rows ``N*K``), ``pos [N*K]``
     int32 (the sorted row of each local slot; others undefined), ``tile_expert [P /
     block_m]`` int32 (``-1`` past the last tile), ``P`` the static bound ``N*K + E*(block_m -
@@ -243,7 +244,8 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: to
 
     Args:
         x: ``[N, H]`` rows (the token dim ``N``), bf16/fp16/fp32, unit stride in ``H``.
-        ids: ``[N, K]`` int local expert per slot in ``[-1, E)``; ``-1``: not on this rank.
+        ids: ``[N, K]`` int local expert per slot; an id outside ``[0, E)`` (``-1``: not on
+            this rank) is no slot here (:mod:`dbo_compile.ops.experts`' rule).
         w13: ``[E, 2I, H]``, w2: ``[E, H, I]`` (any strides), the dtype of ``x``; SwiGLU, no
             biases.
         config: tile shape (default :data:`DEFAULT_CONFIG`).
@@ -251,8 +253,8 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: to
     Returns:
         ``(o, pos)``: ``o [P, H]`` of ``x.dtype``, row ``pos[n*K + k]`` = ``f_{ids[n, k]}(x[n])``
         (fp32 accumulation) for the local slots, the other rows undefined; ``pos [N*K]`` int32
-        (undefined where ``ids < 0``). The caller weights and sums (the ``wgs`` kernel of
-        :mod:`dbo_compile.ops.experts`).
+        (undefined where the id is outside ``[0, E)``). The caller weights and sums
+        (:func:`dbo_compile.ops.experts.gather_sum`).
 
     Raises:
         ExpertsOpError: Triton is missing, the call is outside :func:`supports`, or the

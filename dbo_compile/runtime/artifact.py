@@ -13,6 +13,7 @@ Both compiled artifacts, :class:`~dbo_compile.runtime.program.DboCompiledModule`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -23,7 +24,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import DboConfigError
 from dbo_compile.metadata import AttentionMetadata, HostCounts
-from dbo_compile.ops.comm import process_group_names
+from dbo_compile.ops.comm import process_group_names, run_watched
 from dbo_compile.runtime.context import counting, current_step_context, note_call, note_outputs
 from dbo_compile.runtime.padding import WriteBack, pad_args, restore_outputs
 from dbo_compile.runtime.step_txn import run_in_transaction, ubatch_token_counts
@@ -262,13 +263,15 @@ class CompiledArtifact:
         """
         vote = decision.vote
         num_tokens = token_count(args, self.token_index)
+        # the first call of each program checks the comm backends' results (run_watched)
         if vote is None:  # no collective across ranks: nothing to pad or agree on
-            return self._finish(self.unsplit(*args), num_tokens, num_tokens)
+            return self._finish(run_watched(self.unsplit, *args), num_tokens, num_tokens)
         padded = vote.num_tokens_padded
         split = decision.should_split
-        unsplit = self.unsplit
+        unsplit = functools.partial(run_watched, self.unsplit)
         if decision.fallback:  # Dynamo's own graph: its inputs only
-            unsplit = lambda *a: self.guard_fallback(*a[:self.row_valid_index])  # noqa: E731
+            unsplit = lambda *a: run_watched(  # noqa: E731
+                self.guard_fallback, *a[:self.row_valid_index])
 
         def run() -> tuple[Any, ...]:
             if not split and padded == num_tokens:

@@ -79,6 +79,7 @@ import torch.utils._pytree as pytree
 
 from dbo_compile.errors import GraphRunnerError, UBatchExecutionError
 from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata, HostCounts
+from dbo_compile.ops.comm import run_watched
 from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision
 from dbo_compile.runtime.capture import capture, run_draining
 from dbo_compile.runtime.context import (
@@ -458,7 +459,7 @@ class CudaGraphRunner:
 
     def _capture_bucket(self, b: BucketGraphs, cuda: bool) -> None:
         art = b.artifact
-        self._graph(b, "unsplit", lambda: art.unsplit(*b.args), cuda)
+        self._graph(b, "unsplit", lambda: run_watched(art.unsplit, *b.args), cuda)
         # no step of this bucket can split (the vote's own thresholds): capture no split graph
         never = b.tokens < min_split_tokens(art.config)
         if art.is_split and not never:
