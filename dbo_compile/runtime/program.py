@@ -64,6 +64,7 @@ class UnsplitProgram(CompiledArtifact):
         compile_times: seconds per compile pass run before the graph was found unsplittable.
         output_specs: what each output is (``None``: not classified).
         unsplit_plan: the collectives ``fn`` issues, in order (``None``: not drainable).
+        state_inputs: the inputs ``fn`` writes in place (``CompiledArtifact.state_inputs``).
     """
 
     def __init__(self, fn: Callable[..., Any], reason: str, config: DboConfig | None = None,
@@ -71,10 +72,11 @@ class UnsplitProgram(CompiledArtifact):
                  fixed_num_tokens: bool = True, row_local: bool = False,
                  compile_times: dict[str, float] | None = None,
                  output_specs: Sequence[OutputSpec] | None = None,
-                 unsplit_plan: CommPlan = None):
+                 unsplit_plan: CommPlan = None, state_inputs: Sequence[int] = ()):
         super().__init__(unsplit=fn, config=config or DboConfig(), specs=specs, reason=reason,
                          row_local=row_local, compile_times=compile_times,
-                         output_specs=output_specs, unsplit_plan=unsplit_plan)
+                         output_specs=output_specs, unsplit_plan=unsplit_plan,
+                         state_inputs=state_inputs)
         self.has_comm = has_comm
         self.fixed_num_tokens = fixed_num_tokens
         self._warned = False
@@ -131,6 +133,7 @@ class DboCompiledModule(CompiledArtifact):
             whose value Dynamo does not guard): each call compares them (host reads of CPU
             tensors); a step where one changed runs ``guard_fallback`` (Dynamo's graph,
             unsplit), with a WARNING the first time.
+        state_inputs: the inputs the programs write in place (``CompiledArtifact.state_inputs``).
 
     Attributes:
         fingerprint: the primary schedule's
@@ -153,13 +156,14 @@ class DboCompiledModule(CompiledArtifact):
                  output_specs: Sequence[OutputSpec] | None = None,
                  split_plan: CommPlan = None, unsplit_plan: CommPlan = None,
                  float_guards: Sequence[tuple[int, float]] = (),
-                 guard_fallback: Callable[..., Any] | None = None):
+                 guard_fallback: Callable[..., Any] | None = None,
+                 state_inputs: Sequence[int] = ()):
         super().__init__(unsplit=unsplit, config=config, specs=specs, reason=None,
                          row_local=True, split_program=split_program,
                          candidates=candidates or {config.scheduler: split_program},
                          signature=signature, compile_times=compile_times,
                          output_specs=output_specs, split_plan=split_plan,
-                         unsplit_plan=unsplit_plan)
+                         unsplit_plan=unsplit_plan, state_inputs=state_inputs)
         self.fingerprint = split_program.schedule.fingerprint()
         #: the KV block sizes of the graph's paged-KV ops (``()``: none; ``None``: not static),
         #: which the prefix-read veto uses (set by the pipeline)
