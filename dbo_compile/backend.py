@@ -21,7 +21,7 @@ from dbo_compile import lowering
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.logs import drop_duplicate_handlers
-from dbo_compile.ops.registry import comm_group_name, comm_kind
+from dbo_compile.ops.registry import comm_fingerprint, comm_group_name, comm_kind
 from dbo_compile.passes import pipeline, token_dim
 from dbo_compile.runtime.artifact import CompiledArtifact, check_groups
 from dbo_compile.runtime.program import UnsplitProgram
@@ -100,6 +100,7 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     return UnsplitProgram(pipeline.compile_unsplit(gm, config), str(why), config, specs,
                           has_comm, fixed_num_tokens=not dynamic, row_local=why.row_local,
                           state_inputs=why.state_inputs,
+                          unsplit_collectives=comm_fingerprint(gm.graph) if has_comm else None,
                           compile_times=times,
                           output_specs=token_dim.output_specs(gm.graph, token),
                           unsplit_plan=pipeline.drain_plan(gm.graph, token))

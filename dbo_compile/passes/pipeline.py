@@ -71,6 +71,7 @@ from dbo_compile.ops.experts import experts_options_for, get_experts_backend
 from dbo_compile.ops.registry import (
     backend_spec,
     bound_backend,
+    comm_fingerprint,
     comm_kind,
     comm_nodes,
     comm_plan,
@@ -748,7 +749,9 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassRunner, 
                                  guard_fallback=compile_unsplit(gm, config)
                                  if state.float_guards else None,
                                  state_inputs=state_threads.state_inputs(lowered_gm.graph,
-                                                                         state.specs))
+                                                                         state.specs),
+                                 split_collectives=comm_fingerprint(primary_gm.graph, schedule),
+                                 unsplit_collectives=comm_fingerprint(lowered_gm.graph))
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
     compiled.program_alias = alias
@@ -816,7 +819,8 @@ def _to_cache(key: str, compiled: DboCompiledModule, programs: dict[str, SplitPr
         "output_specs": compiled.output_specs,
         "split_plan": cache.dump_plan(compiled.split_plan),
         "unsplit_plan": cache.dump_plan(compiled.unsplit_plan),
-        "float_guards": compiled.float_guards, "state_inputs": compiled.state_inputs})
+        "float_guards": compiled.float_guards, "state_inputs": compiled.state_inputs,
+        "collectives": (compiled.split_collectives, compiled.unsplit_collectives)})
 
 
 def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRunner,
@@ -878,7 +882,9 @@ def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRun
                                      float_guards=payload["float_guards"],
                                      guard_fallback=compile_unsplit(gm, config)
                                      if payload["float_guards"] else None,
-                                     state_inputs=payload["state_inputs"])
+                                     state_inputs=payload["state_inputs"],
+                                     split_collectives=payload["collectives"][0],
+                                     unsplit_collectives=payload["collectives"][1])
         compiled.program_alias = payload["alias"]
     except Exception as e:  # noqa: BLE001 - an entry that does not rebuild is ignored
         cache.ignore(config.cache_dir, key, e)

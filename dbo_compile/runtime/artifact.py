@@ -173,6 +173,10 @@ class CompiledArtifact:
             that is no served step (:func:`~.context.uncounted`) puts them back as they were
             (:func:`~.capture.state_kept`), and so does the CUDA-graph runner around its
             captures and timing replays.
+        unsplit_collectives: 16 hex digits over the collectives the unsplit program issues,
+            in order: ops, dtypes, static sizes, constants
+            (:func:`~dbo_compile.ops.registry.comm_fingerprint`); the DP vote compares it
+            across ranks (``None``: it issues none, or not known).
         stats / last_vote / last_slices: what the steps did (the last step's vote and ubatch
             slices).
     """
@@ -184,7 +188,7 @@ class CompiledArtifact:
                  compile_times: dict[str, float] | None = None,
                  output_specs: Sequence[OutputSpec] | None = None,
                  split_plan: CommPlan = None, unsplit_plan: CommPlan = None,
-                 state_inputs: Sequence[int] = ()):
+                 state_inputs: Sequence[int] = (), unsplit_collectives: str | None = None):
         self.unsplit = unsplit
         self.output_specs = None if output_specs is None else tuple(output_specs)
         self.split_plan = split_plan
@@ -201,6 +205,7 @@ class CompiledArtifact:
         self.signature = signature
         self.compile_times: dict[str, float] = dict(compile_times or {})
         self.state_inputs: tuple[int, ...] = tuple(state_inputs)
+        self.unsplit_collectives = unsplit_collectives
         self.stats = StepStats()
         self.last_vote: VoteResult | None = None
         self.last_slices: list[Any] = []
