@@ -198,14 +198,14 @@ def find_state_threads(graph: fx.Graph, specs: list[InputSpec]) -> list[StateThr
 
 def state_inputs(graph: fx.Graph, specs: list[InputSpec]) -> tuple[int, ...]:
     """Graph-input indices (sorted) of the shared inputs ``graph`` (the lowered graph) writes
-    in place where padding rows do not keep the write out: every write-back ``copy_`` of a
-    shared input (a thread's, and a token-free one: a step counter) and every argument an op's
-    schema declares written, except the cache of a paged-KV op (``kv_cache_arg``: it writes
-    through ``slot_mapping``, and a padding row's slot -1 writes nothing).
+    in place: every write-back ``copy_`` of a shared input (a thread's fold of the tokens, a
+    token-free write: a step counter) and every argument an op's schema declares written,
+    except the cache of a paged-KV op (``kv_cache_arg``: it writes through ``slot_mapping``,
+    so rows of slot -1 write nothing, and no copy of the largest tensors is needed).
 
-    What a run that is no served step (the CUDA-graph runner's warm-up, capture and timing
-    replays) must put back as it was: a padding row is kept out of a fold (step 4), but a
-    token-free write (``steps.add_(1)``) runs whatever the rows are.
+    What a run that is no served step (the CUDA-graph runner's synthetic warm-up steps,
+    captures and timing replays, whose rows are real rows to the folds) must put back as it
+    was.
     """
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     shared = {placeholders[s.index]: s.index for s in specs if s.kind == "shared"}

@@ -167,9 +167,9 @@ class CompiledArtifact:
         split_plan / unsplit_plan: the collectives the primary split program / the unsplit
             program issue, in order (:data:`~dbo_compile.schedule.CommPlan`), which a rank
             whose step failed issues with null payloads (:mod:`~.step_txn`).
-        state_inputs: graph-input indices of the buffers the programs write in place that
-            padding rows do not keep unchanged (an expert-load counter, a step counter; not a
-            paged KV cache: :func:`~dbo_compile.passes.state_threads.state_inputs`). A call
+        state_inputs: graph-input indices of the buffers the programs write in place (an
+            expert-load counter, a step counter; not a paged KV cache, which rows of slot -1
+            leave as it is: :func:`~dbo_compile.passes.state_threads.state_inputs`). A call
             that is no served step (:func:`~.context.uncounted`) puts them back as they were
             (:func:`~.capture.state_kept`), and so does the CUDA-graph runner around its
             captures and timing replays.
