@@ -21,7 +21,7 @@ from dbo_compile import lowering
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.logs import drop_duplicate_handlers
-from dbo_compile.ops.registry import comm_group_name, comm_kind
+from dbo_compile.ops.registry import comm_fingerprint, comm_group_name, comm_kind
 from dbo_compile.passes import pipeline, token_dim
 from dbo_compile.runtime.artifact import CompiledArtifact, check_groups
 from dbo_compile.runtime.program import UnsplitProgram
@@ -79,16 +79,16 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         if config.on_unsplittable == "raise":
             raise
         log.warning("dbo: compiling this graph unsplit: %s", e)
-        compiled = _unsplit_program(gm, example_inputs, config, str(e), e.row_local,
-                                    runner.times)
+        compiled = _unsplit_program(gm, example_inputs, config, e, runner.times)
     _ARTIFACTS.append(compiled)
     return compiled
 
 
 def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
-                     reason: str, row_local: bool, times: dict[str, float]) -> UnsplitProgram:
+                     why: UnsplittableGraphError, times: dict[str, float]) -> UnsplitProgram:
     """The way out for a graph we do not split; it still votes if it issues collectives.
-    ``row_local``: the token-dim analysis showed padding rows cannot change real rows."""
+    ``why``: the reason, and what the passes found before it (``row_local``: padding rows
+    cannot change real rows; ``state_inputs``: the inputs the graph writes in place)."""
     try:
         specs = lowering.classify_inputs(gm, example_inputs)
     except UnsplittableGraphError:
@@ -97,8 +97,10 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     # a graph Dynamo traced with symbolic sizes runs at any token count; a static one cannot
     dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
     token = _token_symbol(specs, gm)
-    return UnsplitProgram(pipeline.compile_unsplit(gm, config), reason, config, specs, has_comm,
-                          fixed_num_tokens=not dynamic, row_local=row_local,
+    return UnsplitProgram(pipeline.compile_unsplit(gm, config), str(why), config, specs,
+                          has_comm, fixed_num_tokens=not dynamic, row_local=why.row_local,
+                          state_inputs=why.state_inputs,
+                          unsplit_collectives=comm_fingerprint(gm.graph) if has_comm else None,
                           compile_times=times,
                           output_specs=token_dim.output_specs(gm.graph, token),
                           unsplit_plan=pipeline.drain_plan(gm.graph, token))

@@ -37,9 +37,13 @@ class UnsplittableGraphError(DboError):
         row_local: the token-dim analysis showed that padding rows cannot change the real
             rows' results (set by the raiser; the CUDA-graph runner may then pad the unsplit
             graph to a bucket).
+        state_inputs: graph-input indices of the shared inputs the graph writes in place
+            (:func:`~dbo_compile.passes.state_threads.state_inputs`; set by the raiser where
+            the graph was lowered), which runs that are no served step put back.
     """
 
     row_local: bool = False
+    state_inputs: tuple[int, ...] = ()
 
 
 class ScheduleError(DboError):

@@ -6,6 +6,7 @@ import torch
 
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+from dbo_compile.testing.faults import FaultyMoEModel
 
 DECODE_64 = dict(decode_context_lens=[100 + 7 * i for i in range(64)], prefills=[])
 # 24 decodes then a 40-token prefill: 64 tokens, split point 32 cuts the prefill in two
@@ -52,3 +53,25 @@ def capture_then_serve(runner, model, step, saved, reset=None):
     if reset is not None:
         reset()
     return runner(step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens)
+
+
+class CountingModel(FaultyMoEModel):
+    """An EPLB-style expert-load counter (every MoE layer adds its routing in place,
+    ``FaultyMoEModel(count_load=True)``) and a step counter (``steps.add_(1)`` per call): two
+    buffers the forward mutates in place, one from the tokens, one token-free."""
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, count_load=True, **kwargs)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64,
+                                                  device=self.embed_tokens.device),
+                             persistent=False)
+
+    def forward(self, input_ids, positions, attn_metadata):
+        self.steps.add_(1)
+        return super().forward(input_ids, positions, attn_metadata)
+
+
+def model_state(model: CountingModel) -> dict[str, torch.Tensor]:
+    """Copies of the model's counters and KV caches."""
+    return {"expert_load": model.expert_load.clone(), "steps": model.steps.clone(),
+            **{f"kv{i}": c.clone() for i, c in enumerate(model.kv_caches())}}

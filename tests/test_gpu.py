@@ -471,3 +471,49 @@ def test_capture_helper_single_gpu():
     g.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, x @ x + 1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("compute_backend", ["aten", "inductor"])
+def test_capture_leaves_the_models_state_as_it_was(compute_backend):
+    """On a GPU the captures' warm-up calls and every candidate graph's timing replays write
+    the model's real buffers (an expert-load counter, a step counter): ``capture()`` puts them
+    back, and one served step then counts as eager does (the CPU test:
+    ``tests/test_graph_runner.py``)."""
+    from dbo_compile.models.batch import fill_kv_cache, make_step
+    from dbo_compile.models.deepseek import get_config
+    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from moe_cases import CountingModel, model_state
+
+    cfg = get_config("tiny", num_layers=2)
+    model, ref = (CountingModel(cfg, seed=0, device="cuda") for _ in range(2))
+    step = make_step(cfg, decode_context_lens=[30, 41, 7, 19, 60], prefills=[(16, 9)],
+                     block_size=16, num_blocks=64, seed=3, device="cuda")
+    for m in (model, ref):
+        m.allocate_kv_cache(64, 16)
+        fill_kv_cache(m, step, seed=1)
+        m.expert_load.fill_(3.0)
+        m.steps.fill_(5)
+    before = model_state(model)
+    compiled = torch.compile(model, backend="dbo", options={
+        "split": "always", "compute_backend": compute_backend})
+    runner = CudaGraphRunner(compiled, [16, 48], max_blocks_per_req=8, block_size=16,
+                             timing_iters=3)
+    runner.capture()
+    torch.cuda.synchronize()
+    after = model_state(model)
+    changed = {k: (float(before[k].sum()), float(after[k].sum())) for k in before
+               if not torch.equal(before[k], after[k])}
+    assert not changed, changed
+    assert all(len(b.times_us) > 1 for b in runner.graphs.values())  # replays were timed
+    with torch.no_grad():
+        runner(step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens)
+        ref(step.input_ids, step.positions, step.attn_metadata)
+    torch.cuda.synchronize()
+    assert runner.last_choice == (16, "split"), runner.last_choice
+    served, want = model_state(model), model_state(ref)
+    assert torch.equal(served["steps"], want["steps"]), (served["steps"], want["steps"])
+    # every real token counted once per MoE layer and top-k slot, none of warm-up's (a
+    # near-tie in the router may move a count between experts on another GEMM shape)
+    assert float(served["expert_load"].sum()) == float(want["expert_load"].sum()), (
+        served["expert_load"], want["expert_load"])

@@ -18,7 +18,7 @@ from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
 from dbo_compile.runtime.graphs import CudaGraphRunner, GraphRunnerError
 from dbo_compile.testing import run_multirank
-from moe_cases import eager_then_restore
+from moe_cases import CountingModel, eager_then_restore, model_state
 
 NUM_BLOCKS = 320
 BUCKETS = [16, 48]
@@ -495,3 +495,42 @@ def test_warmup_time_is_reported_per_bucket_and_part(caplog):
     assert runner.graphs[48].warmup_s["record"] > runner.graphs[16].warmup_s["record"]
     total = runner.warmup_s()
     assert total["total"] == pytest.approx(sum(b.warmup_s["total"] for b in runner.graphs.values()))
+
+
+@pytest.mark.parametrize("split, dense", [
+    ("always", False), ("auto", False), ("never", False), ("auto", True)])
+def test_capture_leaves_the_models_state_as_it_was(split, dense):
+    """Warm-up (the synthetic steps, the layout probe), the captures, every candidate's runs
+    and the timing replays are no served step: they must leave every buffer the programs
+    mutate as it was. ``capture()`` added 11,008 expert-load counts and 86 steps here
+    (``"always"``; ``"never"``: 768 and 6), and after one served step the counters read that
+    much more than eager's. ``dense``: no MoE layer, no comm op, an unsplit program (its step
+    counter gained 6)."""
+    cfg = get_config("tiny", num_layers=2, first_k_dense_replace=2 if dense else 0)
+    model, ref = CountingModel(cfg, seed=0), CountingModel(cfg, seed=0)
+    step = make_step(cfg, decode_context_lens=[30, 41, 7, 19, 60], prefills=[(16, 9)],
+                     block_size=16, num_blocks=NUM_BLOCKS, seed=3)
+    for m in (model, ref):
+        m.allocate_kv_cache(NUM_BLOCKS, 16)
+        fill_kv_cache(m, step, seed=1)
+        m.expert_load.fill_(3.0)  # a state from earlier steps
+        m.steps.fill_(5)
+    before = model_state(model)
+    compiled = torch.compile(model, backend="dbo", options={"split": split})
+    runner = CudaGraphRunner(compiled, BUCKETS, max_blocks_per_req=8, block_size=16,
+                             timing_iters=2)
+    runner.capture()
+    timed = {t: sorted(b.times_us) for t, b in runner.graphs.items()}
+    after = model_state(model)
+    changed = {k: (float(before[k].sum()), float(after[k].sum())) for k in before
+               if not torch.equal(before[k], after[k])}
+    assert not changed, (changed, timed)
+    with torch.no_grad():
+        out = runner(step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+        eager = ref(step.input_ids, step.positions, step.attn_metadata)
+    assert runner.last_choice[0] == 16, runner.last_choice
+    served, want = model_state(model), model_state(ref)
+    for k in ("expert_load", "steps"):
+        assert torch.equal(served[k], want[k]), (k, served[k], want[k])
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)

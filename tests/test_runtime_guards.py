@@ -263,6 +263,87 @@ def test_unsplittable_graph_still_votes_and_pads_with_uneven_ranks():
     assert [d[0] for d in results[0]] == [3, 8, 6] and [d[0] for d in results[1]] == [8, 5, 6]
 
 
+#: per path, the compiled program of each rank's step: split (``split="always"``), the split
+#: artifact's unsplit program (``"never"``), an artifact compiled unsplit (``_MixesTokens``)
+_PATHS = {"split": "always", "unsplit": "never", "unsplittable": "always"}
+
+
+def _collectives_body(rank, world_size, path):
+    """Per scenario: this rank's model, one step per ``(tokens, allow_split)`` of it, then an
+    all-reduce that would hang or mismatch if a rank had entered a collective of the step
+    the other did not. Returns ``{scenario: [outcome per step]}``."""
+    import torch.distributed as dist
+
+    from dbo_compile.backend import register
+    from dbo_compile.errors import DboError
+    from dbo_compile.runtime.program import last_called
+
+    register()
+    unsplittable = path == "unsplittable"
+    scenarios = {  # name: (class, dtype, hidden size) of this rank's model, steps
+        "same": ((_MixesTokens if unsplittable else DeepseekMoEModel, torch.float32, 64),
+                 [(32 + rank, True), ((0, 33)[rank], True), (40, rank == 0)]),
+        "dtype": ((_MixesTokens if unsplittable else DeepseekMoEModel,
+                   (torch.float32, torch.bfloat16)[rank], 64), [(32 + rank, True)]),
+        "hidden": ((_MixesTokens if unsplittable else DeepseekMoEModel, torch.float32,
+                    (64, 96)[rank]), [(32 + rank, True)]),
+    }
+    if unsplittable:  # rank 0 compiled unsplit, rank 1 split: the same collectives
+        scenarios["mixed"] = (((_MixesTokens, DeepseekMoEModel)[rank], torch.float32, 64),
+                              [(32 + rank, True), (20, True)])
+    results = {}
+    for name, ((cls, dtype, hidden), steps) in scenarios.items():
+        torch._dynamo.reset()
+        cfg = get_config("tiny", num_layers=1, hidden_size=hidden)
+        model = cls(cfg, ep_group=dist.group.WORLD, dtype=dtype, seed=0)
+        model.allocate_kv_cache(NUM_BLOCKS, 16)
+        compiled = torch.compile(model, backend="dbo", options={
+            "split": _PATHS[path], "schedule_candidates": False})
+        done = []
+        for tokens, allow in steps:
+            step = make_step(cfg, decode_context_lens=[40] * (tokens // 2),
+                             prefills=[(0, tokens - tokens // 2)] if tokens else [],
+                             block_size=16, num_blocks=NUM_BLOCKS)
+            try:
+                with torch.no_grad():
+                    out = run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                                   step.num_scheduled_tokens, allow_split=allow)
+                art = last_called()
+                done.append(("ran", type(art).__name__, art.last_vote.should_split,
+                             tuple(out.shape)))
+            except DboError as e:
+                done.append((type(e).__name__, str(e)))
+        check = torch.tensor([rank + 1.0])
+        dist.all_reduce(check)  # every rank left the step at the same collective
+        results[name] = (done, float(check))
+    return results
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("path", sorted(_PATHS))
+def test_ranks_whose_models_differ_in_dtype_or_hidden_size_fail_the_vote(path):
+    """Two ranks whose models differ in dtype (fp32 / bf16) or hidden size (64 / 96) issue
+    the same order of collectives, which is all the vote compared: Gloo then aborted one
+    process in the first all-to-all (``EnforceNotMet``, SIGABRT) and the other got a
+    connection reset. Now every rank raises the same ``DpVoteError`` before the step's first
+    collective, on the split path, the unsplit one and a graph compiled unsplit; equal models
+    still run, also when a rank has 0 tokens or vetoes the split, and a rank compiled unsplit
+    runs with one compiled split (the same collectives)."""
+    results = run_multirank(_collectives_body, 2, args=(path,), timeout_s=600)
+    for name in ("dtype", "hidden"):
+        outcomes = [r[name][0] for r in results]
+        assert outcomes[0] == outcomes[1], (name, outcomes)  # the same error on every rank
+        (kind, msg), = outcomes[0]
+        assert kind == "DpVoteError" and "collectives" in msg and "same model" in msg, msg
+    for name in ("same", "mixed") if path == "unsplittable" else ("same",):
+        for rank, r in enumerate(results):
+            done = r[name][0]
+            assert all(d[0] == "ran" for d in done), (name, rank, done)
+            if path == "split" and name == "same":
+                assert [d[2] for d in done] == [True, False, False], done
+    assert all(check == 3.0 for r in results for _, check in r.values()), results
+
+
 def _shared_prefix_step(cfg):
     """Request 0 reads as cached prefix 2 whole blocks (32 of its 36 tokens) that request 1, a
     fresh 32-token prompt, writes this step: split, the read (ubatch 0) could run before the

@@ -25,6 +25,7 @@ Each ``dbo`` op module registers its record next to its ``torch.library.custom_o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import operator
@@ -36,8 +37,9 @@ import torch.fx as fx
 
 from dbo_compile.schedule import COMM, CommCall, CommPlan, NullArg, Schedule
 
-__all__ = ["BackendRegistry", "OpInfo", "backend_spec", "bound_backend", "comm_call",
-           "comm_group_name", "comm_kind", "comm_nodes", "comm_plan", "comm_wait",
+__all__ = ["BackendRegistry", "OpInfo", "backend_spec", "bound_backend", "collective_facts",
+           "comm_call", "comm_fingerprint", "comm_group_name", "comm_kind", "comm_nodes",
+           "comm_plan", "comm_wait",
            "import_optional", "is_c10d_wait", "is_getitem", "is_receive", "is_wait",
            "joinable_ops", "kv_block_sizes", "op_arg", "op_has_arg", "op_info",
            "parse_backend_spec", "register_op", "register_paged_kv_op", "register_row_local",
@@ -275,19 +277,73 @@ def comm_call(node: fx.Node, token_symbol: Any, ubatch: int | None, name: str
     return CommCall(node.target, tuple(args), ubatch, name, tuple(sorted(node.kwargs.items())))
 
 
+def _issue_order(graph: fx.Graph, schedule: Schedule | None
+                 ) -> list[tuple[fx.Node, int | None, str]]:
+    """``(node, ubatch, name)`` of each collective a program issues, in issue order: the comm
+    units of ``schedule`` in host order (a split program), else the comm nodes of ``graph`` in
+    graph order (an unsplit program)."""
+    if schedule is None:
+        return [(n, None, n.name) for n in comm_nodes(graph)]
+    by_name = {n.name: n for n in graph.nodes}
+    # the units that issue a collective (not a receive phase)
+    return [(by_name[u.nodes[0]], u.ubatch, u.name) for u in schedule.units
+            if u.kind == COMM and comm_kind(by_name[u.nodes[0]]) is not None]
+
+
 def comm_plan(graph: fx.Graph, token_symbol: Any, schedule: Schedule | None = None) -> CommPlan:
     """The collectives a program issues, in order, as null calls
     (:data:`~dbo_compile.schedule.CommPlan`): the comm units of ``schedule`` in host order
     (a split program), else the comm nodes of ``graph`` in graph order (an unsplit program).
     ``None`` when one has no null call (:func:`comm_call`)."""
-    by_name = {n.name: n for n in graph.nodes}
-    if schedule is not None:  # the units that issue a collective (not a receive phase)
-        entries = [(by_name[u.nodes[0]], u.ubatch, u.name) for u in schedule.units
-                   if u.kind == COMM and comm_kind(by_name[u.nodes[0]]) is not None]
-    else:
-        entries = [(n, None, n.name) for n in comm_nodes(graph)]
-    calls = [comm_call(node, token_symbol, ubatch, name) for node, ubatch, name in entries]
+    calls = [comm_call(node, token_symbol, ubatch, name)
+             for node, ubatch, name in _issue_order(graph, schedule)]
     return None if any(c is None for c in calls) else tuple(calls)
+
+
+def collective_facts(node: fx.Node) -> tuple:
+    """What every rank's call of the comm node ``node`` must agree on, rank-independently:
+    the op, and per schema argument its constant (expert count, group name, bound backend),
+    or for a tensor its dtype, rank and static sizes. Dim 0 (the rows a collective moves:
+    tokens, or the rows they route to; the traced count in a static graph) and symbolic sizes
+    are left out, so a static and a dynamic graph of one model, or ranks with other token
+    counts, agree; a list (split sizes) counts by its length. A Dynamo graph and its lowered
+    graph give the same facts (arguments in schema order, defaults filled in)."""
+    info = op_info(node.target)
+    target = node.target.default if isinstance(node.target, torch._ops.OpOverloadPacket) \
+        else node.target
+    schema = getattr(target, "_schema", None)
+    facts: list[Any] = [str(info.op if info is not None else target)]
+    if schema is None:
+        return (*facts, *(_arg_fact(a) for a in node.args))
+    missing = object()
+    for a in schema.arguments:
+        value = op_arg(node, a.name, missing)
+        if value is missing:
+            value = a.default_value if a.has_default_value() else None
+        facts.append((a.name, _arg_fact(value)))
+    return tuple(facts)
+
+
+def _arg_fact(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return ("list", len(value))
+    if not isinstance(value, fx.Node):
+        return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+    val = value.meta.get("val", value.meta.get("example_value"))
+    if not isinstance(val, torch.Tensor):
+        return type(val).__name__
+    sizes = tuple(d if isinstance(d, int) else "s" for d in val.shape[1:])
+    return (str(val.dtype), val.dim(), sizes)
+
+
+def comm_fingerprint(graph: fx.Graph, schedule: Schedule | None = None) -> str:
+    """16 hex digits of SHA-256 over the collectives a program issues, in issue order
+    (:func:`comm_plan`'s): per collective its ubatch and :func:`collective_facts` (op,
+    dtypes, static sizes, constants). Ranks whose models differ in dtype or hidden size
+    issue the same order of collectives over payloads that do not match, which the DP vote
+    must refuse before the first of them (``runtime/vote.py``)."""
+    what = [(ubatch, collective_facts(node)) for node, ubatch, _ in _issue_order(graph, schedule)]
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 
 def _linear_dim(d: Any, t: Any) -> tuple[int, int] | None:

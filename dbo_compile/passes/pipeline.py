@@ -71,6 +71,7 @@ from dbo_compile.ops.experts import experts_options_for, get_experts_backend
 from dbo_compile.ops.registry import (
     backend_spec,
     bound_backend,
+    comm_fingerprint,
     comm_kind,
     comm_nodes,
     comm_plan,
@@ -549,6 +550,7 @@ def _find_comm(gm: fx.GraphModule, st: CompileState) -> None:
             "_c10d_functional.all_to_all_single): nothing to overlap"
         )
         e.row_local = True  # the token-dim pass passed: padding rows cannot change real rows
+        e.state_inputs = state_threads.state_inputs(gm.graph, st.specs)
         raise e
 
 
@@ -640,7 +642,8 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     except UnsplittableGraphError as e:
         if key is not None:
             runner.time("cache_store", cache.write_entry, config.cache_dir, key,
-                        {"kind": "unsplittable", "reason": str(e), "row_local": e.row_local})
+                        {"kind": "unsplittable", "reason": str(e), "row_local": e.row_local,
+                         "state_inputs": e.state_inputs})
         raise
     if key is not None:
         runner.time("cache_store", _to_cache, key, compiled, programs)
@@ -744,7 +747,11 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassRunner, 
                                  unsplit_plan=drain_plan(lowered_gm.graph, state.token_symbol),
                                  float_guards=state.float_guards,
                                  guard_fallback=compile_unsplit(gm, config)
-                                 if state.float_guards else None)
+                                 if state.float_guards else None,
+                                 state_inputs=state_threads.state_inputs(lowered_gm.graph,
+                                                                         state.specs),
+                                 split_collectives=comm_fingerprint(primary_gm.graph, schedule),
+                                 unsplit_collectives=comm_fingerprint(lowered_gm.graph))
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
     compiled.program_alias = alias
@@ -812,7 +819,8 @@ def _to_cache(key: str, compiled: DboCompiledModule, programs: dict[str, SplitPr
         "output_specs": compiled.output_specs,
         "split_plan": cache.dump_plan(compiled.split_plan),
         "unsplit_plan": cache.dump_plan(compiled.unsplit_plan),
-        "float_guards": compiled.float_guards})
+        "float_guards": compiled.float_guards, "state_inputs": compiled.state_inputs,
+        "collectives": (compiled.split_collectives, compiled.unsplit_collectives)})
 
 
 def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRunner,
@@ -831,6 +839,7 @@ def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRun
     if payload.get("kind") == "unsplittable":
         e = UnsplittableGraphError(f"{payload['reason']} (compile cache)")
         e.row_local = bool(payload.get("row_local"))
+        e.state_inputs = tuple(payload.get("state_inputs", ()))
         raise e
     try:
         if tuple(payload["float_guards"]) != tuple(folds):
@@ -872,7 +881,10 @@ def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRun
                                      unsplit_plan=cache.load_plan(payload["unsplit_plan"]),
                                      float_guards=payload["float_guards"],
                                      guard_fallback=compile_unsplit(gm, config)
-                                     if payload["float_guards"] else None)
+                                     if payload["float_guards"] else None,
+                                     state_inputs=payload["state_inputs"],
+                                     split_collectives=payload["collectives"][0],
+                                     unsplit_collectives=payload["collectives"][1])
         compiled.program_alias = payload["alias"]
     except Exception as e:  # noqa: BLE001 - an entry that does not rebuild is ignored
         cache.ignore(config.cache_dir, key, e)

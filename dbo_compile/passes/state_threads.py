@@ -57,6 +57,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from dbo_compile.errors import UnsplittableGraphError
+from dbo_compile.ops.registry import op_arg, op_info
 from dbo_compile.passes.meta import dbo_meta
 from dbo_compile.passes.token_dim import is_token_indexed, per_ubatch_nodes
 from dbo_compile.signature import ROW_VALID_INPUT, InputSpec
@@ -64,7 +65,7 @@ from dbo_compile.signature import ROW_VALID_INPUT, InputSpec
 log = logging.getLogger(__name__)
 
 __all__ = ["FOLDS", "ROW_VALID", "Segment", "StateThread", "find_state_threads",
-           "mask_padding_rows"]
+           "mask_padding_rows", "state_inputs"]
 
 aten = torch.ops.aten
 
@@ -193,6 +194,36 @@ def find_state_threads(graph: fx.Graph, specs: list[InputSpec]) -> list[StateThr
         if n not in covered:
             raise UnsplittableGraphError(_uncovered_reason(n, agg))
     return threads
+
+
+def state_inputs(graph: fx.Graph, specs: list[InputSpec]) -> tuple[int, ...]:
+    """Graph-input indices (sorted) of the shared inputs ``graph`` (the lowered graph) writes
+    in place: every write-back ``copy_`` of a shared input (a thread's fold of the tokens, a
+    token-free write: a step counter) and every argument an op's schema declares written,
+    except the cache of a paged-KV op (``kv_cache_arg``: it writes through ``slot_mapping``,
+    so rows of slot -1 write nothing, and no copy of the largest tensors is needed).
+
+    What a run that is no served step (the CUDA-graph runner's synthetic warm-up steps,
+    captures and timing replays, whose rows are real rows to the folds) must put back as it
+    was.
+    """
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    shared = {placeholders[s.index]: s.index for s in specs if s.kind == "shared"}
+    out: set[int] = set()
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None:
+            continue
+        info = op_info(n.target)
+        kv = info.kv_cache_arg[1] if info is not None and info.kv_cache_arg else None
+        for a in schema.arguments:
+            if a.alias_info is None or not a.alias_info.is_write or a.name == kv:
+                continue
+            value = op_arg(n, a.name)
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, fx.Node) and v in shared:
+                    out.add(shared[v])
+    return tuple(sorted(out))
 
 
 def _walk(p: fx.Node, v: fx.Node, agg: set[fx.Node]) -> StateThread:

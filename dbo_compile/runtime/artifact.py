@@ -25,6 +25,7 @@ from dbo_compile.config import DboConfig
 from dbo_compile.errors import DboConfigError
 from dbo_compile.metadata import AttentionMetadata, HostCounts
 from dbo_compile.ops.comm import process_group_names, run_watched
+from dbo_compile.runtime.capture import state_kept
 from dbo_compile.runtime.context import counting, current_step_context, note_call, note_outputs
 from dbo_compile.runtime.padding import WriteBack, pad_args, restore_outputs
 from dbo_compile.runtime.step_txn import run_in_transaction, ubatch_token_counts
@@ -167,6 +168,16 @@ class CompiledArtifact:
         split_plan / unsplit_plan: the collectives the primary split program / the unsplit
             program issue, in order (:data:`~dbo_compile.schedule.CommPlan`), which a rank
             whose step failed issues with null payloads (:mod:`~.step_txn`).
+        state_inputs: graph-input indices of the buffers the programs write in place (an
+            expert-load counter, a step counter; not a paged KV cache, which rows of slot -1
+            leave as it is: :func:`~dbo_compile.passes.state_threads.state_inputs`). A call
+            that is no served step (:func:`~.context.uncounted`) puts them back as they were
+            (:func:`~.capture.state_kept`), and so does the CUDA-graph runner around its
+            captures and timing replays.
+        unsplit_collectives: 16 hex digits over the collectives the unsplit program issues,
+            in order: ops, dtypes, static sizes, constants
+            (:func:`~dbo_compile.ops.registry.comm_fingerprint`); the DP vote compares it
+            across ranks (``None``: it issues none, or not known).
         stats / last_vote / last_slices: what the steps did (the last step's vote and ubatch
             slices).
     """
@@ -177,7 +188,8 @@ class CompiledArtifact:
                  signature: SplitSignature | None = None,
                  compile_times: dict[str, float] | None = None,
                  output_specs: Sequence[OutputSpec] | None = None,
-                 split_plan: CommPlan = None, unsplit_plan: CommPlan = None):
+                 split_plan: CommPlan = None, unsplit_plan: CommPlan = None,
+                 state_inputs: Sequence[int] = (), unsplit_collectives: str | None = None):
         self.unsplit = unsplit
         self.output_specs = None if output_specs is None else tuple(output_specs)
         self.split_plan = split_plan
@@ -193,6 +205,8 @@ class CompiledArtifact:
         self.candidates: dict[str, Any] = dict(candidates or {})
         self.signature = signature
         self.compile_times: dict[str, float] = dict(compile_times or {})
+        self.state_inputs: tuple[int, ...] = tuple(state_inputs)
+        self.unsplit_collectives = unsplit_collectives
         self.stats = StepStats()
         self.last_vote: VoteResult | None = None
         self.last_slices: list[Any] = []
@@ -259,8 +273,16 @@ class CompiledArtifact:
 
         With a vote over several ranks the run is a step transaction
         (:mod:`~dbo_compile.runtime.step_txn`): a failure on any rank raises the same
-        ``UBatchExecutionError`` on every rank, never a hang.
+        ``UBatchExecutionError`` on every rank, never a hang. A call that is no served step
+        (inside :func:`~dbo_compile.runtime.context.uncounted`: the CUDA-graph runner's
+        synthetic warm-up steps) leaves the buffers of ``state_inputs`` as they were.
         """
+        if self.state_inputs and not counting():
+            with state_kept([args[i] for i in self.state_inputs]):
+                return self._run(args, decision)
+        return self._run(args, decision)
+
+    def _run(self, args: Sequence[Any], decision: StepDecision) -> Any:
         vote = decision.vote
         num_tokens = token_count(args, self.token_index)
         # the first call of each program checks the comm backends' results (run_watched)

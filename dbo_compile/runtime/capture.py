@@ -6,18 +6,39 @@ patch artifacts (split serial, static split steps) are in :mod:`dbo_compile.test
 The generated wrapper never synchronises with the host, so it captures whole; the per-step
 guard (:meth:`~dbo_compile.runtime.artifact.CompiledArtifact.decide_step`: metadata checks and
 the DP vote) runs on the host *outside* the graph, before each replay.
+
+Runs that are no served step (warm-up, capture, timing replays) leave the model's state as it
+was: the KV cache by their padding rows (slot -1 writes nothing), every other buffer the
+programs write in place (``CompiledArtifact.state_inputs``) by :func:`state_kept`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from dbo_compile.ops.comm import abort_pending_receives
 
-__all__ = ["capture", "run_draining"]
+__all__ = ["capture", "run_draining", "state_kept"]
+
+
+@contextlib.contextmanager
+def state_kept(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Put ``tensors`` back as they were at the end of the block (also when it raises): the
+    buffers the programs write in place (an expert-load counter, a step counter), which runs
+    that are no served step must not change. A copy of each is taken on entry and copied back
+    on exit, both on the current stream (stream-ordered after what the block ran there: no
+    host sync); extra memory: one copy of each tensor while the block runs."""
+    unique = list({id(t): t for t in tensors}.values())
+    saved = [t.clone() for t in unique]
+    try:
+        yield
+    finally:
+        for t, s in zip(unique, saved):
+            t.copy_(s)
 
 
 def run_draining(fn: Callable[[], Any]) -> Any:

@@ -139,8 +139,9 @@ def record_calls() -> Iterator[list[tuple[Any, tuple[Any, ...]]]]:
 
 @contextlib.contextmanager
 def uncounted() -> Iterator[None]:
-    """Within the block, calls in this thread do not count in the artifacts' ``stats``
-    (the CUDA-graph runner's synthetic warm-up steps are not served steps)."""
+    """Within the block, calls in this thread are no served steps (the CUDA-graph runner's
+    synthetic warm-up steps): they do not count in the artifacts' ``stats``, and leave the
+    buffers the programs write in place as they were (``CompiledArtifact.state_inputs``)."""
     old, _THREAD.counting = _THREAD.counting, False
     try:
         yield

@@ -25,6 +25,12 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
    captures no split graph). Only graphs whose time can change the choice are timed: none in
    a bucket with one candidate, not the unsplit graph with ``"always"``.
 
+Warm-up is no served step: it leaves the model's state as it was. Its synthetic steps write no
+KV (slot ``-1``); every other buffer the programs write in place (an expert-load counter, a
+step counter: the artifact's ``state_inputs``, found in the graph) is copied before and put
+back after the synthetic steps through the compiled model, the captures, every candidate's
+warm-up calls and the timing replays (on the device, no host sync).
+
 Capture refuses what a replay could not serve correctly (``GraphRunnerError``): a step that runs
 several compiled graphs (graph breaks); a graph specialised to the warm-up layout (a
 prefill-shaped synthetic step is run per bucket too, and must reach the same compiled graph — it
@@ -81,7 +87,7 @@ from dbo_compile.errors import GraphRunnerError, UBatchExecutionError
 from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata, HostCounts
 from dbo_compile.ops.comm import run_watched
 from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision
-from dbo_compile.runtime.capture import capture, run_draining
+from dbo_compile.runtime.capture import capture, run_draining, state_kept
 from dbo_compile.runtime.context import (
     last_outputs,
     record_calls,
@@ -397,8 +403,13 @@ class CudaGraphRunner:
             self._check_artifact(art, tokens)
             bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map)
             bucket.warmup_s.update(record=t1 - t0, probe=time.perf_counter() - t1)
-            with torch.no_grad():
+            # the captures, every candidate's warm-up calls and the timing replays (on a GPU
+            # too: a replay writes the real buffers) are no served step: the buffers the
+            # programs write in place end as they were (the synthetic steps through the
+            # compiled model see to theirs: ``uncounted``; the KV cache: slot -1 rows)
+            with torch.no_grad(), state_kept([args[i] for i in art.state_inputs]):
                 self._capture_bucket(bucket, cuda)
+            with torch.no_grad():
                 self._decide_bucket(bucket)
             bucket.warmup_s["total"] = time.perf_counter() - t0
             self.graphs[tokens] = bucket

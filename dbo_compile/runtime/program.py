@@ -64,6 +64,9 @@ class UnsplitProgram(CompiledArtifact):
         compile_times: seconds per compile pass run before the graph was found unsplittable.
         output_specs: what each output is (``None``: not classified).
         unsplit_plan: the collectives ``fn`` issues, in order (``None``: not drainable).
+        state_inputs: the inputs ``fn`` writes in place (``CompiledArtifact.state_inputs``).
+        unsplit_collectives: the fingerprint of the collectives ``fn`` issues (their order,
+            dtypes, static sizes: ``CompiledArtifact.unsplit_collectives``), which it votes.
     """
 
     def __init__(self, fn: Callable[..., Any], reason: str, config: DboConfig | None = None,
@@ -71,10 +74,12 @@ class UnsplitProgram(CompiledArtifact):
                  fixed_num_tokens: bool = True, row_local: bool = False,
                  compile_times: dict[str, float] | None = None,
                  output_specs: Sequence[OutputSpec] | None = None,
-                 unsplit_plan: CommPlan = None):
+                 unsplit_plan: CommPlan = None, state_inputs: Sequence[int] = (),
+                 unsplit_collectives: str | None = None):
         super().__init__(unsplit=fn, config=config or DboConfig(), specs=specs, reason=reason,
                          row_local=row_local, compile_times=compile_times,
-                         output_specs=output_specs, unsplit_plan=unsplit_plan)
+                         output_specs=output_specs, unsplit_plan=unsplit_plan,
+                         state_inputs=state_inputs, unsplit_collectives=unsplit_collectives)
         self.has_comm = has_comm
         self.fixed_num_tokens = fixed_num_tokens
         self._warned = False
@@ -95,7 +100,8 @@ class UnsplitProgram(CompiledArtifact):
         vote = coordinate_across_dp(n, uniform_decode=False, allow_split=False,
                                     config=self.config, group=group, fingerprint=None,
                                     num_tokens_padded=max(n, min_padded),
-                                    fixed_num_tokens=self.fixed_num_tokens and not pads_itself)
+                                    fixed_num_tokens=self.fixed_num_tokens and not pads_itself,
+                                    collectives=self.unsplit_collectives)
         return StepDecision(vote, "unsplittable", [1] * n)
 
 
@@ -131,11 +137,17 @@ class DboCompiledModule(CompiledArtifact):
             whose value Dynamo does not guard): each call compares them (host reads of CPU
             tensors); a step where one changed runs ``guard_fallback`` (Dynamo's graph,
             unsplit), with a WARNING the first time.
+        state_inputs: the inputs the programs write in place (``CompiledArtifact.state_inputs``).
+        split_collectives / unsplit_collectives: the fingerprints of the collectives
+            ``split_program`` / ``unsplit`` issue, in issue order: ops, dtypes, static sizes,
+            constants (:func:`~dbo_compile.ops.registry.comm_fingerprint`).
 
     Attributes:
         fingerprint: the primary schedule's
-            :meth:`~dbo_compile.schedule.Schedule.fingerprint` (its order of collectives),
-            which the DP vote compares across ranks.
+            :meth:`~dbo_compile.schedule.Schedule.fingerprint` (its order of collectives)
+            and ``split_collectives`` (their dtypes and static sizes), which the DP vote
+            compares across the ranks with a split program; every rank's vote also carries
+            ``unsplit_collectives``.
 
     Raises (per call):
         DpVoteError: the DP ranks compiled different schedules or configs, or one rank's
@@ -153,14 +165,18 @@ class DboCompiledModule(CompiledArtifact):
                  output_specs: Sequence[OutputSpec] | None = None,
                  split_plan: CommPlan = None, unsplit_plan: CommPlan = None,
                  float_guards: Sequence[tuple[int, float]] = (),
-                 guard_fallback: Callable[..., Any] | None = None):
+                 guard_fallback: Callable[..., Any] | None = None,
+                 state_inputs: Sequence[int] = (), split_collectives: str | None = None,
+                 unsplit_collectives: str | None = None):
         super().__init__(unsplit=unsplit, config=config, specs=specs, reason=None,
                          row_local=True, split_program=split_program,
                          candidates=candidates or {config.scheduler: split_program},
                          signature=signature, compile_times=compile_times,
                          output_specs=output_specs, split_plan=split_plan,
-                         unsplit_plan=unsplit_plan)
-        self.fingerprint = split_program.schedule.fingerprint()
+                         unsplit_plan=unsplit_plan, state_inputs=state_inputs,
+                         unsplit_collectives=unsplit_collectives)
+        self.split_collectives = split_collectives
+        self.fingerprint = f"{split_program.schedule.fingerprint()}/{split_collectives}"
         #: the KV block sizes of the graph's paged-KV ops (``()``: none; ``None``: not static),
         #: which the prefix-read veto uses (set by the pipeline)
         self.kv_block_sizes = kv_block_sizes
@@ -275,7 +291,8 @@ class DboCompiledModule(CompiledArtifact):
         vote = coordinate_across_dp(
             real, uniform_decode=uniform_decode, allow_split=veto is None, config=self.config,
             group=dp_group(self.config), fingerprint=self.fingerprint,
-            num_tokens_padded=max(num_tokens, real, min_padded), local_error=local_error)
+            num_tokens_padded=max(num_tokens, real, min_padded), local_error=local_error,
+            collectives=self.unsplit_collectives)
         reason = "split" if vote.should_split else (veto or vote.reason or "not split")
         return StepDecision(vote, reason, qlens, counts if metadata is not None else None,
                             fallback=fallback)

@@ -19,10 +19,14 @@ Rules from vLLM DBO (``--enable-dbo``, see ``docs/references.md`` §"vLLM DBO"):
 - **Padding.** Every rank pads to the group max of the per-rank padded counts;
   when splitting it is rounded up to a multiple of ``num_ubatches``. The padded count is voted
   even when not splitting (MoE collectives need equal token counts on all ranks).
-- **Consistency.** The table also carries a hash of each rank's :class:`DboConfig` and an
-  optional caller fingerprint (e.g. of the compiled schedule). Ranks that differ, or a rank
-  whose local inputs are invalid, make **every** rank raise :class:`DpVoteError` after the one
-  collective — no rank raises before it, so none is left hanging in it.
+- **Consistency.** The table also carries a hash of each rank's :class:`DboConfig`, a hash of
+  the collectives its unsplit program issues (order, ops, dtypes, static sizes: what every
+  rank runs when the step does not split) and an optional caller fingerprint (the split
+  program's schedule and collectives, compared among the ranks that have one). Ranks that
+  differ (models of another dtype or hidden size, whose collectives would not match: a process
+  aborted or a hang), or a rank whose local inputs are invalid, make **every** rank raise
+  :class:`DpVoteError` after the one collective — no rank raises before it, so none is left
+  hanging in it, and none enters a collective of the step.
 
 ``group=None`` (or a group of one rank) runs no collective: the same rules on one column.
 """
@@ -56,7 +60,8 @@ _CONFIG = 5  # int64 hash of DboConfig.fingerprint()
 _FINGERPRINT = 6  # int64 hash of the caller's fingerprint (0 if None)
 _INVALID = 7  # 1 if the rank's local inputs are invalid (raises on every rank)
 _FIXED = 8  # 1 if the rank's program runs only at its own token count (cannot pad)
-_NUM_ROWS = 9
+_COLLECTIVES = 9  # int64 hash of the unsplit program's collectives (0 if None)
+_NUM_ROWS = 10
 
 
 @dataclass(frozen=True)
@@ -126,8 +131,8 @@ def decide_from_table(table: torch.Tensor, config: DboConfig) -> VoteResult:
         config: the (identical on every rank) configuration.
 
     Raises:
-        DpVoteError: a rank reported invalid inputs, or the ranks' config hashes or
-            fingerprints differ (the message names the ranks).
+        DpVoteError: a rank reported invalid inputs, or the ranks' config hashes,
+            collectives or fingerprints differ (the message names the ranks).
     """
     rows = [[int(x) for x in row] for row in table.cpu().tolist()]
     world = len(rows[_REAL])
@@ -143,15 +148,20 @@ def decide_from_table(table: torch.Tensor, config: DboConfig) -> VoteResult:
     no_program = _ranks([v == 0 for v in rows[_FINGERPRINT]])
     if len(no_program) == world:
         no_program = []
+    same_model = ("load the same model (dtype, hidden size, layers, experts) and pass the same "
+                  "options to torch.compile on every rank")
     for row, what, fix in (
         (_CONFIG, "DboConfig fingerprints", "pass the same options to torch.compile on every rank"),
-        (_FINGERPRINT, "fingerprints", "every rank must run the same compiled schedule/bucket"),
+        (_COLLECTIVES, "collectives (order, dtypes, static sizes) of the unsplit programs",
+         same_model),
+        (_FINGERPRINT, "fingerprints (schedule, and the dtypes and static sizes of its "
+         "collectives) of the split programs", same_model),
     ):
-        values = [v for r, v in enumerate(rows[row]) if not (row == _FINGERPRINT and r in no_program)]
-        if row == _FINGERPRINT:
-            values_ranks = [r for r in range(world) if r not in no_program]
-        else:
-            values_ranks = list(range(world))
+        # 0: not reported (no unsplit collectives given); no split program (above)
+        values_ranks = [r for r in range(world)
+                        if not (row == _FINGERPRINT and r in no_program)
+                        and not (row == _COLLECTIVES and rows[row][r] == 0)]
+        values = [rows[row][r] for r in values_ranks]
         if len(set(values)) > 1:
             groups: dict[int, list[int]] = {}
             for r, v in zip(values_ranks, values):
@@ -159,8 +169,9 @@ def decide_from_table(table: torch.Tensor, config: DboConfig) -> VoteResult:
             ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
             desc = "; ".join(f"ranks {rs} have {v:#x}" for v, rs in ordered)
             raise DpVoteError(
-                f"DP vote: the {what} of the {world} DP ranks differ ({desc}); splitting with "
-                f"different schedules would deadlock or corrupt data. {fix}."
+                f"DP vote: the {what} of the {world} DP ranks differ ({desc}); the step's "
+                f"collectives would not match (a deadlock, an aborted process or corrupt "
+                f"data), so no rank enters them. {fix[0].upper()}{fix[1:]}."
             )
     real, padded = rows[_REAL], rows[_PADDED]
     allow = [v != 0 for v in rows[_ALLOW]]
@@ -233,6 +244,7 @@ def coordinate_across_dp(
     num_tokens_padded: int | None = None,
     local_error: str | None = None,
     fixed_num_tokens: bool = False,
+    collectives: int | str | bytes | None = None,
 ) -> VoteResult:
     """Agree with the other DP ranks on whether this step splits and on its padded token count.
 
@@ -258,13 +270,17 @@ def coordinate_across_dp(
             raising before the vote would leave the other ranks hanging in it.
         fixed_num_tokens: this rank's program cannot run at another token count (a static
             graph): if the group pads beyond it, every rank raises ``DpVoteError``.
+        collectives: the collectives this rank issues when the step does not split (their
+            order, dtypes and static sizes: ``CompiledArtifact.unsplit_collectives``), hashed
+            with :func:`fingerprint_to_int64`; compared among the ranks that give one (a rank
+            that runs no collective gives ``None``).
 
     Returns:
         The :class:`VoteResult`, identical on every rank.
 
     Raises:
-        DpVoteError: on every rank, when a rank's inputs are invalid or the ranks' config or
-            fingerprints differ (message names the ranks).
+        DpVoteError: on every rank, when a rank's inputs are invalid or the ranks' config,
+            collectives or fingerprints differ (message names the ranks).
     """
     padded = num_tokens if num_tokens_padded is None else int(num_tokens_padded)
     num_tokens = int(num_tokens)
@@ -292,6 +308,7 @@ def coordinate_across_dp(
             fingerprint_to_int64(fingerprint),
             int(invalid),
             int(bool(fixed_num_tokens)),
+            fingerprint_to_int64(collectives),
         ],
         dtype=torch.int64,
     )

@@ -99,7 +99,8 @@ class FaultyMoEModel(DeepseekMoEModel):
 
     def __init__(self, *args, count_load: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        load = torch.zeros(self.config.num_experts) if count_load else None
+        load = torch.zeros(self.config.num_experts, device=self.embed_tokens.device) \
+            if count_load else None
         self.expert_load = load
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
