@@ -25,8 +25,9 @@ by the bucket of 2, padded.
 
 Checked at **every** step: the step ran the graph and bucket it must (the smallest bucket
 that holds it; split unless vetoed or below 2 tokens; eagerly when it fits no bucket), the
-output is finite, the expert-load counter (zeroed before the step) holds exactly ``tokens * top_k * MoE layers`` counts (no padding row counted, none
-lost), and the KV cache changed at the step's written slots only (bitwise elsewhere:
+output is finite, the expert-load counter (zeroed before the step) holds exactly
+``tokens * top_k * MoE layers`` counts (no padding row counted, none lost), and the KV cache
+changed at the step's written slots only (bitwise elsewhere:
 :func:`~dbo_compile.testing.soak.check_kv_writes` against a copy taken before the step).
 Every ``check_every``-th step also runs the reference on that copy: the output, the
 counter per expert and the written KV slots must match it. Two computations of the same
