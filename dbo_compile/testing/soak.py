@@ -200,9 +200,9 @@ def soak_veto(metadata: Any, num_scheduled_tokens: Any) -> str:
 def pristine_caches(model: Any, seed: int) -> list[torch.Tensor]:
     """Seeded ``N(0, 1)`` contents for each of ``model``'s KV caches (new tensors of their
     shapes, dtype and device)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(c.shape, generator=gen).to(c.device, c.dtype)
-            for c in model.kv_caches()]
+    caches = model.kv_caches()
+    gen = torch.Generator(device=caches[0].device).manual_seed(seed)  # drawn where they live
+    return [torch.randn(c.shape, generator=gen, device=c.device).to(c.dtype) for c in caches]
 
 
 def written_slots(step: Step) -> torch.Tensor:
