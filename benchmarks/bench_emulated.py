@@ -219,6 +219,26 @@ def time_units(program, split_args, outputs, timer: Timer, reps: int) -> dict[in
     return out
 
 
+def world_options(args, w: int, gbps: float) -> dict:
+    """The compile options of one emulated world: the link, the cost model's figures and every
+    option flag of ``bench_moe.py`` that applies to one process (``--scheduler``,
+    ``--comm-sms``: the split program's SM carve-out, as the emulated comm kernels would hold
+    them; ``--compute-backend``, ``--carveout-candidates``, ``--candidates``,
+    ``--calibration``, ``--latency-us``)."""
+    options = {"comm_backend": "emulated", "emulate_world_size": w, "emulate_link_gbps": gbps,
+               "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
+               "scheduler": args.scheduler, "compute_backend": args.compute_backend,
+               "sm_carveout_candidates": args.carveouts,
+               "schedule_candidates": args.candidate_names, "dp_group_name": None}
+    if args.comm_sms is not None:
+        options["comm_sms"] = args.comm_sms
+    if args.latency_us:
+        options["emulate_latency_us"] = args.latency_us
+    if args.calibration:
+        options["calibration"] = args.calibration
+    return options
+
+
 def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Timer,
               save) -> None:
     """One (preset, W, link): one compile and one runner for every bucket; ``save(row)``
@@ -227,7 +247,7 @@ def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Ti
     dbo_backend.reset_artifacts()
     t0 = time.perf_counter()
     model = H.build_model(preset, args.layers, None, str(device), emulated_world_size=w,
-                          vocab_size=args.vocab, first_k_dense_replace=0)
+                          vocab_size=args.vocab, first_k_dense_replace=args.dense_layers)
     cfg = model.config
     steps = {(p, n): H.make_bucket_step(cfg, p, n, str(device), seed=n, host_mirrors=True)
              for p, n in buckets}
@@ -235,15 +255,7 @@ def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Ti
     width = max(int(s.attn_metadata.block_table.shape[1]) for s in steps.values())
     model.allocate_kv_cache(blocks, 16)
     ref = model.emulated_reference() if args.check else None
-    options = {"comm_backend": "emulated", "emulate_world_size": w, "emulate_link_gbps": gbps,
-               "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
-               "compute_backend": args.compute_backend, "sm_carveout_candidates": args.carveouts,
-               "schedule_candidates": args.candidate_names, "dp_group_name": None}
-    if args.latency_us:
-        options["emulate_latency_us"] = args.latency_us
-    if args.calibration:
-        options["calibration"] = args.calibration
-    cmodel = torch.compile(model, backend="dbo", options=options)
+    cmodel = torch.compile(model, backend="dbo", options=world_options(args, w, gbps))
     tokens = sorted({n for _, n in buckets})
     runner = CudaGraphRunner(cmodel, tokens, max_blocks_per_req=width, block_size=16,
                              vocab_size=cfg.vocab_size, timing_iters=args.timing_iters,
@@ -494,17 +506,18 @@ def main(args) -> int:
     # engines of the emulated link hold none
     args.carveouts = (() if args.carveout_candidates == "default"
                       else tuple(int(v) for v in args.carveout_candidates.split(",") if v))
-    args.candidate_names = {"all": True, "none": False}.get(
-        args.candidates, tuple(v for v in args.candidates.split(",") if v))
+    args.candidate_names = H.candidate_names(args.candidates)
     args.out_dir = os.path.dirname(os.path.abspath(args.json))
     os.makedirs(args.out_dir, exist_ok=True)
     timer = Timer(args.iters, args.warmup)
     machine = (f"1x {torch.cuda.get_device_name(device)}" if cuda else "CPU") + f" ({platform.machine()})"
-    setup = (f"{preset}, {args.layers} MoE layers, vocab {args.vocab}, bf16, emulated EP world "
-             f"(comm_backend=emulated), experts={kernels['experts']}, "
-             f"attention={kernels['attention']}, compute_backend={args.compute_backend}, "
-             f"candidates={args.candidates}, carve-out candidates "
-             f"{','.join(map(str, args.carveouts)) or 'none'}")
+    setup = (f"{preset}, {args.layers} layers ({args.dense_layers} dense), vocab {args.vocab}, "
+             f"bf16, emulated EP world (comm_backend=emulated), experts={kernels['experts']}, "
+             f"attention={kernels['attention']}, scheduler={args.scheduler}, "
+             f"compute_backend={args.compute_backend}, candidates={args.candidates}, carve-out "
+             f"candidates {','.join(map(str, args.carveouts)) or 'none'}"
+             + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
+             + (f", calibration {args.calibration}" if args.calibration else ""))
     log(f"[emulated] {machine} torch {torch.__version__}: {setup}")
     doc = {"machine": machine, "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "torch": torch.__version__, "setup": setup, "command": " ".join(sys.argv),

@@ -11,6 +11,10 @@ One GPU as rank 0 of an emulated EP-W world (``--emulate-ep W --link-gbps X``, n
     python benchmarks/bench_moe.py --emulate-ep 8,16,32,64,8@25 --link-gbps 50
 
 On a machine without CUDA it runs on CPU over Gloo (a smoke test: tiny preset, no graphs).
+A flag that the chosen mode does not read is refused with a usage error, never ignored: the
+emulated world's flags without ``--emulate-ep``; ``--link``, ``--vote-group`` and
+``--inductor`` with it; ``--comm-sms``, ``--inductor``, ``--kernels``, ``--profile``
+without CUDA.
 
 Per bucket (phase, tokens/rank), every figure the median of ``--iters`` timed calls (CUDA events),
 the max over ranks. The model is compiled with the default options (``split="auto"``, schedule
@@ -75,8 +79,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import moe_harness as H  # noqa: E402
+from flags import given_flags, refuse_unread  # noqa: E402
 
-from dbo_compile import DboConfig  # noqa: E402
+from dbo_compile import DboConfig, DboConfigError  # noqa: E402
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import comm as _comm  # noqa: E402
 from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
@@ -86,8 +91,19 @@ from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, _split_fn  # n
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: flags only the emulated world reads (the torchrun run refuses them)
+EMULATED_ONLY = ("--link-gbps", "--latency-us", "--cost-link-gbps", "--cost-latency-us",
+                 "--timing-iters", "--no-check", "--no-eager", "--no-calib", "--unit-reps",
+                 "--kernels", "--profile")
+#: flags the emulated world does not read (one process: no link to label, no process group
+#: for the vote; no Inductor-compiled unsplit model timed)
+TORCHRUN_ONLY = ("--link", "--vote-group", "--inductor")
+#: flags that do something on CUDA only (the CPU smoke run refuses them)
+CUDA_ONLY = ("--comm-sms", "--inductor", "--kernels", "--profile")
 
-def parse(argv=None):
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (:func:`parse` parses and checks it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default=None, help="default deepseek-v2-lite (GPU) / tiny (CPU)")
     p.add_argument("--layers", type=int, default=4)
@@ -108,11 +124,13 @@ def parse(argv=None):
     p.add_argument("--scheduler", default="list", choices=["list", "naive"])
     p.add_argument("--link", default=None, help="label: nvlink | shm (default from NCCL_P2P_DISABLE)")
     p.add_argument("--comm-sms", type=int, default=None,
-                   help="option comm_sms: SM carve-out for compute GEMMs in the split program and a "
-                        "dedicated high-priority EP group with that NCCL CTA cap")
+                   help="option comm_sms: SM carve-out for compute GEMMs in the split program and "
+                        "(torchrun) a dedicated high-priority EP group with that NCCL CTA cap "
+                        "(CUDA only)")
     p.add_argument("--carveout-candidates", default="default",
                    help="option sm_carveout_candidates: comma-separated SM counts (e.g. 16), '' "
-                        "for none, 'default' for the package default ((16,) on CUDA)")
+                        "for none, 'default' for the package default ((16,) on CUDA; with "
+                        "--emulate-ep none: the emulated link's copy engines hold no SMs)")
     p.add_argument("--candidates", default="all",
                    help="option schedule_candidates: 'all' (default: every candidate timed, the "
                         "data the package default is chosen from), 'default' (the package "
@@ -127,6 +145,7 @@ def parse(argv=None):
                         "server's, so that the vote reads nothing back from the GPU; world: the "
                         "default (NCCL) group, whose vote table goes through the GPU and syncs "
                         "the host every step (the runs up to 2026-11-30)")
+    p.add_argument("--calibration", default=None, help="option calibration (a JSON file)")
     p.add_argument("--inductor", action="store_true",
                    help="also time the unsplit model compiled by Inductor, in a CUDA graph")
     e = p.add_argument_group("emulated EP world on one GPU (benchmarks/bench_emulated.py)")
@@ -151,7 +170,6 @@ def parse(argv=None):
     e.add_argument("--no-calib", dest="calib", action="store_false",
                    help="skip the unit timings and features benchmarks/calibrate.py fits")
     e.add_argument("--unit-reps", type=int, default=3)
-    e.add_argument("--calibration", default=None, help="option calibration (a JSON file)")
     e.add_argument("--kernels", type=int, default=0, metavar="TOP",
                    help="print per-kernel tables (calls, µs) of the unsplit graph, the split "
                         "graph without comm and the DBO graph of every bucket, TOP rows")
@@ -162,14 +180,25 @@ def parse(argv=None):
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
     p.add_argument("--md", default=None, help="markdown table path (default: json with .md)")
     p.add_argument("--append", action="store_true", help="add rows to an existing --json")
+    return p
+
+
+def parse(argv=None):
+    p = parser()
     args = p.parse_args(argv)
+    # a flag the chosen mode does not read is refused, not ignored
+    given = given_flags(p, argv)
+    if args.emulate_ep:
+        refuse_unread(p, args, given, TORCHRUN_ONLY, "with --emulate-ep")
+    else:
+        refuse_unread(p, args, given, EMULATED_ONLY, "without --emulate-ep")
+    if not torch.cuda.is_available():
+        refuse_unread(p, args, given, CUDA_ONLY, "without CUDA")
     args.profile_at = None
     if args.profile:
         ph, tok, w = args.profile.split(":")
         args.profile_at = (ph, int(tok), int(w))
     if args.candidates not in ("all", "none", "default"):
-        from dbo_compile import DboConfig, DboConfigError
-
         try:
             DboConfig(schedule_candidates=tuple(v for v in args.candidates.split(",") if v))
         except DboConfigError as e:
@@ -259,14 +288,13 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     # default options: split="auto", schedule candidates on; the runner measures and decides
     cand = (None if args.carveout_candidates == "default"
             else tuple(int(v) for v in args.carveout_candidates.split(",") if v))
-    sched_cand = {"all": True, "none": False, "default": DboConfig().schedule_candidates}.get(
-        args.candidates, tuple(v for v in args.candidates.split(",") if v))
-    cmodel = torch.compile(model, backend="dbo", options={"scheduler": args.scheduler,
-                                                          "comm_sms": args.comm_sms,
-                                                          "sm_carveout_candidates": cand,
-                                                          "schedule_candidates": sched_cand,
-                                                          "compute_backend": args.compute_backend,
-                                                          "dp_group_name": args.vote_group_name})
+    sched_cand = H.candidate_names(args.candidates)
+    options = {"scheduler": args.scheduler, "comm_sms": args.comm_sms,
+               "sm_carveout_candidates": cand, "schedule_candidates": sched_cand,
+               "compute_backend": args.compute_backend, "dp_group_name": args.vote_group_name}
+    if args.calibration:
+        options["calibration"] = args.calibration
+    cmodel = torch.compile(model, backend="dbo", options=options)
     with torch.no_grad():
         ref = model(ids, pos, md).clone()
     runner = CudaGraphRunner(cmodel, [tokens], max_blocks_per_req=int(md.block_table.shape[1]),
@@ -443,7 +471,8 @@ def main(argv=None) -> int:
              f"attention={kernels['attention']}, scheduler={args.scheduler}"
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
              + f", carve-out candidates {args.carveout_candidates or 'none'}"
-             + f", compute_backend={args.compute_backend}, DP vote over {args.vote_group}")
+             + f", compute_backend={args.compute_backend}, DP vote over {args.vote_group}"
+             + (f", calibration {args.calibration}" if args.calibration else ""))
     log(f"[bench] {machine} torch {torch.__version__} nccl {nccl} link={link} {setup}")
     rows = []
     for b in buckets.split(","):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import dbo_compile.ops  # noqa: F401
+from dbo_compile import DboConfig
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops import comm as _comm
 from dbo_compile.runtime import capture as cg_capture
@@ -150,6 +151,15 @@ def init_distributed() -> torch.device:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     return device
+
+
+# ----------------------------------------------------------------------------- options
+def candidate_names(flag: str) -> Any:
+    """The ``schedule_candidates`` option of the benchmarks' ``--candidates``: ``all``
+    (every candidate), ``none``, ``default`` (the package default, the same for the torchrun
+    and the emulated runs) or comma-separated names."""
+    special = {"all": True, "none": False, "default": DboConfig().schedule_candidates}
+    return special[flag] if flag in special else tuple(v for v in flag.split(",") if v)
 
 
 # ----------------------------------------------------------------------------- model, steps

@@ -1,9 +1,10 @@
-"""Soak: random steps over 2 and 4 Gloo ranks (issue 16): 0 hangs, 0 divergent decisions,
-every output equal to eager or the project's own error on every rank.
+"""Soak: random steps over 2 and 4 Gloo ranks (issue 16), or on one GPU through the CUDA-graph
+runner (``--gpu``, issue 29): 0 hangs, 0 divergent decisions, every output equal to the
+reference or the project's own error on every rank.
 
-Run (the full soak, ~an hour per 10,000 steps and world size on 2 free cores)::
+Run (the full CPU soak, 10,000 steps per world size)::
 
-    python benchmarks/soak.py --steps 10000 --world-sizes 2,4
+    python benchmarks/soak.py --steps 10000 --world-sizes 2,4 --out benchmarks/results/soak.json
 
 ``--minutes M`` bounds each world size's run (a nightly job's slot, a busy machine): the ranks
 stop together after the first step at which one of them has run M minutes, and the counts
@@ -12,55 +13,148 @@ say how many steps ran.
 Per step and rank: a random token count (0, 1, 2, the thresholds +- 1, or up to
 ``--max-tokens``), a request mix (decodes, chunked prefills, fresh prompts), a shared prefix
 (the prefix-read veto's case), an engine veto, and for the group an injected failure on one
-rank (an op raising inside a ubatch); see :mod:`dbo_compile.testing.soak`. Prints one JSON line
-per world size with the counts (steps, splits, unsplit, vetoes, prefix_shared,
-injected_failures, agreed_failures, hangs, divergences, wrong_outputs, foreign_errors, the
-agreed failures by error type) and exits 1 if hangs, divergences, wrong outputs or foreign
-errors are not all 0.
+rank (an op raising inside a ubatch); a share ``--p-split`` of the steps is aimed at a split
+(every rank past the threshold, nothing vetoed), so that most steps run the split programs;
+see :mod:`dbo_compile.testing.soak`. Each rank draws from ``--contents`` step contents per
+kind and computes a content's reference once (``--contents 0``: a new one every step).
+Prints one JSON line per world size with the counts (steps, splits, unsplit, split_share,
+vetoes, prefix_shared, idle and one-token rank steps, injected_failures, agreed_failures,
+hangs, divergences, wrong_outputs, foreign_errors, the agreed failures by error type,
+steps_per_s, CPU ms per step by part) and exits 1 if hangs, divergences, wrong outputs or
+foreign errors are not all 0.
+
+One GPU (``--gpu``; :mod:`dbo_compile.testing.graph_soak`): ``CudaGraphRunner`` over an
+emulated EP-8 world (DeepSeek-V2-Lite's routing at a reduced width, 4 layers, buckets 2 / 4 /
+16 / 64 / 256, fp32), every step's decision, counter total and KV writes checked and every
+``--check-every``-th step against the one-device reference; about a minute of capture, then
+some ms a step::
+
+    python benchmarks/soak.py --gpu --steps 10000 --minutes 5 --out $OUT/graph_soak.json
+
+``--gpu-size cpu`` runs the same code on CPU at a tiny size. Exits 1 if hangs, errors or wrong
+outputs are not all 0 or ``capture()`` changed the model's state.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import sys
 
+from dbo_compile.testing.graph_soak import SIZES, TOLERANCES, run_graph_soak
 from dbo_compile.testing.soak import run_soak
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-def main(argv: list[str] | None = None) -> int:
+from flags import given_flags, refuse_unread  # noqa: E402
+
+#: the options of each mode that the other mode does not read (refused there)
+CPU_ONLY = ("--world-sizes", "--max-tokens", "--p-fail", "--contents")
+GPU_ONLY = ("--gpu-size", "--dtype", "--check-every", "--p-wide", "--compute-backend")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (:func:`parse` parses and checks it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=10_000, help="steps per world size")
-    p.add_argument("--world-sizes", default="2,4", help="comma-separated Gloo world sizes")
+    p.add_argument("--steps", type=int, default=10_000, help="steps (per world size)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=96, help="largest token count of a rank")
-    p.add_argument("--p-fail", type=float, default=0.02, help="injected failures per step")
-    p.add_argument("--p-veto", type=float, default=0.05, help="engine vetoes per rank and step")
-    p.add_argument("--p-share", type=float, default=0.1, help="shared prefixes per rank and step")
-    p.add_argument("--step-timeout", type=float, default=120.0,
-                   help="seconds a step may take before its rank is counted as hung (the "
-                        "first step, which compiles: ten times that); raise it on a loaded "
-                        "machine, where a recompiling step can take minutes")
+    p.add_argument("--p-split", type=float, default=0.7,
+                   help="share of the steps aimed at a split (every rank past the threshold, "
+                        "no veto, no shared prefix)")
+    p.add_argument("--p-veto", type=float, default=0.1,
+                   help="engine vetoes per rank and step not aimed at a split")
+    p.add_argument("--p-share", type=float, default=0.2,
+                   help="shared prefixes per rank and step not aimed at a split")
+    p.add_argument("--step-timeout", type=float, default=None,
+                   help="seconds a step may take before its rank is counted as hung (default "
+                        "120, with --gpu 60; the first step, which compiles, or the capture: "
+                        "ten times that); raise it on a loaded machine, where a recompiling "
+                        "step can take minutes")
     p.add_argument("--minutes", type=float, default=None,
-                   help="time budget per world size: stop before --steps once it is spent "
-                        "(the counts say how many steps ran)")
+                   help="time budget (per world size; with --gpu: of the steps, after the "
+                        "capture): stop before --steps once it is spent (the counts say how "
+                        "many steps ran)")
+    p.add_argument("--out", default=None,
+                   help="also write the counts (every world size) and the machine to this "
+                        "JSON file")
+    c = p.add_argument_group("CPU soak (Gloo ranks)")
+    c.add_argument("--world-sizes", default="2,4", help="comma-separated Gloo world sizes")
+    c.add_argument("--max-tokens", type=int, default=96, help="largest token count of a rank")
+    c.add_argument("--p-fail", type=float, default=0.02, help="injected failures per step")
+    c.add_argument("--contents", type=int, default=256,
+                   help="step contents per kind and rank, each with its reference computed "
+                        "once (0: a new content every step)")
+    g = p.add_argument_group("one GPU (--gpu): CudaGraphRunner over an emulated EP world")
+    g.add_argument("--gpu", action="store_true", help="run the CUDA-graph runner's soak")
+    g.add_argument("--gpu-size", default="gpu", choices=sorted(SIZES),
+                   help="model and buckets (cpu: the same code at a tiny size, on CPU)")
+    g.add_argument("--dtype", default="float32", choices=sorted(TOLERANCES),
+                   help="model dtype (float32: the reference comparison's tolerance is 1e-3; "
+                        "bfloat16: 5e-2)")
+    g.add_argument("--check-every", type=int, default=10,
+                   help="compare every N-th step with the reference")
+    g.add_argument("--p-wide", type=float, default=0.01,
+                   help="steps with a block table wider than the runner's (they run eagerly)")
+    g.add_argument("--compute-backend", default="aten", choices=["aten", "inductor"],
+                   help="the compute_backend option (aten: seconds of capture; inductor "
+                        "compiles every stage per bucket, and each eager step's new size)")
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser()
     args = p.parse_args(argv)
-    sizes = [int(w) for w in args.world_sizes.split(",") if w]
-    if args.steps < 1 or not sizes or min(sizes) < 2:
+    refuse_unread(p, args, given_flags(p, argv), CPU_ONLY if args.gpu else GPU_ONLY,
+                  "with --gpu" if args.gpu else "without --gpu")
+    if args.step_timeout is None:
+        args.step_timeout = 60.0 if args.gpu else 120.0
+    args.sizes = [int(w) for w in args.world_sizes.split(",") if w]
+    if args.steps < 1 or not args.sizes or min(args.sizes) < 2:
         p.error("--steps must be >= 1 and --world-sizes ints >= 2")
     if (args.minutes is not None and args.minutes <= 0) or args.step_timeout <= 0:
         p.error("--minutes and --step-timeout must be > 0")
-    ok = True
-    for world in sizes:
-        counts = run_soak(world, args.steps, seed=args.seed, max_tokens=args.max_tokens,
-                          p_fail=args.p_fail, p_veto=args.p_veto, p_share=args.p_share,
-                          step_timeout_s=args.step_timeout,
-                          budget_s=None if args.minutes is None else 60 * args.minutes)
+    if args.contents < 0 or args.check_every < 1:
+        p.error("--contents must be >= 0 and --check-every >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    budget = None if args.minutes is None else 60 * args.minutes
+    runs = []
+    if args.gpu:
+        counts = run_graph_soak(
+            args.steps, seed=args.seed, size=args.gpu_size, dtype=args.dtype,
+            check_every=args.check_every, p_split=args.p_split, p_veto=args.p_veto,
+            p_share=args.p_share, p_wide=args.p_wide, step_timeout_s=args.step_timeout,
+            budget_s=budget, compute_backend=args.compute_backend)
+        runs.append(counts)
+        ok = (all(counts[k] == 0 for k in ("hangs", "errors", "wrong_outputs"))
+              and not counts["capture_changed_state"] and "error" not in counts)
+    else:
+        ok = True
+        for world in args.sizes:
+            counts = run_soak(world, args.steps, seed=args.seed, max_tokens=args.max_tokens,
+                              p_fail=args.p_fail, p_veto=args.p_veto, p_share=args.p_share,
+                              step_timeout_s=args.step_timeout, budget_s=budget,
+                              p_split=args.p_split, contents=args.contents or None)
+            runs.append(counts)
+            ok &= all(counts[k] == 0 for k in ("hangs", "divergences", "wrong_outputs",
+                                               "foreign_errors")) and "error" not in counts
+    for counts in runs:
         print(json.dumps({k: v for k, v in counts.items() if k != "examples"}), flush=True)
         for ex in counts["examples"]:
             print("  example:", json.dumps(ex), flush=True)
-        ok &= all(counts[k] == 0 for k in ("hangs", "divergences", "wrong_outputs",
-                                           "foreign_errors")) and "error" not in counts
+    if args.out:
+        doc = {"command": " ".join(sys.argv), "machine": platform.node(),
+               "cpus": os.cpu_count(), "date": datetime.datetime.now().isoformat("T", "seconds"),
+               "ok": ok, "runs": runs}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
     return 0 if ok else 1
 
 

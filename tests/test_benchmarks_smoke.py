@@ -164,3 +164,63 @@ def test_comm_ops_alone_run_whole_ops_in_the_dbo_order(monkeypatch):
     one_layer = [(world.capacity(5), cols), (world.capacity(7), cols),
                  (world.capacity(5), cfg.hidden_size), (world.capacity(7), cfg.hidden_size)]
     assert sent == one_layer * cfg.num_moe_layers
+
+
+def _bench_module(name):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["--emulate-ep", "8", "--vote-group", "world"], "--vote-group: not read with --emulate-ep"),
+    (["--emulate-ep", "8", "--link", "shm"], "--link: not read with --emulate-ep"),
+    (["--emulate-ep", "8", "--inductor"], "--inductor: not read with --emulate-ep"),
+    (["--timing-iters", "3", "--no-check"],
+     "--timing-iters, --no-check: not read without --emulate-ep"),
+    (["--link-gbps", "50"], "--link-gbps: not read without --emulate-ep"),
+    (["--kernels", "5"], "--kernels: not read without --emulate-ep"),
+])
+def test_a_flag_the_mode_does_not_read_is_refused(argv, refused, capsys):
+    """``bench_moe.py --emulate-ep 8 --comm-sms 24`` ran without the carve-out (the emulated
+    world never received the option): every flag is now read by the mode it is given in,
+    or refused with a usage error naming it."""
+    B = _bench_module("bench_moe")
+    with pytest.raises(SystemExit) as info:
+        B.parse(argv)
+    assert info.value.code == 2 and refused in capsys.readouterr().err
+
+
+def test_a_flag_given_at_its_default_value_counts_as_given():
+    F = _bench_module("flags")
+    B = _bench_module("bench_moe")
+    assert F.given_flags(B.parser(), ["--link-gbps", "50", "--no-eager"]) == {
+        "link_gbps", "eager"}
+    assert F.given_flags(B.parser(), []) == set()
+
+
+def test_the_emulated_world_compiles_with_every_option_flag_it_was_given():
+    """The emulated world's options carry ``--scheduler``, ``--comm-sms`` (the split program's
+    SM carve-out: the SMs the comm kernels would hold), ``--dense-layers`` (the model) and
+    ``--candidates default`` (the package default: it was taken for a candidate name)."""
+    from dbo_compile import DboConfig
+
+    B = _bench_module("bench_moe")
+    E = _bench_module("bench_emulated")
+    H = _bench_module("moe_harness")
+    args = B.parse(["--emulate-ep", "8", "--scheduler", "naive", "--candidates", "default"])
+    args.comm_sms = 24  # (refused without CUDA; the GPU run passes it)
+    args.carveouts, args.candidate_names = (), H.candidate_names(args.candidates)
+    options = E.world_options(args, 8, 50.0)
+    assert options["scheduler"] == "naive" and options["comm_sms"] == 24
+    assert options["schedule_candidates"] == DboConfig().schedule_candidates
+    DboConfig(**options)  # every option is one the backend takes
+
+
+def test_the_soak_refuses_the_flags_of_the_other_mode(capsys):
+    S = _bench_module("soak")
+    for argv, flag in ((["--gpu", "--contents", "8"], "--contents"),
+                       (["--check-every", "5"], "--check-every"),
+                       (["--gpu", "--world-sizes", "2"], "--world-sizes")):
+        with pytest.raises(SystemExit):
+            S.parse(argv)
+        assert f"{flag}: not read" in capsys.readouterr().err

@@ -22,6 +22,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -37,6 +38,12 @@ def _free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],
             result_dir: str, timeout_s: float, env: dict[str, str]) -> None:
     os.environ.update(env)
+    threads = env.get("OMP_NUM_THREADS")
+    if threads:
+        # torch took its thread count when this process imported it (unpickling ``fn``),
+        # before ``env`` was set: apply it (else every rank runs as many threads as there
+        # are cores, and the ranks' OpenMP threads spin against each other)
+        torch.set_num_threads(int(threads))
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     out_path = os.path.join(result_dir, f"rank{rank}.pkl")
