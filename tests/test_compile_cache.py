@@ -121,12 +121,12 @@ def test_the_key_sees_the_bound_comm_backend(tmp_path, monkeypatch):
     ``comm_backend="auto"`` picks depends on the packages present) read no entry of the first."""
     from dbo_compile.ops.comm import CommBackend, get_comm_backend, register_comm_backend
     from dbo_compile.ops.registry import bound_backend, comm_kind
-    from dbo_compile.passes import pipeline
+    from dbo_compile.passes import bind
 
     _compile(tmp_path)
     local = get_comm_backend("local")
     register_comm_backend(CommBackend("cache_test", local.dispatch, local.combine, "test"))
-    monkeypatch.setattr(pipeline, "_choose_comm", lambda gm, config, nodes: "cache_test")
+    monkeypatch.setattr(bind, "_choose_comm", lambda gm, config, nodes: "cache_test")
     torch._dynamo.reset()
     other = _compile(tmp_path)
     assert "lower" in other.compile_times and len(_entries(tmp_path)) == 2

@@ -170,10 +170,10 @@ def test_auto_picks_torch_on_cpu_and_says_so(monkeypatch, caplog):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from dbo_compile.config import DboConfig
-    from dbo_compile.passes import pipeline
+    from dbo_compile.passes import bind
 
     monkeypatch.setitem(sys.modules, "deep_ep", None)
-    monkeypatch.setattr(pipeline, "ep_world_size", lambda name: 2)
+    monkeypatch.setattr(bind, "ep_world_size", lambda name: 2)
     comm.clear_configured_comm_backends()
 
     def layer(x, ids, w):
@@ -185,7 +185,7 @@ def test_auto_picks_torch_on_cpu_and_says_so(monkeypatch, caplog):
     gm = make_fx(layer, tracing_mode="fake")(x, ids, w)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and comm.comm_kind(n)]
     with caplog.at_level(logging.INFO, logger="dbo_compile"):
-        assert pipeline._choose_comm(gm, DboConfig(), nodes) is None
+        assert bind._choose_comm(gm, DboConfig(), nodes) is None
     assert "comm_backend=auto -> torch" in caplog.text and "deep_ep" in caplog.text
     comm.clear_configured_comm_backends()
 
