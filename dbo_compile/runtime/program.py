@@ -241,7 +241,9 @@ class DboCompiledModule(CompiledArtifact):
         adds a read of every mirrored field (debugging).
         """
         num_tokens = int(args[self.token_index].shape[0])
-        has_md = self.takes_metadata
+        # the graph's metadata inputs, or the engine's when the graph reads it elsewhere (vLLM's
+        # attention reads it from the forward context): checked, vetoed and voted on alike
+        has_md = self.takes_metadata or metadata is not None
         given = current_step_context().num_scheduled_tokens
         qlens: list[int] | None = None
         local_error = None
