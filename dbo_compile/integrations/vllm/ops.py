@@ -14,6 +14,9 @@ op                                 record
                                    ``output`` given its ubatch's metadata, as
                                    ``dbo.attention``; called functionalised
                                    (``auto_functionalized_v2``: it writes ``output``)
+``vllm.unified_mla_kv_cache_``      the same for multi-head latent attention (MLA:
+``update``, ``..._mla_attention_`` DeepSeek-V2/V3), keyed by ``layer_name``
+``with_output``
 ``_C.onednn_mm``                   row-local (``out[T, N] = x[T, K] @ W``)
 ``_C.rotary_embedding``            row-local (rotates ``query`` / ``key`` rows by
                                    ``positions``)
@@ -50,6 +53,9 @@ _STEP_STATE = (
     ("unified_kv_cache_update", (2, "layer_name"), ((0, "key"), (1, "value"))),
     ("unified_attention_with_output", (4, "layer_name"),
      ((0, "query"), (1, "key"), (2, "value"))),
+    ("unified_mla_kv_cache_update", (2, "layer_name"), ((0, "kv_c_normed"), (1, "k_pe"))),
+    ("unified_mla_attention_with_output", (4, "layer_name"),
+     ((0, "q"), (1, "kv_c_normed"), (2, "k_pe"))),
 )
 
 
