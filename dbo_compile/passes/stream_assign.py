@@ -289,18 +289,22 @@ def unit_graph(graph: fx.Graph) -> UnitGraph:
     hidden: set[tuple[int, int]] = set()
     mutated = sorted({m for n in nodes for m in dbo_meta(n).get("mutates", [])})
     by_name = {n.name: n for n in nodes}
-    # and of the state a step-state op keys by an input (vLLM's layer name: the layer's KV
-    # cache in its forward context), by every op keyed by it
+    # and of the state a step-state op keys by an argument (vLLM's layer name, a graph input:
+    # the layer's KV cache in its forward context), by every op with that key
     keyed: dict[str, list[fx.Node]] = {}
     for n in nodes:
         key = step_state_key(n)
-        if isinstance(key, fx.Node):
-            keyed.setdefault(key.name, []).append(n)
+        if key is not None:
+            name = key.name if isinstance(key, fx.Node) else f"const:{key!r}"
+            keyed.setdefault(name, []).append(n)
     for m in sorted(set(mutated) | set(keyed)):
         ph = by_name.get(m)
-        if ph is None:
+        if m in keyed and m not in mutated:
+            users = keyed[m]
+        elif ph is None:
             continue
-        users = keyed.get(m, list(ph.users)) if m not in mutated else list(ph.users)
+        else:
+            users = list(ph.users)
         accesses = sorted({node_unit[u] for u in users if u in node_unit},
                           key=lambda i: (ordered[i][0].meta.get("dbo", {}).get("ubatch") or 0,
                                          order[ordered[i][0]]))
