@@ -79,3 +79,28 @@ def test_step_state_op_splits_and_runs_under_its_ubatch_state():
         STATE["scale"] = 1.0
     torch.testing.assert_close(out[:4], first)
     torch.testing.assert_close(out[4:], second)
+
+
+def test_padded_split_step_under_inference_mode():
+    """vLLM runs its model under ``torch.inference_mode``: a split step whose token count is
+    padded (7 rows -> 8) copies its inputs into inference tensors, which have no version
+    counter (before: ``RuntimeError: Inference tensors do not track version counter`` in the
+    write-back, the step aborted)."""
+    torch._dynamo.reset()
+    reset_artifacts()
+    model = _Model().eval()
+    t = 7
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(t, 8, generator=g)
+    ids = torch.randint(0, 2, (t, 1), generator=g)
+    w = torch.ones(t, 1)
+    for a in (x, ids, w):
+        torch._dynamo.mark_dynamic(a, 0)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    with torch.inference_mode():
+        out = compiled(x, ids, w)
+        expected = model(x, ids, w)
+    (art,) = compiled_artifacts()
+    assert art.is_split and art.stats.split_steps == 1, (art.reason, art.stats)
+    assert art.last_vote.num_tokens_padded == 8
+    torch.testing.assert_close(out, expected)
