@@ -97,10 +97,36 @@ def test_padded_split_step_under_inference_mode():
     for a in (x, ids, w):
         torch._dynamo.mark_dynamic(a, 0)
     compiled = torch.compile(model, backend="dbo", options={"split": "always"})
-    with torch.inference_mode():
+    with torch.inference_mode(), ubatch_scope(lambda u: None):  # one state for both ubatches
         out = compiled(x, ids, w)
         expected = model(x, ids, w)
     (art,) = compiled_artifacts()
     assert art.is_split and art.stats.split_steps == 1, (art.reason, art.stats)
     assert art.last_vote.num_tokens_padded == 8
+    torch.testing.assert_close(out, expected)
+
+
+def test_step_state_split_needs_the_engines_ubatch_switch():
+    """A split program whose ops read engine state outside the graph does not split where no
+    engine switches that state per ubatch (before: it split, and each ubatch's rows read the
+    whole step's state: a silent wrong answer, e.g. ``backend="dbo"`` under vLLM)."""
+    torch._dynamo.reset()
+    reset_artifacts()
+    model = _Model().eval()
+    t = 8
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(t, 8, generator=g)
+    ids = torch.randint(0, 2, (t, 1), generator=g)
+    w = torch.ones(t, 1)
+    for a in (x, ids, w):
+        torch._dynamo.mark_dynamic(a, 0)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    with torch.no_grad():
+        out = compiled(x, ids, w)
+        expected = model(x, ids, w)
+    (art,) = compiled_artifacts()
+    assert art.is_split, art.reason
+    assert art.stats.split_steps == 0 and art.stats.unsplit_steps == 1, art.stats
+    (reason,) = art.stats.reasons
+    assert "step-state ops" in reason and "ubatch_scope" in reason, reason
     torch.testing.assert_close(out, expected)

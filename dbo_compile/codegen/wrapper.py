@@ -300,6 +300,12 @@ class SplitProgram:
         self.code, self.num_events = generate(split_gm, schedule, self.unit_io)
         self._load()
 
+    @property
+    def enters_ubatch(self) -> bool:
+        """The program runs ops keyed to step state outside the graph, so it calls
+        ``enter_ubatch`` (:func:`~dbo_compile.runtime.context.ubatch_scope`)."""
+        return "enter_ubatch(" in self.code
+
     @classmethod
     def from_parts(cls, schedule: Schedule, units: list[Callable], unit_io: list[UnitIO],
                    code: str, num_events: int, carveout_sms: int | None = None) -> SplitProgram:

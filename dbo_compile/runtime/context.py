@@ -184,6 +184,11 @@ def ubatch_scope(enter: Callable[[int], None]) -> Iterator[None]:
         _THREAD.ubatch_hook = old
 
 
+def in_ubatch_scope() -> bool:
+    """Whether an engine's per-ubatch step-state switch (:func:`ubatch_scope`) is installed."""
+    return _THREAD.ubatch_hook is not None
+
+
 def enter_ubatch(ubatch: int) -> None:
     """What the generated split program calls before a unit of ``ubatch`` that reads step
     state: the engine's switch of :func:`ubatch_scope`, if any (none: the program runs outside

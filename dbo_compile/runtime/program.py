@@ -28,6 +28,7 @@ from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision, StepSta
 from dbo_compile.runtime.context import (
     counting,
     current_step_context,
+    in_ubatch_scope,
     last_called,
     record_calls,
     uncounted,
@@ -190,6 +191,11 @@ class DboCompiledModule(CompiledArtifact):
         ctx = current_step_context()
         if not ctx.allow_split:
             return "engine: allow_split=False"
+        if getattr(self.split_program, "enters_ubatch", False) and not in_ubatch_scope():
+            return ("step-state ops (keyed to engine state outside the graph, e.g. vLLM's "
+                    "attention) and no engine switch of that state per ubatch "
+                    "(runtime.context.ubatch_scope; under vLLM: "
+                    "dbo_compile.integrations.vllm.vllm_backend)")
         if md is None:
             return None
         sizes = self._veto_block_sizes(ctx.block_size)
