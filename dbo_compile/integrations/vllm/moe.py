@@ -82,6 +82,7 @@ class DboMoERunner(MoERunner):
             pc = self.moe_config.moe_parallel_config
             if pc.use_ep and pc.ep_size > 1:
                 self.ep_group = ep_group_name(get_ep_group().device_group)
+            self._keep_checkpoint_layout()
         elif dbo_enabled(get_current_vllm_config()):
             log.info("dbo: MoE layer %s runs vLLM's own kernels: %s", self.layer_name,
                      self.dbo_reason)
@@ -109,6 +110,26 @@ class DboMoERunner(MoERunner):
              f"{cfg.num_local_experts} each"),
         ]
         return next((why for bad, why in checks if bad), None)
+
+    def _keep_checkpoint_layout(self) -> None:
+        """Our ops read the routed experts' weights in the checkpoint layout (``w13 [E_local,
+        2I, H]`` gate then up, ``w2 [E_local, H, I]``); vLLM's post-load processing of them
+        (``quant_method.process_weights_after_loading``) rewrites them for its own kernel: on
+        CPU a grouped-GEMM prepack and an intermediate-dim padding, on GPU backend-dependent
+        shuffles and reorders. The layer never runs that kernel, so the processing is skipped
+        for it (no second copy of the weights is kept)."""
+        experts = self.routed_experts
+        method = experts.quant_method
+        original = method.process_weights_after_loading
+
+        def process_weights_after_loading(layer: torch.nn.Module) -> None:
+            if layer is not experts:
+                original(layer)
+                return
+            log.debug("dbo: MoE layer %s keeps its checkpoint weight layout (vLLM's %s "
+                      "post-load processing skipped)", self.layer_name, type(method).__name__)
+
+        method.process_weights_after_loading = process_weights_after_loading
 
     def _forward_impl(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
                       shared_experts_input: torch.Tensor | None,
