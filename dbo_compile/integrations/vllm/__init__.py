@@ -2,15 +2,15 @@
 
 Turn it on (``VLLM_USE_AOT_COMPILE=0`` in the environment, see below)::
 
-    llm = LLM(model=..., compilation_config={"mode": 2,
-                                             "backend": "dbo_compile.integrations.vllm.vllm_backend"},
+    llm = LLM(model=..., compilation_config={"mode": 2, "backend": "dbo"},
               additional_config={"dbo": {"decode_token_threshold": 32}})
 
-- ``mode: 2`` (``DYNAMO_TRACE_ONCE``) hands the whole Dynamo graph to the backend, which vLLM
-  resolves by qualname (``CompilationConfig.init_backend``); ``vllm/compilation/wrapper.py``
-  calls ``torch.compile`` itself, so our options come from ``additional_config["dbo"]``
-  (the keys of :class:`~dbo_compile.DboConfig`). ``backend: "dbo"`` (the Dynamo name) works
-  too, but compiles without vLLM's step facts: every step then runs unsplit.
+- ``mode: 2`` (``DYNAMO_TRACE_ONCE``) hands the whole Dynamo graph to the backend;
+  ``vllm/compilation/wrapper.py`` calls ``torch.compile`` itself, so our options come from
+  ``additional_config["dbo"]`` (the keys of :class:`~dbo_compile.DboConfig`). The plug-in
+  resolves the name ``"dbo"`` to :func:`vllm_backend` (vLLM would otherwise hand its graph to
+  the plain Dynamo backend, without vLLM's step facts); the qualname
+  ``"dbo_compile.integrations.vllm.vllm_backend"`` names it too. Other modes are refused.
 - The plug-in (entry point ``vllm.general_plugins``: :func:`register`, loaded by vLLM in
   every process) records vLLM's ops in the op registry (:mod:`.ops`), installs
   :class:`~.moe.DboMoERunner` as vLLM's ``MoERunner`` (dispatch / experts / combine as our
@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 import vllm.envs as envs
-from vllm.config import get_current_vllm_config_or_none
+from vllm.config import CompilationConfig, CompilationMode, get_current_vllm_config_or_none
 from vllm.distributed import get_ep_group
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
@@ -84,8 +84,16 @@ def vllm_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
     :class:`~.step.VllmStep` (vLLM's step facts, vetoes and per-ubatch metadata).
 
     Raises:
-        DboConfigError: ``VLLM_USE_AOT_COMPILE`` is on, or an option is bad.
+        DboConfigError: vLLM's compilation mode is not 2, ``VLLM_USE_AOT_COMPILE`` is on, or
+            an option is bad.
     """
+    vllm_config = get_current_vllm_config_or_none() or model_vllm_config()
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "mode", None)
+    if mode is not None and mode != CompilationMode.DYNAMO_TRACE_ONCE:
+        raise DboConfigError(
+            f"the dbo backend inside vLLM runs in compilation mode 2 (DYNAMO_TRACE_ONCE: vLLM "
+            f"hands it the whole graph), got mode {int(mode)} ({mode.name}): pass "
+            "compilation_config={'mode': 2, 'backend': 'dbo'}")
     if envs.VLLM_USE_AOT_COMPILE:
         raise DboConfigError(
             "vLLM's AOT compile (VLLM_USE_AOT_COMPILE=1, the default on torch >= 2.10) needs a "
@@ -93,7 +101,6 @@ def vllm_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
             "VLLM_USE_AOT_COMPILE=0 in the environment of the vLLM processes")
     # vLLM compiles in the model's first forward, where no current config is set: the one the
     # model's MoE layers were built under
-    vllm_config = get_current_vllm_config_or_none() or model_vllm_config()
     if vllm_config is None:
         raise DboConfigError(
             "dbo_compile.integrations.vllm.vllm_backend found no vLLM config: it is vLLM's "
@@ -105,13 +112,33 @@ def vllm_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
     return VllmStep(artifact, speculative=vllm_config.speculative_config is not None)
 
 
+def _resolve_dbo_name() -> None:
+    """``compilation_config["backend"] = "dbo"`` means :func:`vllm_backend` inside vLLM:
+    ``CompilationConfig.init_backend`` (which would hand vLLM's graph to the plain Dynamo
+    backend, without vLLM's step facts) returns it for that name. Idempotent."""
+    original = CompilationConfig.init_backend
+    if getattr(original, "_dbo_resolves", False):
+        return
+
+    def init_backend(self: Any, vllm_config: Any, prefix: str = "",
+                     is_encoder: bool = False) -> Any:
+        if self.backend == "dbo" and self.mode not in (None, CompilationMode.NONE):
+            return vllm_backend
+        return original(self, vllm_config, prefix, is_encoder)
+
+    init_backend._dbo_resolves = True  # type: ignore[attr-defined]
+    CompilationConfig.init_backend = init_backend
+
+
 def register() -> None:
     """The vLLM plug-in (entry point ``vllm.general_plugins``; vLLM calls it in every
     process, possibly several times): vLLM's op records, :class:`~.moe.DboMoERunner` as the
-    out-of-tree ``MoERunner`` (it runs vLLM's own path unless the backend is ours) and the
-    metadata-build records. Idempotent."""
+    out-of-tree ``MoERunner`` (it runs vLLM's own path unless the backend is ours), the
+    metadata-build records and the backend name ``"dbo"`` resolved to :func:`vllm_backend`.
+    Idempotent."""
     register_vllm_ops()
     record_builds()
+    _resolve_dbo_name()
     if op_registry_oot.get("MoERunner") is not DboMoERunner:
         if "MoERunner" in op_registry_oot:
             log.warning("dbo: another plug-in replaced vLLM's MoERunner (%s); the dbo MoE layer "
