@@ -42,18 +42,23 @@ class _Model(torch.nn.Module):
         return torch.ops.dbo.moe_combine(e, ids, w, rids, rw, h, "")
 
 
-def test_step_state_op_splits_and_runs_under_its_ubatch_state():
+def _compiled(t: int, seed: int):
+    """A fresh model, its ``split="always"`` compile and ``t`` rows of inputs (token dim
+    dynamic)."""
     torch._dynamo.reset()
     reset_artifacts()
     model = _Model().eval()
-    t = 8
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, 8, generator=g)
     ids = torch.randint(0, 2, (t, 1), generator=g)
     w = torch.ones(t, 1)
     for a in (x, ids, w):
         torch._dynamo.mark_dynamic(a, 0)
-    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    return model, torch.compile(model, backend="dbo", options={"split": "always"}), (x, ids, w)
+
+
+def test_step_state_op_splits_and_runs_under_its_ubatch_state():
+    model, compiled, (x, ids, w) = _compiled(8, seed=1)
     scales = {0: 2.0, 1: 3.0}
     entered: list[int] = []
 
@@ -86,17 +91,7 @@ def test_padded_split_step_under_inference_mode():
     padded (7 rows -> 8) copies its inputs into inference tensors, which have no version
     counter (before: ``RuntimeError: Inference tensors do not track version counter`` in the
     write-back, the step aborted)."""
-    torch._dynamo.reset()
-    reset_artifacts()
-    model = _Model().eval()
-    t = 7
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(t, 8, generator=g)
-    ids = torch.randint(0, 2, (t, 1), generator=g)
-    w = torch.ones(t, 1)
-    for a in (x, ids, w):
-        torch._dynamo.mark_dynamic(a, 0)
-    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    model, compiled, (x, ids, w) = _compiled(7, seed=2)
     with torch.inference_mode(), ubatch_scope(lambda u: None):  # one state for both ubatches
         out = compiled(x, ids, w)
         expected = model(x, ids, w)
@@ -110,17 +105,7 @@ def test_step_state_split_needs_the_engines_ubatch_switch():
     """A split program whose ops read engine state outside the graph does not split where no
     engine switches that state per ubatch (before: it split, and each ubatch's rows read the
     whole step's state: a silent wrong answer, e.g. ``backend="dbo"`` under vLLM)."""
-    torch._dynamo.reset()
-    reset_artifacts()
-    model = _Model().eval()
-    t = 8
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(t, 8, generator=g)
-    ids = torch.randint(0, 2, (t, 1), generator=g)
-    w = torch.ones(t, 1)
-    for a in (x, ids, w):
-        torch._dynamo.mark_dynamic(a, 0)
-    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    model, compiled, (x, ids, w) = _compiled(8, seed=3)
     with torch.no_grad():
         out = compiled(x, ids, w)
         expected = model(x, ids, w)
