@@ -3,7 +3,9 @@
 For every unit, in host order, the generated function
 
 1. waits on its stream for the events of its incoming event edges,
-2. calls the unit (a GraphModule holding the stage's ATen ops, the one comm op, or the receive
+2. calls the unit (after the engine's switch to the unit's ubatch's step state, for a unit
+   running an op keyed to state outside the graph: :func:`~dbo_compile.runtime.context.
+   ubatch_scope`; a GraphModule holding the stage's ATen ops, the one comm op, or the receive
    phase of a comm op whose backend has one) — units on the comm stream inside
    ``with use(s_comm):`` (a comm backend may place its units on the compute stream: DeepEP
    low-latency sends on the current stream and receives on the send's stream),
@@ -30,8 +32,9 @@ import torch.fx as fx
 
 from dbo_compile.errors import ScheduleError
 from dbo_compile.ops.comm import watching_results
-from dbo_compile.ops.registry import is_receive, is_wait
+from dbo_compile.ops.registry import is_receive, is_wait, step_state_key
 from dbo_compile.runtime import streams as _streams
+from dbo_compile.runtime.context import enter_ubatch
 from dbo_compile.schedule import COMM, Schedule, range_name
 
 log = logging.getLogger(__name__)
@@ -217,6 +220,11 @@ def generate(split_gm: fx.GraphModule, schedule: Schedule, ios: list[UnitIO]) ->
         for name in io.inputs:
             last_use[name] = unit.id
     keep_alive = set(outputs) | set(placeholders)
+    by_name = {n.name: n for n in graph.nodes}
+    # units running an op keyed to step state outside the graph (vLLM's attention): the
+    # engine's per-ubatch state is installed first (runtime.context.ubatch_scope)
+    stateful = {u.id for u in schedule.units if u.ubatch is not None and any(
+        n in by_name and step_state_key(by_name[n]) is not None for n in u.nodes)}
 
     lines = [
         "def dbo_step(self, " + ", ".join(placeholders) + "):",
@@ -239,6 +247,8 @@ def generate(split_gm: fx.GraphModule, schedule: Schedule, ios: list[UnitIO]) ->
             indent = "        "
         for p in sorted(waits_for.get(unit.id, [])):
             lines.append(f"{indent}wait({stream}, ev[{event_index[p]}])  # after [{p}]")
+        if unit.id in stateful:
+            lines.append(f"{indent}enter_ubatch({unit.ubatch})  # its step state (host)")
         outs = ", ".join(io.outputs)
         call = f"units[{unit.id}](" + ", ".join(io.inputs) + ")"
         if io.outputs:
@@ -291,6 +301,12 @@ class SplitProgram:
         self.code, self.num_events = generate(split_gm, schedule, self.unit_io)
         self._load()
 
+    @property
+    def enters_ubatch(self) -> bool:
+        """The program runs ops keyed to step state outside the graph, so it calls
+        ``enter_ubatch`` (:func:`~dbo_compile.runtime.context.ubatch_scope`)."""
+        return "enter_ubatch(" in self.code
+
     @classmethod
     def from_parts(cls, schedule: Schedule, units: list[Callable], unit_io: list[UnitIO],
                    code: str, num_events: int, carveout_sms: int | None = None) -> SplitProgram:
@@ -319,6 +335,7 @@ class SplitProgram:
                 "use": _streams.use, "record": _streams.record, "wait": _streams.wait,
                 "keep": _streams.keep, "device_of": _streams.device_of, "operator": operator,
                 "torch": torch, "rf": torch.profiler.record_function,
+                "enter_ubatch": enter_ubatch,
             }
             exec(compile(self.code, "<dbo_step>", "exec"), namespace)  # noqa: S102 - our codegen
             self._fn = namespace["dbo_step"]

@@ -15,7 +15,15 @@ The passes, the cost model and the runtime ask this table, never the op modules 
   sends when it must issue the collective without data (a rank whose step failed drains its
   remaining collectives with it, :mod:`dbo_compile.runtime.step_txn`);
 - for an op reading a **paged KV cache**, which argument is the cache and which of its dims
-  the block size (the prefix-read veto takes the block size from there).
+  the block size (the prefix-read veto takes the block size from there);
+- for an op that reads or writes **step state outside the graph** keyed by an argument (vLLM's
+  attention and KV-cache write read the step's metadata and the layer's KV cache from vLLM's
+  forward context by layer name), which argument is the key: the split program runs such an
+  op under its ubatch's step state (:func:`dbo_compile.runtime.context.ubatch_scope`) and
+  orders the ubatches' calls with one key by ubatch, as for a KV cache the graph holds.
+
+A call that AOTAutograd functionalised (``auto_functionalized(_v2)(op, ...)``: an op that
+writes one of its arguments) has the record of ``op`` (:func:`node_op_info`).
 
 Each ``dbo`` op module registers its record next to its ``torch.library.custom_op``
 (:mod:`dbo_compile.ops` imports them all); users declare their own row-local custom ops with
@@ -41,9 +49,9 @@ __all__ = ["BackendRegistry", "OpInfo", "backend_spec", "bound_backend", "collec
            "comm_call", "comm_fingerprint", "comm_group_name", "comm_kind", "comm_nodes",
            "comm_plan", "comm_wait",
            "import_optional", "is_c10d_wait", "is_getitem", "is_receive", "is_wait",
-           "joinable_ops", "kv_block_sizes", "op_arg", "op_has_arg", "op_info",
+           "joinable_ops", "kv_block_sizes", "node_op_info", "op_arg", "op_has_arg", "op_info",
            "parse_backend_spec", "register_op", "register_paged_kv_op", "register_row_local",
-           "registered_ops", "set_op_arg"]
+           "register_step_state_op", "registered_ops", "set_op_arg", "step_state_key"]
 
 #: ``flops(node, size) -> float``: FLOPs of ``node`` with its symbolic sizes evaluated by
 #: ``size(sym_or_int) -> int`` (the cost model's reference token counts)
@@ -79,6 +87,9 @@ class OpInfo:
             the op has no null call (a failed rank cannot drain it).
         kv_cache_arg: ``(position, name, block_dim)`` of a paged KV cache argument: the
             block size (tokens per block) is dim ``block_dim`` of its static shape.
+        step_state_arg: ``(position, name)`` of the argument keying state the op reads or
+            writes outside the graph (vLLM's layer name): the op runs under its ubatch's step
+            state, and the calls with one key are ordered by ubatch. ``None``: none.
     """
 
     op: Any
@@ -93,6 +104,7 @@ class OpInfo:
     group_arg: tuple[int, str] | None = None
     null_fill: tuple[float, ...] | None = None
     kv_cache_arg: tuple[int, str, int] | None = None
+    step_state_arg: tuple[int, str] | None = None
 
 
 _REGISTRY: dict[Any, OpInfo] = {}
@@ -125,6 +137,21 @@ def register_paged_kv_op(op: Any, cache_arg: tuple[int, str], block_dim: int) ->
     register_op(dataclasses.replace(old, kv_cache_arg=(cache_arg[0], cache_arg[1], block_dim)))
 
 
+def register_step_state_op(op: Any, key_arg: tuple[int, str], *, row_local: bool = True,
+                           token_args: tuple[tuple[int, str], ...] = ()) -> None:
+    """Declare that ``op`` (an ``OpOverload``) reads or writes per-step state outside the graph
+    keyed by its argument ``key_arg = (position, name)`` (vLLM's attention reads the step's
+    metadata and the layer's KV cache from the forward context by layer name): its ubatch
+    copies run under their ubatch's step state and are ordered by ubatch per key. With
+    ``row_local`` (the default) it is row-local along ``token_args`` given that state, as
+    ``dbo.attention`` is given its metadata."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    old = _REGISTRY.get(op) or OpInfo(op)
+    register_op(dataclasses.replace(old, step_state_arg=key_arg, row_local=row_local,
+                                    token_args=token_args or old.token_args))
+
+
 def registered_ops() -> list[OpInfo]:
     """Every record, in registration order."""
     return list(_REGISTRY.values())
@@ -139,6 +166,39 @@ def op_info(target: Any) -> OpInfo | None:
         return _REGISTRY.get(target)
     except TypeError:  # an unhashable target
         return None
+
+
+def _functionalized_op(node: fx.Node) -> Any:
+    """The op of an ``auto_functionalized(_v2)(op, **kwargs)`` call, else ``None``."""
+    hop = torch.ops.higher_order
+    if node.target in (getattr(hop, "auto_functionalized", None),
+                       getattr(hop, "auto_functionalized_v2", None)) and node.args:
+        return node.args[0]
+    return None
+
+
+def node_op_info(node: fx.Node) -> OpInfo | None:
+    """The record of the op ``node`` calls; for a functionalised call
+    (``auto_functionalized(_v2)(op, **kwargs)``, whose arguments are keywords by the op's
+    schema names) the record of ``op``. ``None`` for a node that calls no recorded op."""
+    if node.op != "call_function":
+        return None
+    inner = _functionalized_op(node)
+    return op_info(inner if inner is not None else node.target)
+
+
+def step_state_key(node: fx.Node) -> Any:
+    """The key argument of a call of a step-state op (:func:`register_step_state_op`; through
+    a functionalised call too): a graph node (vLLM's layer name is a graph input) or a
+    constant; ``None`` when ``node`` calls no such op."""
+    info = node_op_info(node)
+    if info is None or info.step_state_arg is None:
+        return None
+    pos, name = info.step_state_arg
+    if _functionalized_op(node) is not None:
+        return node.kwargs.get(name)
+    return op_arg(node, name) if op_has_arg(node, name) else (
+        node.args[pos] if pos < len(node.args) else node.kwargs.get(name))
 
 
 def joinable_ops() -> frozenset:

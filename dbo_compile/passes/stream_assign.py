@@ -14,8 +14,9 @@ Algorithm:
      ubatch input reaches (weight views) form one shared prologue stage.
   2. Dependencies. Data edges between units (a wait node stands for its issue's unit), plus
      the edges FX cannot see: every access of ubatch ``u`` to an input that some op mutates in
-     place (the KV cache) precedes ubatch ``u + 1``'s accesses (``docs/design.md``,
-     invariant 3), and every reader of a state input's old value precedes its write back
+     place (the KV cache), or to the state a step-state op keys by an input (vLLM's KV cache
+     by layer name, :func:`~dbo_compile.ops.registry.step_state_key`), precedes ubatch
+     ``u + 1``'s accesses (``docs/design.md``, invariant 3), and every reader of a state input's old value precedes its write back
      (:mod:`~dbo_compile.passes.state_threads`; each ubatch's copy of a state-thread segment
      and each write back is a unit of its own).
   3. List scheduling. Simulate the two in-order streams with the cost model; repeatedly issue
@@ -66,6 +67,7 @@ from dbo_compile.ops.registry import (
     is_receive,
     is_wait,
     op_arg,
+    step_state_key,
 )
 from dbo_compile.passes.cost_model import CostModel
 from dbo_compile.passes.meta import dbo_meta, set_stream
@@ -287,11 +289,23 @@ def unit_graph(graph: fx.Graph) -> UnitGraph:
     hidden: set[tuple[int, int]] = set()
     mutated = sorted({m for n in nodes for m in dbo_meta(n).get("mutates", [])})
     by_name = {n.name: n for n in nodes}
-    for m in mutated:
+    # and of the state a step-state op keys by an argument (vLLM's layer name, a graph input:
+    # the layer's KV cache in its forward context), by every op with that key
+    keyed: dict[str, list[fx.Node]] = {}
+    for n in nodes:
+        key = step_state_key(n)
+        if key is not None:
+            name = key.name if isinstance(key, fx.Node) else f"const:{key!r}"
+            keyed.setdefault(name, []).append(n)
+    for m in sorted(set(mutated) | set(keyed)):
         ph = by_name.get(m)
-        if ph is None:
+        if m in keyed and m not in mutated:
+            users = keyed[m]
+        elif ph is None:
             continue
-        accesses = sorted({node_unit[u] for u in ph.users if u in node_unit},
+        else:
+            users = list(ph.users)
+        accesses = sorted({node_unit[u] for u in users if u in node_unit},
                           key=lambda i: (ordered[i][0].meta.get("dbo", {}).get("ubatch") or 0,
                                          order[ordered[i][0]]))
         for a, b in zip(accesses, accesses[1:]):

@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.errors import UnsplittableGraphError
-from dbo_compile.ops.registry import comm_kind, is_wait, op_info
+from dbo_compile.ops.registry import comm_kind, is_wait, node_op_info
 from dbo_compile.passes.meta import dbo_meta
 from dbo_compile.signature import OutputSpec
 
@@ -287,7 +287,10 @@ def _misaligned(node: fx.Node, token_args: tuple[tuple[int, str], ...]) -> str |
     has the token dim, another a fixed first dim (built from a token count Dynamo specialised,
     e.g. ``torch.zeros(x.shape[0], k)`` in a static graph). Each ubatch would pair its rows with
     all of the other input's rows."""
-    args = [_arg(node, i, name, None) for i, name in token_args]
+    if node.target is not node_op_info(node).op:  # functionalised: arguments by name
+        args = [node.kwargs.get(name) for _, name in token_args]
+    else:
+        args = [_arg(node, i, name, None) for i, name in token_args]
     tok = [a for a in args if _node_token(a)]
     fixed = [a for a in args if isinstance(a, fx.Node) and not _node_token(a)]
     if tok and fixed:
@@ -301,7 +304,7 @@ def _misaligned(node: fx.Node, token_args: tuple[tuple[int, str], ...]) -> str |
 def _why_not_row_local(node: fx.Node, syms: frozenset) -> str | None:
     """Why ``node`` (reading token-indexed values) mixes tokens; ``None`` if it is row-local."""
     target = node.target
-    info = op_info(target)
+    info = node_op_info(node)  # through auto_functionalized(_v2): the op's own record
     if info is not None and info.row_local:
         return _misaligned(node, info.token_args)  # keeps every ubatch's tokens consistent
     if target is operator.getitem or comm_kind(node) is not None or is_wait(node):

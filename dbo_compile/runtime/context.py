@@ -21,7 +21,7 @@ import contextvars
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,11 @@ class _PerThread(threading.local):
     """Per thread (a server may step several models from several threads): the artifact
     called last; while not None (inside :func:`record_calls`) the list every artifact call
     appends ``(artifact, args)`` to; whether calls count in the artifacts' stats; the depth of
-    :func:`traced_only` blocks; the last call's outputs and their specs (:func:`note_outputs`)."""
+    :func:`traced_only` blocks; the last call's outputs and their specs (:func:`note_outputs`);
+    the engine's per-ubatch step-state switch (:func:`ubatch_scope`)."""
 
     last_called: Any = None
+    ubatch_hook: Any = None
     recorded: list | None = None
     counting: bool = True
     traced_only: int = 0
@@ -166,3 +168,32 @@ def traced_only() -> Iterator[None]:
 def in_traced_only() -> bool:
     """Whether this thread is inside a :func:`traced_only` block."""
     return _THREAD.traced_only > 0
+
+
+@contextlib.contextmanager
+def ubatch_scope(enter: Callable[[int], None]) -> Iterator[None]:
+    """Within the block, the split program calls ``enter(u)`` before each unit of ubatch ``u``
+    that runs an op keyed to step state outside the graph
+    (:func:`~dbo_compile.ops.registry.register_step_state_op`: vLLM's attention reads its
+    metadata from vLLM's forward context), so that the engine installs ubatch ``u``'s state
+    (vLLM: its per-ubatch attention metadata). The engine restores its own state after the
+    block; ``enter`` runs on the host, between units."""
+    old, _THREAD.ubatch_hook = _THREAD.ubatch_hook, enter
+    try:
+        yield
+    finally:
+        _THREAD.ubatch_hook = old
+
+
+def in_ubatch_scope() -> bool:
+    """Whether an engine's per-ubatch step-state switch (:func:`ubatch_scope`) is installed."""
+    return _THREAD.ubatch_hook is not None
+
+
+def enter_ubatch(ubatch: int) -> None:
+    """What the generated split program calls before a unit of ``ubatch`` that reads step
+    state: the engine's switch of :func:`ubatch_scope`, if any (none: the program runs outside
+    an engine that keeps such state, and the op reads what the caller set)."""
+    hook = _THREAD.ubatch_hook
+    if hook is not None:
+        hook(ubatch)

@@ -44,16 +44,19 @@ def pad_args(specs: Sequence[InputSpec], args: Sequence[Any], num_tokens: int,
 class WriteBack:
     """Token-indexed inputs the step pads are copies: rows the program writes in place (a KV
     cache indexed by request, e.g. transformers' StaticCache) are copied back to the caller's
-    tensor after the step. In-place writes are detected by the tensor version counter."""
+    tensor after the step. In-place writes are detected by the tensor version counter; an
+    inference tensor (made under ``torch.inference_mode``, as vLLM runs its model) has none,
+    so its rows are always copied back (unwritten rows are equal: the copy changes nothing)."""
 
     def __init__(self, original: Sequence[Any], padded: Sequence[Any], num_tokens: int):
-        self.pairs = [(o, p, p._version) for o, p in zip(original, padded)
+        self.pairs = [(o, p, None if p.is_inference() else p._version)
+                      for o, p in zip(original, padded)
                       if isinstance(p, torch.Tensor) and p is not o and isinstance(o, torch.Tensor)]
         self.num_tokens = num_tokens
 
     def __call__(self) -> None:
         for orig, pad, version in self.pairs:
-            if pad._version != version:
+            if version is None or pad._version != version:
                 orig.copy_(pad[: self.num_tokens])
 
 

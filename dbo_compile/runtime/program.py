@@ -28,6 +28,7 @@ from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision, StepSta
 from dbo_compile.runtime.context import (
     counting,
     current_step_context,
+    in_ubatch_scope,
     last_called,
     record_calls,
     uncounted,
@@ -206,6 +207,11 @@ class DboCompiledModule(CompiledArtifact):
         ctx = current_step_context()
         if not ctx.allow_split:
             return "engine: allow_split=False"
+        if getattr(self.split_program, "enters_ubatch", False) and not in_ubatch_scope():
+            return ("step-state ops (keyed to engine state outside the graph, e.g. vLLM's "
+                    "attention) and no engine switch of that state per ubatch "
+                    "(runtime.context.ubatch_scope; under vLLM: "
+                    "dbo_compile.integrations.vllm.vllm_backend)")
         if md is None:
             return None
         sizes = self._veto_block_sizes(ctx.block_size)
@@ -257,7 +263,9 @@ class DboCompiledModule(CompiledArtifact):
         adds a read of every mirrored field (debugging).
         """
         num_tokens = int(args[self.token_index].shape[0])
-        has_md = self.takes_metadata
+        # the graph's metadata inputs, or the engine's when the graph reads it elsewhere (vLLM's
+        # attention reads it from the forward context): checked, vetoed and voted on alike
+        has_md = self.takes_metadata or metadata is not None
         given = current_step_context().num_scheduled_tokens
         qlens: list[int] | None = None
         local_error = None
