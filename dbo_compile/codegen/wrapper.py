@@ -22,6 +22,7 @@ and waiting on an event recorded there would depend on work outside the capture
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from dataclasses import dataclass
@@ -301,7 +302,7 @@ class SplitProgram:
         self.code, self.num_events = generate(split_gm, schedule, self.unit_io)
         self._load()
 
-    @property
+    @functools.cached_property
     def enters_ubatch(self) -> bool:
         """The program runs ops keyed to step state outside the graph, so it calls
         ``enter_ubatch`` (:func:`~dbo_compile.runtime.context.ubatch_scope`)."""

@@ -1,7 +1,8 @@
 """vLLM's step facts without an engine: :func:`vllm_veto` and ``_step_facts`` on hand-built
 ``CommonAttentionMetadata`` (speculative decoding, cascade attention, several KV-cache
-groups, metadata not built by a recorded builder), and each ubatch's forward-context state
-(an empty ubatch included: DP padding), as :class:`VllmStep` installs them.
+groups, metadata not built by a recorded builder), each ubatch's forward-context state (an
+empty ubatch included: DP padding), as :class:`VllmStep` installs them, and the backend name
+``"dbo"`` under vLLM.
 
 Runs only where vLLM imports (``.ci/run``'s vLLM virtual environment).
 """
@@ -15,9 +16,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (.ci/run tests it in its own venv)")
 
+from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
-from dbo_compile.integrations.vllm import step  # noqa: E402
+from dbo_compile.errors import DboConfigError  # noqa: E402
+from dbo_compile.integrations.vllm import register, step, vllm_backend  # noqa: E402
 from dbo_compile.integrations.vllm.step import BuildRecord, _step_facts, _ubatch_states, vllm_veto  # noqa: E402,E501
 
 BLOCK = 16
@@ -167,3 +170,16 @@ def test_ubatch_states_cut_a_request_and_use_one_builder_per_ubatch():
     assert c0.query_start_loc_cpu.tolist() == [0, 16] and c0.seq_lens.tolist() == [16]
     assert c1.query_start_loc_cpu.tolist() == [0, 10, 15] and c1.seq_lens.tolist() == [26, 5]
     assert c1.num_actual_tokens == 15 and slots1["l0"].shape == (16,)
+
+
+def test_the_name_dbo_is_the_vllm_entry_and_other_modes_are_refused():
+    """``compilation_config backend="dbo"`` resolves to the vLLM entry (not the plain Dynamo
+    backend, which has no step facts); a compilation mode other than 2 is refused by name."""
+    register()
+    config = VllmConfig(compilation_config=CompilationConfig(mode=2, backend="dbo"))
+    assert config.compilation_config.init_backend(config) is vllm_backend
+    # mode 1 (stock torch.compile, with guards); vLLM itself refuses "dbo" in mode 3
+    config1 = VllmConfig(compilation_config=CompilationConfig(mode=1, backend="dbo"))
+    assert config1.compilation_config.init_backend(config1) is vllm_backend
+    with set_current_vllm_config(config1), pytest.raises(DboConfigError, match="mode 2"):
+        vllm_backend(None, [])

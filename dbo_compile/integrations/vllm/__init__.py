@@ -78,8 +78,8 @@ def vllm_options(vllm_config: Any) -> dict[str, Any]:
 
 
 def vllm_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-    """The backend vLLM calls in compilation mode 2 (``compilation_config["backend"] =
-    "dbo_compile.integrations.vllm.vllm_backend"``): :func:`~dbo_compile.backend.dbo_backend`
+    """The backend vLLM calls in compilation mode 2 (``compilation_config["backend"]`` =
+    ``"dbo"``, or this qualname): :func:`~dbo_compile.backend.dbo_backend`
     with the options of :func:`vllm_options`, its artifact wrapped in
     :class:`~.step.VllmStep` (vLLM's step facts, vetoes and per-ubatch metadata).
 
@@ -87,20 +87,20 @@ def vllm_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         DboConfigError: vLLM's compilation mode is not 2, ``VLLM_USE_AOT_COMPILE`` is on, or
             an option is bad.
     """
+    # vLLM compiles in the model's first forward, where no current config is set: the one the
+    # model's MoE layers were built under
     vllm_config = get_current_vllm_config_or_none() or model_vllm_config()
     mode = getattr(getattr(vllm_config, "compilation_config", None), "mode", None)
     if mode is not None and mode != CompilationMode.DYNAMO_TRACE_ONCE:
         raise DboConfigError(
             f"the dbo backend inside vLLM runs in compilation mode 2 (DYNAMO_TRACE_ONCE: vLLM "
-            f"hands it the whole graph), got mode {int(mode)} ({mode.name}): pass "
-            "compilation_config={'mode': 2, 'backend': 'dbo'}")
+            f"hands it the whole graph), got mode {int(mode)} ({CompilationMode(mode).name}): "
+            "pass compilation_config={'mode': 2, 'backend': 'dbo'}")
     if envs.VLLM_USE_AOT_COMPILE:
         raise DboConfigError(
             "vLLM's AOT compile (VLLM_USE_AOT_COMPILE=1, the default on torch >= 2.10) needs a "
             "serialisable backend; the dbo backend's programs are not: set "
             "VLLM_USE_AOT_COMPILE=0 in the environment of the vLLM processes")
-    # vLLM compiles in the model's first forward, where no current config is set: the one the
-    # model's MoE layers were built under
     if vllm_config is None:
         raise DboConfigError(
             "dbo_compile.integrations.vllm.vllm_backend found no vLLM config: it is vLLM's "
