@@ -88,7 +88,8 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
                      why: UnsplittableGraphError, times: dict[str, float]) -> UnsplitProgram:
     """The way out for a graph we do not split; it still votes if it issues collectives.
     ``why``: the reason, and what the passes found before it (``row_local``: padding rows
-    cannot change real rows; ``state_inputs``: the inputs the graph writes in place)."""
+    cannot change real rows; ``state_inputs``: the inputs the graph writes in place;
+    ``folds_token_rows``: padding rows would be counted in one of them)."""
     try:
         specs = lowering.classify_inputs(gm, example_inputs)
     except UnsplittableGraphError:
@@ -99,7 +100,7 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     token = _token_symbol(specs, gm)
     return UnsplitProgram(pipeline.compile_unsplit(gm, config), str(why), config, specs,
                           has_comm, fixed_num_tokens=not dynamic, row_local=why.row_local,
-                          state_inputs=why.state_inputs,
+                          state_inputs=why.state_inputs, folds_token_rows=why.folds_token_rows,
                           unsplit_collectives=comm_fingerprint(gm.graph) if has_comm else None,
                           compile_times=times,
                           output_specs=token_dim.output_specs(gm.graph, token),

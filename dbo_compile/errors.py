@@ -40,10 +40,14 @@ class UnsplittableGraphError(DboError):
         state_inputs: graph-input indices of the shared inputs the graph writes in place
             (:func:`~dbo_compile.passes.state_threads.state_inputs`; set by the raiser where
             the graph was lowered), which runs that are no served step put back.
+        folds_token_rows: the graph folds token rows into a buffer it updates (an
+            expert-load counter; set by the raiser where the state threads were found):
+            Dynamo's graph, which the way out runs, would count padding rows in it.
     """
 
     row_local: bool = False
     state_inputs: tuple[int, ...] = ()
+    folds_token_rows: bool = False
 
 
 class ScheduleError(DboError):

@@ -6,7 +6,7 @@ import torch
 
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
-from dbo_compile.testing.faults import FaultyMoEModel
+from dbo_compile.testing.faults import FaultyMoEModel, _FaultyMoE
 
 DECODE_64 = dict(decode_context_lens=[100 + 7 * i for i in range(64)], prefills=[])
 # 24 decodes then a 40-token prefill: 64 tokens, split point 32 cuts the prefill in two
@@ -75,3 +75,32 @@ def model_state(model: CountingModel) -> dict[str, torch.Tensor]:
     """Copies of the model's counters and KV caches."""
     return {"expert_load": model.expert_load.clone(), "steps": model.steps.clone(),
             **{f"kv{i}": c.clone() for i, c in enumerate(model.kv_caches())}}
+
+
+class _NoCommMoE(_FaultyMoE):
+    """The routed experts of every token computed here, without dispatch / combine."""
+
+    def forward(self, x):
+        topk_w, topk_ids = self.route(x)  # counts the routing
+        return self.experts(x, topk_ids, topk_w) + self.shared_experts(x)
+
+
+class NoCommCountingModel(CountingModel):
+    """:class:`CountingModel` without a comm op (all experts local, no dispatch / combine):
+    row-local, compiled unsplit ("nothing to overlap"), its expert-load counter a fold of
+    token rows in Dynamo's graph."""
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        for layer in self.layers:
+            if isinstance(layer.mlp, _FaultyMoE):
+                layer.mlp.__class__ = _NoCommMoE
+
+
+class MixingCountingModel(CountingModel):
+    """:class:`CountingModel` whose logits are centred over the step's tokens: compiled
+    unsplit (it mixes tokens), with collectives, counting expert load."""
+
+    def forward(self, input_ids, positions, attn_metadata):
+        out = super().forward(input_ids, positions, attn_metadata)
+        return out - out.mean(0, keepdim=True)

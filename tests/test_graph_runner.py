@@ -9,6 +9,7 @@ output equals eager, nothing is captured after warm-up, and every DP rank holds 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 
 import pytest
@@ -258,8 +259,14 @@ def test_only_graphs_whose_time_can_change_the_choice_are_timed(options, timed):
     assert "16: unsplit" in runner.describe()
 
 
-def test_wide_block_table_runs_eagerly_with_a_warning(caplog):
-    cfg, model = _model()
+@pytest.mark.parametrize("dense", [False, True])
+def test_wide_block_table_runs_eagerly_with_a_warning(dense, caplog):
+    """``dense``: no MoE layer, a graph compiled unsplit without collectives, which runs no DP
+    vote: the runner's ask for the eager path went unheard, it replayed the bucket's graph and
+    the block table did not fit its buffer (UBatchExecutionError)."""
+    cfg = get_config("tiny", num_layers=2, first_k_dense_replace=2 if dense else 0)
+    model = DeepseekMoEModel(cfg, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
     compiled = torch.compile(model, backend="dbo")
     runner = CudaGraphRunner(compiled, [16], max_blocks_per_req=2, timing_iters=1)
     runner.capture()
@@ -534,3 +541,139 @@ def test_capture_leaves_the_models_state_as_it_was(split, dense):
     for k in ("expert_load", "steps"):
         assert torch.equal(served[k], want[k]), (k, served[k], want[k])
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+
+
+# -- numbers the graphs bake in (issue 29) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_number_changed_after_capture_is_never_served_from_a_stale_graph(dense, caplog):
+    """Under ``torch.compile(dynamic=True)`` Dynamo passes float attributes (the norms' eps,
+    the attention scale) as graph inputs, with no guard on their value; the captured graphs
+    bake them in. After ``model.norm.eps`` changed, the runner did not see it: it replayed its
+    split graph (the old eps folded in: logits off by 0.40), and a graph compiled unsplit
+    (``dense``: no MoE layer) replayed the old value too. Such a step runs eagerly, with a
+    WARNING naming the attribute; with the old value back the graphs serve again. A capture
+    with the new value is refused where the backend folded the old one into its programs,
+    and serves it where the graph reads it (Dynamo's graph, unsplit)."""
+    cfg = get_config("tiny", num_layers=2, first_k_dense_replace=2 if dense else 0)
+    model = DeepseekMoEModel(cfg, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    step = make_step(cfg, decode_context_lens=[30, 41, 7, 19, 60], prefills=[(16, 9)],
+                     block_size=16, num_blocks=NUM_BLOCKS, seed=3)
+    fill_kv_cache(model, step, seed=1)
+    saved = [c.clone() for c in model.kv_caches()]
+    compiled = torch.compile(model, backend="dbo", dynamic=True,
+                             options={"split": "always", "schedule_candidates": False})
+    runner = CudaGraphRunner(compiled, [16], max_blocks_per_req=8, block_size=16,
+                             timing_iters=1)
+    runner.capture()
+    assert runner.graphs[16].artifact.is_split != dense
+    old = model.norm.eps
+
+    def serve(eps):
+        model.norm.eps = eps
+        for c, s in zip(model.kv_caches(), saved):
+            c.copy_(s)
+        eager, _ = eager_then_restore(model, step)
+        with torch.no_grad():
+            out = runner(step.input_ids, step.positions, step.attn_metadata,
+                         step.num_scheduled_tokens)
+        torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+        return runner.last_choice
+
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        assert serve(0.5)[0] == "eager"
+    assert f"L['self']._modules['norm'].eps {old!r} -> 0.5" in caplog.text
+    assert serve(old)[0] == 16
+    model.norm.eps = 0.5
+    if dense:
+        runner.capture()
+        assert serve(0.5)[0] == 16
+    else:
+        with pytest.raises(GraphRunnerError, match=r"fold floats the model no longer holds.*"
+                           r"Compile the model again"):
+            runner.capture()
+
+
+def test_a_failed_load_replays_padding_and_keeps_the_models_state():
+    """A rank whose step fails before its replay replays the graph on padding rows (its peers
+    replay it too): that null replay added a step to the model's step counter, for a step that
+    did not happen on this rank. It leaves every buffer the programs write as it was."""
+    from dbo_compile.errors import UBatchExecutionError
+
+    cfg = get_config("tiny", num_layers=2)
+    model = CountingModel(cfg, seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    step = make_step(cfg, decode_context_lens=[30, 41, 7], prefills=[(0, 9)], block_size=16,
+                     num_blocks=NUM_BLOCKS, seed=3)
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo", options={"split": "always"}),
+                             [16], max_blocks_per_req=8, block_size=16, timing_iters=1)
+    runner.capture()
+    before = model_state(model)
+    ids = step.input_ids.to(torch.int32).unsqueeze(1)  # the static buffers cannot take it
+    with torch.no_grad(), pytest.raises(UBatchExecutionError, match="replayed with padding"):
+        runner(ids, step.positions, step.attn_metadata, step.num_scheduled_tokens)
+    after = model_state(model)
+    assert runner.last_choice == (16, "split")
+    changed = {k: (before[k].sum().item(), after[k].sum().item()) for k in before
+               if not torch.equal(before[k], after[k])}
+    assert not changed, changed
+
+
+def _number_on_one_rank_body(rank, world_size):
+    import torch.distributed as dist
+
+    from dbo_compile.backend import register
+    from dbo_compile.errors import DpVoteError
+
+    register()
+    cfg = get_config("tiny", num_layers=1)
+    model = CountingModel(cfg, ep_group=dist.group.WORLD, seed=0)
+    ref = CountingModel(cfg, seed=0)  # every expert local: the same function
+    for m in (model, ref):
+        m.allocate_kv_cache(NUM_BLOCKS, 16)
+    compiled = torch.compile(model, backend="dbo", dynamic=True,
+                             options={"split": "always", "schedule_candidates": False})
+    runner = CudaGraphRunner(compiled, [16], max_blocks_per_req=8, block_size=16,
+                             timing_iters=1)
+    runner.capture()
+    results = []
+    # rank 0's eps changes for two steps: first of equal token counts, then rank 0's smaller
+    for i, (eps, tokens) in enumerate([(0.5, [12, 12]), (0.5, [6, 12]), (None, [6, 12])]):
+        for m in (model, ref):
+            m.norm.eps = eps if eps is not None and rank == 0 else cfg.rms_eps
+        step = make_step(cfg, decode_context_lens=[30] * (tokens[rank] - 4), prefills=[(0, 4)],
+                         block_size=16, num_blocks=NUM_BLOCKS, seed=10 * i + rank)
+        for m in (model, ref):
+            fill_kv_cache(m, step, seed=i)
+            m.expert_load.fill_(3.0)
+        try:
+            with torch.no_grad():
+                out = runner(step.input_ids, step.positions, step.attn_metadata,
+                             step.num_scheduled_tokens)
+                eager = ref(step.input_ids, step.positions, step.attn_metadata)
+        except DpVoteError as e:
+            results.append(("DpVoteError", str(e), model.expert_load.sum().item()))
+            continue
+        same = all(torch.equal(getattr(model, k), getattr(ref, k)) for k in ("expert_load", "steps"))
+        results.append(("ok", runner.last_choice[0], (out - eager).abs().max().item(), same))
+    return results
+
+
+@pytest.mark.multirank
+def test_a_number_changed_on_one_rank_sends_every_rank_down_one_path():
+    """Rank 0's model changes its final norm's eps after capture (a number folded into the
+    programs and baked into the graphs), rank 1's does not. Every rank runs the step eagerly
+    (rank 0 Dynamo's graph, rank 1 its unsplit program, the same collectives), each equal to
+    its eager model; where rank 0's step is the smaller one, Dynamo's graph could not keep the
+    group's padding rows out of its expert-load counter, and every rank raises DpVoteError
+    before any collective of the step; with the value back the graphs serve again."""
+    results = run_multirank(_number_on_one_rank_body, 2, timeout_s=500)
+    print(results)
+    for rank, (changed, padded, back) in enumerate(results):
+        assert changed[0] == "ok" and changed[1] == "eager" and changed[2] <= 1e-5 and changed[3]
+        assert padded[0] == "DpVoteError" and "ranks [0]" in padded[1], padded
+        assert ("compile the model again" in padded[1]) == (rank == 0)
+        assert padded[2] == 3.0 * get_config("tiny").num_experts  # nothing of the step ran
+        assert back[0] == "ok" and back[1] == 16 and back[2] <= 1e-5 and back[3], back

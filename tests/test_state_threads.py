@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from conftest import last_artifact
-from moe_cases import capture_then_serve
+from moe_cases import (
+    CountingModel,
+    MixingCountingModel,
+    NoCommCountingModel,
+    capture_then_serve,
+    model_state,
+)
+from dbo_compile.backend import compiled_artifacts
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, MoE, get_config
 from dbo_compile.runtime.engine import run_step
@@ -213,3 +220,136 @@ def test_dp_padding_rows_are_not_counted_on_any_rank():
     for split, padded, same, err, reason in results:
         assert split and padded == 34 and same and err <= 1e-5
         assert "not this rank's tokens grouped in order" in reason
+
+
+# -- the way out and the guard fallback run Dynamo's graph: no dbo_row_valid (issue 29) ---------
+
+
+def _counting(cls, group=None, **overrides):
+    cfg = get_config("tiny", num_layers=2, **overrides)
+    model, ref = cls(cfg, ep_group=group, seed=0), cls(cfg, seed=0)
+    return cfg, model, ref
+
+
+def _served_and_eager(model, ref, step, call):
+    """``call()``'s output and the model's state, and eager's on ``ref`` (the same weights,
+    every expert local) for the step's real rows, from the same KV caches and counters."""
+    for m in (model, ref):
+        m.allocate_kv_cache(max(step.num_blocks, 4), step.block_size)
+        fill_kv_cache(m, step, seed=1)
+        m.expert_load.fill_(3.0)  # a state from earlier steps
+    with torch.no_grad():
+        out = call()  # first: where it raises, neither model ran the step
+        eager = ref(step.input_ids, step.positions, step.attn_metadata)
+    return out, model_state(model), eager, model_state(ref)
+
+
+@pytest.mark.parametrize("cls", [NoCommCountingModel, MixingCountingModel])
+@pytest.mark.parametrize("rows", [0, 1])
+def test_an_unsplit_graph_never_runs_run_steps_padding_rows(cls, rows):
+    """A graph compiled unsplit runs Dynamo's graph, which has no ``dbo_row_valid`` input.
+    ``run_step`` pads a 0- or 1-token step to 2 rows: the padding row was counted in the
+    expert-load counter (1 token, top-2, 2 layers: 8 against eager's 4), and a graph that
+    mixes tokens returned logits off by 1.26. Such a graph runs at the step's own rows."""
+    cfg, model, ref = _counting(cls)
+    step = _step(cfg, rows)
+    compiled = torch.compile(model, backend="dbo", options={"schedule_candidates": False})
+    out, got, eager, want = _served_and_eager(model, ref, step, lambda: run_step(
+        compiled, step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens))
+    assert out.shape[0] == rows
+    for k in ("expert_load", "steps"):
+        assert torch.equal(got[k], want[k]), (k, got[k], want[k])
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+    art = last_artifact()
+    assert not art.is_split and art.padding_hazard() is not None, art.reason
+
+
+def test_runner_refuses_an_unsplit_graph_that_would_count_bucket_padding():
+    """The CUDA-graph runner pads a step to its bucket. A graph compiled unsplit (no comm op)
+    whose expert-load counter folds token rows counted the bucket's padding rows: after a
+    12-token step in bucket 16 the counter read 64 against eager's 48, nothing said. Refused at
+    capture, naming the buffer; capture leaves the model's state as it was."""
+    from dbo_compile.runtime.graphs import CudaGraphRunner, GraphRunnerError
+
+    cfg, model, ref = _counting(NoCommCountingModel)
+    step = _step(cfg, 12)
+    model.allocate_kv_cache(step.num_blocks, step.block_size)
+    before = model_state(model)
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo"), buckets=[16], timing_iters=1,
+                             device="cpu", max_blocks_per_req=step.attn_metadata.block_table.shape[1])
+    with pytest.raises(GraphRunnerError, match=r"folds token rows into buffers it updates "
+                       r"\(graph inputs .*expert_load"):
+        runner.capture()
+    after = model_state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+def test_a_changed_float_runs_dynamos_graph_at_the_steps_own_rows(rows):
+    """After a float folded into the programs changed (``torch.compile(dynamic=True)``, the
+    final norm's eps), a step runs Dynamo's graph (the guard's fallback), which has no
+    ``dbo_row_valid``: run_step's padding row of a 1-token step was counted (8 against 4).
+    It runs at the step's own rows."""
+    cfg, model, ref = _counting(CountingModel)
+    compiled = torch.compile(model, backend="dbo", dynamic=True,
+                             options={"schedule_candidates": False})
+    # compiles, the old eps folded in (a step of the same layout: Dynamo's graph for it)
+    first = _step(cfg, rows, seed=1)
+    _served_and_eager(model, ref, first, lambda: run_step(
+        compiled, first.input_ids, first.positions, first.attn_metadata,
+        first.num_scheduled_tokens))
+    assert last_artifact().is_split and last_artifact().float_guards
+    for m in (model, ref):
+        m.norm.eps = 0.5
+    step = _step(cfg, rows)
+    out, got, eager, want = _served_and_eager(model, ref, step, lambda: run_step(
+        compiled, step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens))
+    assert "float" in last_artifact().stats.last_decision and len(compiled_artifacts()) == 1
+    for k in ("expert_load", "steps"):
+        assert torch.equal(got[k], want[k]), (k, got[k], want[k])
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+
+
+def _unpaddable_dp_body(rank, world_size):
+    import torch.distributed as dist
+
+    from dbo_compile.backend import register
+    from dbo_compile.errors import DpVoteError
+
+    register()
+    cfg, model, ref = _counting(MixingCountingModel, group=dist.group.WORLD)
+    compiled = torch.compile(model, backend="dbo", options={"schedule_candidates": False})
+    results = []
+    for tokens in ([20, 33][rank], 20):  # unequal: rank 0 is padded; equal: nobody is
+        step = _step(cfg, tokens, seed=rank)
+        try:
+            out, got, eager, want = _served_and_eager(model, ref, step, lambda: run_step(
+                compiled, step.input_ids, step.positions, step.attn_metadata,
+                step.num_scheduled_tokens))
+        except DpVoteError as e:
+            after = model_state(model)
+            results.append(("DpVoteError", str(e), after["expert_load"].sum().item(),
+                            after["steps"].item()))
+            continue
+        results.append(("ok", (out - eager).abs().max().item(),
+                        all(torch.equal(got[k], want[k]) for k in ("expert_load", "steps")),
+                        last_artifact().reason))
+    return results
+
+
+@pytest.mark.multirank
+def test_dp_padding_of_an_unsplit_graph_that_cannot_be_padded_raises_on_every_rank():
+    """Two DP ranks of 20 and 33 tokens running a graph compiled unsplit (it mixes tokens)
+    with an expert-load counter: the vote padded rank 0 to 33 rows, whose logits came back off
+    (the padding rows entered the mean) and whose counter counted the padding, nothing said.
+    Every rank raises ``DpVoteError`` (rank 0's names why it cannot be padded), before any
+    collective of the step; a step of equal counts is exact, counters bitwise."""
+    results = run_multirank(_unpaddable_dp_body, 2, timeout_s=400)
+    print(results)
+    for rank, (unequal, equal) in enumerate(results):
+        assert unequal[0] == "DpVoteError", unequal
+        assert "ranks [0]" in unequal[1] and "pads their [20] token rows to 33" in unequal[1]
+        assert ("this rank cannot be padded: the graph was compiled unsplit (node mean"
+                in unequal[1]) == (rank == 0)
+        assert unequal[2:] == (3.0 * 8, 0)  # the state as it was: nothing of the step ran
+        assert equal[0] == "ok" and equal[1] <= 1e-5 and equal[2], equal

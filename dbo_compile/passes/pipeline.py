@@ -226,6 +226,8 @@ def _find_comm(gm: fx.GraphModule, st: CompileState) -> None:
         )
         e.row_local = True  # the token-dim pass passed: padding rows cannot change real rows
         e.state_inputs = state_threads.state_inputs(gm.graph, st.specs)
+        # ... but they would be counted in a fold of token rows (Dynamo's graph has no mask)
+        e.folds_token_rows = any(seg.kind == "fold" for t in st.threads for seg in t.segments)
         raise e
 
 
@@ -318,7 +320,8 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         if key is not None:
             runner.time("cache_store", cache.write_entry, config.cache_dir, key,
                         {"kind": "unsplittable", "reason": str(e), "row_local": e.row_local,
-                         "state_inputs": e.state_inputs})
+                         "state_inputs": e.state_inputs,
+                         "folds_token_rows": e.folds_token_rows})
         raise
     if key is not None:
         runner.time("cache_store", _to_cache, key, compiled, programs)
@@ -515,6 +518,7 @@ def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRun
         e = UnsplittableGraphError(f"{payload['reason']} (compile cache)")
         e.row_local = bool(payload.get("row_local"))
         e.state_inputs = tuple(payload.get("state_inputs", ()))
+        e.folds_token_rows = bool(payload.get("folds_token_rows"))
         raise e
     try:
         if tuple(payload["float_guards"]) != tuple(folds):

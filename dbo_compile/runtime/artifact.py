@@ -14,6 +14,7 @@ Both compiled artifacts, :class:`~dbo_compile.runtime.program.DboCompiledModule`
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -33,7 +34,10 @@ from dbo_compile.runtime.vote import VoteResult
 from dbo_compile.schedule import CommPlan
 from dbo_compile.signature import ROW_VALID_INPUT, InputSpec, OutputSpec, SplitSignature
 
-__all__ = ["CompiledArtifact", "StepDecision", "StepStats", "check_groups", "dp_group"]
+log = logging.getLogger(__name__)
+
+__all__ = ["CompiledArtifact", "StepDecision", "StepStats", "check_groups", "dp_group",
+           "own_rows"]
 
 
 @dataclass
@@ -79,6 +83,10 @@ class StepDecision:
         host: the metadata's host counts when the vote read them (the split reuses them).
         fallback: run the artifact's ``guard_fallback`` (Dynamo's graph, unsplit) instead of
             ``unsplit``: a value compiled into the programs changed.
+        unpaddable: why the program this rank runs this step cannot be padded
+            (:meth:`CompiledArtifact.padding_hazard`; ``None``: it can). It then runs at this
+            rank's own rows (without ``run_step``'s padding rows); the vote raised if the DP
+            group pads past them.
     """
 
     vote: VoteResult | None
@@ -86,6 +94,7 @@ class StepDecision:
     qlens: list[int]
     host: HostCounts | None = None
     fallback: bool = False
+    unpaddable: str | None = None
 
     @property
     def should_split(self) -> bool:
@@ -178,6 +187,17 @@ class CompiledArtifact:
             in order: ops, dtypes, static sizes, constants
             (:func:`~dbo_compile.ops.registry.comm_fingerprint`); the DP vote compares it
             across ranks (``None``: it issues none, or not known).
+        float_guards: ``(input index, value)`` of the floats folded into the programs
+            (``torch.compile(dynamic=True)`` passes float attributes as 0-dim tensors, on
+            whose value Dynamo does not guard; :func:`~dbo_compile.lowering.
+            fold_tensorified_floats`): each step compares them (:meth:`guard_missed`); a step
+            where one changed runs ``guard_fallback`` (Dynamo's graph, unsplit). Empty for
+            an artifact that runs Dynamo's graph itself.
+        guard_fallback: Dynamo's graph, unsplit, for such a step (``None``: no float folded).
+        folds_token_rows: the graph folds token rows into a buffer it updates (an
+            expert-load counter: :mod:`~dbo_compile.passes.state_threads`); the split
+            program and ``unsplit`` keep padding rows out of it (``dbo_row_valid``), Dynamo's
+            graph does not.
         stats / last_vote / last_slices: what the steps did (the last step's vote and ubatch
             slices).
     """
@@ -189,14 +209,18 @@ class CompiledArtifact:
                  compile_times: dict[str, float] | None = None,
                  output_specs: Sequence[OutputSpec] | None = None,
                  split_plan: CommPlan = None, unsplit_plan: CommPlan = None,
-                 state_inputs: Sequence[int] = (), unsplit_collectives: str | None = None):
+                 state_inputs: Sequence[int] = (), unsplit_collectives: str | None = None,
+                 float_guards: Sequence[tuple[int, float]] = (),
+                 guard_fallback: Callable[..., Any] | None = None,
+                 folds_token_rows: bool = False):
         self.unsplit = unsplit
         self.output_specs = None if output_specs is None else tuple(output_specs)
         self.split_plan = split_plan
         self.unsplit_plan = unsplit_plan
-        #: Dynamo's graph, unsplit, for a step where a value compiled into the programs
-        #: changed (``DboCompiledModule.float_guards``)
-        self.guard_fallback: Callable[..., Any] | None = None
+        self.float_guards = tuple(float_guards)
+        self.guard_fallback = guard_fallback
+        self._warned_guard = False
+        self.folds_token_rows = folds_token_rows
         self.config = config
         self.specs = specs
         self.reason = reason
@@ -217,6 +241,8 @@ class CompiledArtifact:
         #: graph-input index of the row-validity input the backend added (``None``: none)
         self.row_valid_index = next((s.index for s in specs or []
                                      if s.name == ROW_VALID_INPUT), None)
+        if self.row_valid_index is not None:
+            self.folds_token_rows = True
 
     @property
     def is_split(self) -> bool:
@@ -226,6 +252,47 @@ class CompiledArtifact:
     def takes_metadata(self) -> bool:
         """The graph takes the attention metadata (its ``query_start_loc`` at least)."""
         return "query_start_loc" in self.metadata_inputs
+
+    def stale_floats(self, args: Sequence[Any]) -> list[tuple[int, float, float]]:
+        """``(input index, folded value, value in args)`` of each float folded into the
+        programs (``float_guards``) that ``args`` hold another value of (host reads of 0-dim
+        CPU tensors)."""
+        return [(i, v, float(args[i])) for i, v in self.float_guards if float(args[i]) != v]
+
+    def guard_missed(self, args: Sequence[Any]) -> bool:
+        """A float folded into the programs has another value in ``args`` (``float_guards``;
+        WARNING the first time)."""
+        missed = self.stale_floats(args)
+        if missed and not self._warned_guard:
+            self._warned_guard = True
+            log.warning("dbo: float input(s) %s changed from the value(s) compiled into the "
+                        "programs; such steps run Dynamo's graph unsplit (compile the model "
+                        "again, torch._dynamo.reset() then torch.compile, to compile them in)",
+                        [(self._input_name(i), old, new) for i, old, new in missed])
+        return bool(missed)
+
+    def padding_hazard(self, fallback: bool = False) -> str | None:
+        """Why padding rows (the DP vote's, a CUDA-graph bucket's, ``run_step``'s) would change
+        the results of the program a step runs, or be counted in a buffer it updates
+        (``None``: they cannot). ``fallback``: the step runs ``guard_fallback``."""
+        if not self.row_local:
+            return (f"the graph was compiled unsplit ({self.reason}) and is not known to be "
+                    "row-local: padding rows could change the real rows' results")
+        if not self.folds_token_rows or (self.row_valid_index is not None and not fallback):
+            return None
+        buffers = ", ".join(self._input_name(i) for i in self.state_inputs) or "?"
+        if fallback:
+            return ("a float folded into the programs changed, and Dynamo's graph, which runs "
+                    "such steps, would count padding rows in the buffers the model updates from "
+                    f"the tokens (graph inputs {buffers}); compile the model again for the new "
+                    "value (torch._dynamo.reset(), then torch.compile) to pad such steps")
+        return (f"the graph was compiled unsplit ({self.reason}) and folds token rows into "
+                f"buffers it updates (graph inputs {buffers}): padding rows would be counted "
+                "in them")
+
+    def _input_name(self, index: int) -> str:
+        spec = self.specs[index] if self.specs is not None and index < len(self.specs) else None
+        return (spec.source or spec.name) if spec is not None else f"#{index}"
 
     def token_outputs(self, num_outputs: int) -> list[bool | None]:
         """Per graph output: token-indexed (``True``), not (``False``), unknown (``None``:
@@ -286,14 +353,19 @@ class CompiledArtifact:
         vote = decision.vote
         num_tokens = token_count(args, self.token_index)
         # the first call of each program checks the comm backends' results (run_watched)
-        if vote is None:  # no collective across ranks: nothing to pad or agree on
-            return self._finish(run_watched(self.unsplit, *args), num_tokens, num_tokens)
-        padded = vote.num_tokens_padded
-        split = decision.should_split
         unsplit = functools.partial(run_watched, self.unsplit)
         if decision.fallback:  # Dynamo's own graph: its inputs only
             unsplit = lambda *a: run_watched(  # noqa: E731
                 self.guard_fallback, *a[:self.row_valid_index])
+        if vote is None:  # no collective across ranks: nothing to pad or agree on
+            rows = num_tokens
+            if decision.unpaddable is not None and num_tokens is not None:
+                rows = own_rows(num_tokens)  # without run_step's padding rows
+            return self._finish(unsplit(*pad_args(self.specs or [], args, num_tokens, rows)),
+                                num_tokens, rows)
+        # a program that cannot be padded: the vote agreed on this rank's own rows, or raised
+        padded = vote.num_tokens_padded
+        split = decision.should_split
 
         def run() -> tuple[Any, ...]:
             if not split and padded == num_tokens:
@@ -340,8 +412,7 @@ class CompiledArtifact:
         t = args[self.token_index]
         n = int(t.shape[0])
         if real_rows is None:
-            ctx = current_step_context()
-            real_rows = ctx.real_rows if ctx.real_rows is not None and ctx.padded_rows == n else n
+            real_rows = own_rows(n)
         return (*args, torch.arange(n, device=t.device) < real_rows)
 
     # -- what the two artifacts do differently ----------------------------------------------
@@ -351,6 +422,15 @@ class CompiledArtifact:
 
     def _run_split(self, padded_args: list[Any], decision: StepDecision) -> tuple[Any, ...]:
         raise NotImplementedError(f"{type(self).__name__} has no split program")
+
+
+def own_rows(num_tokens: int) -> int:
+    """The rows of a step of ``num_tokens`` rows without ``run_step``'s own padding rows (the
+    step context's ``real_rows``, when it padded this call's rows)."""
+    ctx = current_step_context()
+    if ctx.real_rows is not None and ctx.padded_rows == num_tokens:
+        return ctx.real_rows
+    return num_tokens
 
 
 def token_count(args: Sequence[Any], index: int | None) -> int | None:

@@ -34,9 +34,12 @@ warm-up calls and the timing replays (on the device, no host sync).
 Capture refuses what a replay could not serve correctly (``GraphRunnerError``): a step that runs
 several compiled graphs (graph breaks); a graph specialised to the warm-up layout (a
 prefill-shaped synthetic step is run per bucket too, and must reach the same compiled graph — it
-would not if the model branched on a host value such as ``max_query_len``); an unsplit graph not
-known to be row-local (padding rows could change the real rows); a bucket that is not a multiple
-of ``num_ubatches`` (a split step is padded past it).
+would not if the model branched on a host value such as ``max_query_len``); an unsplit graph
+whose padding rows could change its results (not known to be row-local) or be counted in a
+buffer it updates (a fold of token rows: Dynamo's graph keeps no padding row out of it); a
+bucket that is not a multiple of ``num_ubatches`` (a split step is padded past it); programs
+that fold a float the model no longer holds (it changed after ``torch.compile`` traced it:
+compile again).
 
 Per step (serving path; never captures):
 
@@ -58,7 +61,10 @@ Per step (serving path; never captures):
 A step larger than the largest bucket, or whose block table is wider than
 ``max_blocks_per_req``, runs eagerly through the compiled model (logged once per reason), on
 every rank together (such a rank asks the vote for one token past the largest bucket): a
-capture never happens after warm-up.
+capture never happens after warm-up. So does a step whose model holds another value of a number
+the graphs take as an input and bake in (a float attribute under ``torch.compile(dynamic=True)``:
+a norm's eps, a rope scale), read again from the model at every step
+(:mod:`~dbo_compile.runtime.numbers`): the eager path runs Dynamo's graph with the new value.
 
 Caveat: the timings are taken on synthetic one-token-context steps; with an attention kernel
 whose cost grows with the context, long-context steps weigh attention more than measured.
@@ -86,7 +92,7 @@ import torch.utils._pytree as pytree
 from dbo_compile.errors import GraphRunnerError, UBatchExecutionError
 from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata, HostCounts
 from dbo_compile.ops.comm import run_watched
-from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision
+from dbo_compile.runtime.artifact import CompiledArtifact
 from dbo_compile.runtime.capture import capture, run_draining, state_kept
 from dbo_compile.runtime.context import (
     last_outputs,
@@ -96,6 +102,7 @@ from dbo_compile.runtime.context import (
     uncounted,
 )
 from dbo_compile.runtime.engine import run_step
+from dbo_compile.runtime.numbers import InputNumbers
 from dbo_compile.runtime.padding import join_ubatch_outputs, pad_args
 from dbo_compile.runtime.vote import min_split_tokens, vote_device
 
@@ -144,6 +151,7 @@ class BucketGraphs:
             timed replays; ``total``, all of it (with the choice and bookkeeping).
         graph_s: per captured graph, its warm-up calls and capture (seconds).
         out_map: how the model's return value is built from the graph's flat outputs.
+        numbers: the number inputs of the graph and the values the capture baked in.
     """
 
     tokens: int
@@ -159,6 +167,7 @@ class BucketGraphs:
     warmup_s: dict[str, float] = field(default_factory=dict)
     graph_s: dict[str, float] = field(default_factory=dict)
     out_map: OutputMap | None = None
+    numbers: InputNumbers | None = None
 
     @property
     def use_split(self) -> bool:
@@ -400,8 +409,12 @@ class CudaGraphRunner:
                         "a decode-shaped one (Dynamo specialised on the step's layout, e.g. "
                         "max_query_len or the request count); a replayed CUDA graph would "
                         "ignore that. Keep layout-dependent host values out of the model")
-            self._check_artifact(art, tokens)
-            bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map)
+            self._check_artifact(art, tokens, args)
+            ids, pos, md, _ = self._dummy_step(tokens)
+            numbers = InputNumbers(self.compiled, art.specs, args, (ids, pos, md),
+                                   self.model_kwargs)
+            bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map,
+                                  numbers=numbers)
             bucket.warmup_s.update(record=t1 - t0, probe=time.perf_counter() - t1)
             # the captures, every candidate's warm-up calls and the timing replays (on a GPU
             # too: a replay writes the real buffers) are no served step: the buffers the
@@ -441,12 +454,21 @@ class CudaGraphRunner:
         }
 
     @staticmethod
-    def _check_artifact(art: CompiledArtifact, tokens: int) -> None:
-        if not art.is_split and not art.row_local:
+    def _check_artifact(art: CompiledArtifact, tokens: int, args: Sequence[Any]) -> None:
+        hazard = art.padding_hazard()
+        if hazard is not None:
             raise GraphRunnerError(
-                f"the compiled graph was not split ({art.reason}) and is not known to be "
-                "row-local: padding a step to a bucket could change its results. Serve it "
-                "without CudaGraphRunner (run_step), or make the model row-local")
+                f"bucket {tokens}: {hazard}, so a step cannot be padded to a bucket. Serve it "
+                "without CudaGraphRunner (run_step runs it at the step's own token count), or "
+                "make the model row-local and its buffer updates foldable")
+        stale = art.stale_floats(args)
+        if stale:
+            raise GraphRunnerError(
+                f"bucket {tokens}: the compiled programs fold floats the model no longer holds "
+                f"(source, compiled, now: {[(art.specs[i].source, old, new) for i, old, new in stale]}"
+                "; changed after torch.compile traced them): their graphs would serve the old "
+                "values. Compile the model again (torch._dynamo.reset(), then torch.compile) "
+                "and capture() again")
         n = art.config.num_ubatches
         if art.is_split and tokens % n:
             raise GraphRunnerError(
@@ -596,25 +618,32 @@ class CudaGraphRunner:
         largest = self.graphs[self.buckets[-1]]
         real_args = self._graph_args(largest, input_ids, positions, attn_metadata)
         width = int(attn_metadata.block_table.shape[1])
-        fits = n <= self.buckets[-1] and width <= self.max_blocks_per_req
+        # the graphs bake in the numbers the model held at capture (the vote's artifact sees
+        # the captured ones in real_args): one that changed sends the step down the eager path
+        changed = self._changed_numbers((input_ids, positions, attn_metadata))
+        fits = n <= self.buckets[-1] and width <= self.max_blocks_per_req and not changed
         # a step that fits no graph on *this* rank asks for one token past the largest bucket,
         # so that the vote sends every rank down the eager path together (never a hang)
+        min_padded = 0 if fits else self.buckets[-1] + 1
         with step_context(**ctx):
             # the runner pads into its own buffers: a static graph's fixed size does not apply
             decision = largest.artifact.decide_step(
-                real_args, min_padded=0 if fits else self.buckets[-1] + 1,
-                metadata=attn_metadata, pads_itself=True)
+                real_args, min_padded=min_padded, metadata=attn_metadata, pads_itself=True)
         vote = decision.vote
-        padded = n if vote is None else vote.num_tokens_padded
+        # no vote (a graph without collectives): this rank alone decides
+        padded = max(n, min_padded) if vote is None else vote.num_tokens_padded
         tokens = next((t for t in self.buckets if t >= padded), None)
         if tokens is None:
             if n > self.buckets[-1]:
                 reason = f"{n} tokens > largest bucket {self.buckets[-1]}"
-            elif not fits:
+            elif width > self.max_blocks_per_req:
                 reason = f"block table width {width} > max_blocks_per_req {self.max_blocks_per_req}"
+            elif changed:
+                reason = self._changed_reason(changed)
             else:
                 reason = (f"the DP vote padded the step to {padded} tokens (> largest bucket "
-                          f"{self.buckets[-1]}): another rank's step fits no captured graph")
+                          f"{self.buckets[-1]}): another rank's step fits no captured graph, "
+                          "or its model changed a number the graphs bake in")
             self.last_choice, self.last_graph = ("eager", reason), None
             return self._eager(reason, input_ids, positions, attn_metadata, ctx)
         b = self.graphs[tokens]
@@ -638,10 +667,36 @@ class CudaGraphRunner:
     def _replay_padding(self, b: BucketGraphs, name: str, split: bool) -> None:
         """Replay graph ``name`` of ``b`` on a step of zero tokens (every row padding: slot -1,
         zero-length requests): this rank takes part in the graph's collectives without data,
-        as its peers, who replay the same graph, expect (a replay cannot stop halfway)."""
+        as its peers, who replay the same graph, expect (a replay cannot stop halfway). The
+        buffers the programs write in place are put back (a step counter: the step did not
+        happen on this rank)."""
         ids, pos, md, qlens = self._dummy_step(0)
         self._load(b.tokens, ids, pos, md, qlens, split, None, validated=False)
-        b.graphs[name].replay()
+        with state_kept([b.args[i] for i in b.artifact.state_inputs]):
+            b.graphs[name].replay()
+
+    def _changed_numbers(self, step: tuple[Any, ...]) -> list[tuple[int, str, Any, Any, Any]]:
+        """``(graph input index, source, captured, now, artifact)`` of each number input of a
+        captured graph that the model holds another value of now (:mod:`.numbers`; one read
+        per compiled graph, not per bucket)."""
+        out, seen = [], set()
+        for b in self.graphs.values():
+            if b.numbers is None or not b.numbers.entries or id(b.artifact) in seen:
+                continue
+            seen.add(id(b.artifact))
+            out += [(*c, b.artifact) for c in b.numbers.changed(step, self.model_kwargs)]
+        return out
+
+    @staticmethod
+    def _changed_reason(changed: list[tuple[int, str, Any, Any, Any]]) -> str:
+        """The eager path's reason for numbers that changed after capture, and what to do."""
+        folded = any(i in dict(art.float_guards) for i, _, _, _, art in changed)
+        what = ", ".join(f"{src} {old!r} -> {new!r}" for _, src, old, new, _ in changed)
+        fix = ("compile the model again (torch._dynamo.reset(), then torch.compile: the "
+               "backend folded it into its programs) and capture() again" if folded
+               else "capture() again")
+        return (f"the model changed numbers the captured graphs bake in ({what}); steps run "
+                f"eagerly until you {fix}")
 
     def load_step(self, tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
                   attn_metadata: AttentionMetadata, num_scheduled_tokens: Sequence[int], *,

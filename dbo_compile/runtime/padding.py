@@ -24,13 +24,18 @@ def pad_args(specs: Sequence[InputSpec], args: Sequence[Any], num_tokens: int,
              padded: int) -> list[Any]:
     """The graph inputs with every token-indexed tensor padded from ``num_tokens`` to
     ``padded`` rows along the token dim (``slot_mapping`` rows ``-1``, others zeros) and
-    token-count ``size`` inputs set to ``padded``; the other inputs are the same objects."""
+    token-count ``size`` inputs set to ``padded``; the other inputs are the same objects.
+    ``padded < num_tokens`` cuts the last rows off instead (views: ``run_step``'s own padding
+    rows, for a program that must not see them)."""
     out = list(args)
     if padded == num_tokens:
         return out
     for spec in specs:
         if spec.kind == "token":
             t = args[spec.index]
+            if padded < num_tokens:
+                out[spec.index] = t[:padded]
+                continue
             fill = -1 if spec.field == "slot_mapping" else 0
             pad = t.new_full((padded - num_tokens, *t.shape[1:]), fill)
             out[spec.index] = torch.cat([t, pad], dim=0)
@@ -49,9 +54,11 @@ class WriteBack:
     so its rows are always copied back (unwritten rows are equal: the copy changes nothing)."""
 
     def __init__(self, original: Sequence[Any], padded: Sequence[Any], num_tokens: int):
+        # a cut input (``pad_args`` to fewer rows) is a view: its writes are the caller's
         self.pairs = [(o, p, None if p.is_inference() else p._version)
                       for o, p in zip(original, padded)
-                      if isinstance(p, torch.Tensor) and p is not o and isinstance(o, torch.Tensor)]
+                      if isinstance(p, torch.Tensor) and p is not o and isinstance(o, torch.Tensor)
+                      and p._base is None]
         self.num_tokens = num_tokens
 
     def __call__(self) -> None:

@@ -24,7 +24,13 @@ from dbo_compile.metadata import (
     int_list,
     query_lens_from,
 )
-from dbo_compile.runtime.artifact import CompiledArtifact, StepDecision, StepStats, dp_group
+from dbo_compile.runtime.artifact import (
+    CompiledArtifact,
+    StepDecision,
+    StepStats,
+    dp_group,
+    own_rows,
+)
 from dbo_compile.runtime.context import (
     counting,
     current_step_context,
@@ -68,6 +74,14 @@ class UnsplitProgram(CompiledArtifact):
         state_inputs: the inputs ``fn`` writes in place (``CompiledArtifact.state_inputs``).
         unsplit_collectives: the fingerprint of the collectives ``fn`` issues (their order,
             dtypes, static sizes: ``CompiledArtifact.unsplit_collectives``), which it votes.
+        folds_token_rows: the graph folds token rows into a buffer it updates (found by the
+            state-thread pass before the graph was found unsplittable): ``fn`` cannot keep
+            padding rows out of it.
+
+    A step is padded (to the DP group's count, by ``run_step`` to two rows) only where padding
+    rows change neither its results nor its buffers (:meth:`~CompiledArtifact.padding_hazard`:
+    row-local, no fold of token rows); else it runs at its own rows, and the DP vote raises
+    ``DpVoteError`` on every rank when the group would pad it.
     """
 
     def __init__(self, fn: Callable[..., Any], reason: str, config: DboConfig | None = None,
@@ -76,11 +90,12 @@ class UnsplitProgram(CompiledArtifact):
                  compile_times: dict[str, float] | None = None,
                  output_specs: Sequence[OutputSpec] | None = None,
                  unsplit_plan: CommPlan = None, state_inputs: Sequence[int] = (),
-                 unsplit_collectives: str | None = None):
+                 unsplit_collectives: str | None = None, folds_token_rows: bool = False):
         super().__init__(unsplit=fn, config=config or DboConfig(), specs=specs, reason=reason,
                          row_local=row_local, compile_times=compile_times,
                          output_specs=output_specs, unsplit_plan=unsplit_plan,
-                         state_inputs=state_inputs, unsplit_collectives=unsplit_collectives)
+                         state_inputs=state_inputs, unsplit_collectives=unsplit_collectives,
+                         folds_token_rows=folds_token_rows)
         self.has_comm = has_comm
         self.fixed_num_tokens = fixed_num_tokens
         self._warned = False
@@ -89,21 +104,24 @@ class UnsplitProgram(CompiledArtifact):
                 host: HostCounts | None, pads_itself: bool) -> StepDecision:
         """This rank's part of the DP vote (always "no split"); no vote when the graph issues
         no collective, has no token input or runs without a group. ``pads_itself``: the
-        caller pads to its own buckets, so the artifact's fixed token count does not apply."""
+        caller pads to its own buckets, so the artifact's fixed token count does not apply.
+        A graph that cannot be padded (:meth:`padding_hazard`) votes its own rows."""
         if not self._warned and self.has_comm and counting():
             # said at compile time too, but a server's log is read by its steps
             self._warned = True
             log.warning("dbo: DBO is off for this graph, its steps run unsplit: %s", self.reason)
         group = dp_group(self.config)
         n = None if self.token_index is None else int(args[self.token_index].shape[0])
+        hazard = None if n is None else self.padding_hazard()
         if not self.has_comm or n is None or group is None:
-            return StepDecision(None, "unsplittable", [1] * (n or 0))
-        vote = coordinate_across_dp(n, uniform_decode=False, allow_split=False,
+            return StepDecision(None, "unsplittable", [1] * (n or 0), unpaddable=hazard)
+        own = n if hazard is None else own_rows(n)
+        vote = coordinate_across_dp(own, uniform_decode=False, allow_split=False,
                                     config=self.config, group=group, fingerprint=None,
-                                    num_tokens_padded=max(n, min_padded),
+                                    num_tokens_padded=own if hazard else max(n, min_padded),
                                     fixed_num_tokens=self.fixed_num_tokens and not pads_itself,
-                                    collectives=self.unsplit_collectives)
-        return StepDecision(vote, "unsplittable", [1] * n)
+                                    collectives=self.unsplit_collectives, unpaddable=hazard)
+        return StepDecision(vote, "unsplittable", [1] * n, unpaddable=hazard)
 
 
 class DboCompiledModule(CompiledArtifact):
@@ -175,16 +193,14 @@ class DboCompiledModule(CompiledArtifact):
                          signature=signature, compile_times=compile_times,
                          output_specs=output_specs, split_plan=split_plan,
                          unsplit_plan=unsplit_plan, state_inputs=state_inputs,
-                         unsplit_collectives=unsplit_collectives)
+                         unsplit_collectives=unsplit_collectives, float_guards=float_guards,
+                         guard_fallback=guard_fallback)
         self.split_collectives = split_collectives
         self.fingerprint = f"{split_program.schedule.fingerprint()}/{split_collectives}"
         #: the KV block sizes of the graph's paged-KV ops (``()``: none; ``None``: not static),
         #: which the prefix-read veto uses (set by the pipeline)
         self.kv_block_sizes = kv_block_sizes
         self._warned_block_size = False
-        self.float_guards = tuple(float_guards)
-        self.guard_fallback = guard_fallback
-        self._warned_guard = False
 
     @property
     def code(self) -> str:
@@ -219,15 +235,6 @@ class DboCompiledModule(CompiledArtifact):
             return None  # no paged KV read: nothing to veto
         return check_vetoes(md, qlens, block_size=sizes or None, vetoes=ctx.vetoes, host=host,
                             unknown_block_size=sizes is None)
-
-    def guard_missed(self, args: Sequence[Any]) -> bool:
-        """A float folded into the programs has another value in ``args`` (``float_guards``)."""
-        missed = [(i, v, float(args[i])) for i, v in self.float_guards if float(args[i]) != v]
-        if missed and not self._warned_guard:
-            self._warned_guard = True
-            log.warning("dbo: float input(s) %s changed from the value(s) compiled into the "
-                        "split program; such steps run Dynamo's graph unsplit", missed)
-        return bool(missed)
 
     def _veto_block_sizes(self, given: int | None) -> tuple[int, ...] | None:
         """The block sizes the prefix-read veto checks: the caller's ``given`` (checked against
@@ -296,14 +303,20 @@ class DboCompiledModule(CompiledArtifact):
                     local_error = f"num_scheduled_tokens: {type(e).__name__}: {e}"
         real = sum(qlens) if has_md else num_tokens
         uniform_decode = bool(qlens) and qlens.count(1) == len(qlens)
+        padded = max(num_tokens, real, min_padded)
+        # Dynamo's graph, for a changed float, may not be able to keep padding rows out
+        hazard = self.padding_hazard(fallback=True) if fallback else None
+        if hazard is not None:
+            padded = own_rows(num_tokens)
+            real = min(real, padded)
         vote = coordinate_across_dp(
             real, uniform_decode=uniform_decode, allow_split=veto is None, config=self.config,
             group=dp_group(self.config), fingerprint=self.fingerprint,
-            num_tokens_padded=max(num_tokens, real, min_padded), local_error=local_error,
-            collectives=self.unsplit_collectives)
+            num_tokens_padded=padded, local_error=local_error,
+            collectives=self.unsplit_collectives, unpaddable=hazard)
         reason = "split" if vote.should_split else (veto or vote.reason or "not split")
         return StepDecision(vote, reason, qlens, counts if metadata is not None else None,
-                            fallback=fallback)
+                            fallback=fallback, unpaddable=hazard)
 
     # -- the split --------------------------------------------------------------------------
     def _run_split(self, padded_args: list[Any], decision: StepDecision) -> tuple[Any, ...]:

@@ -18,7 +18,10 @@ Rules from vLLM DBO (``--enable-dbo``, see ``docs/references.md`` §"vLLM DBO"):
   idle rank runs a 1-token dummy batch.
 - **Padding.** Every rank pads to the group max of the per-rank padded counts;
   when splitting it is rounded up to a multiple of ``num_ubatches``. The padded count is voted
-  even when not splitting (MoE collectives need equal token counts on all ranks).
+  even when not splitting (MoE collectives need equal token counts on all ranks). A rank whose
+  program this step cannot be padded (padding rows would change its results or be counted in
+  a buffer it updates: ``unpaddable``) reports its own rows; if the group pads past them,
+  **every** rank raises :class:`DpVoteError` (no rank returns a wrong answer, none hangs).
 - **Consistency.** The table also carries a hash of each rank's :class:`DboConfig`, a hash of
   the collectives its unsplit program issues (order, ops, dtypes, static sizes: what every
   rank runs when the step does not split) and an optional caller fingerprint (the split
@@ -61,7 +64,8 @@ _FINGERPRINT = 6  # int64 hash of the caller's fingerprint (0 if None)
 _INVALID = 7  # 1 if the rank's local inputs are invalid (raises on every rank)
 _FIXED = 8  # 1 if the rank's program runs only at its own token count (cannot pad)
 _COLLECTIVES = 9  # int64 hash of the unsplit program's collectives (0 if None)
-_NUM_ROWS = 10
+_UNPADDABLE = 10  # 1 if the rank's program this step must run at exactly its padded count
+_NUM_ROWS = 11
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,19 @@ def decide_from_table(table: torch.Tensor, config: DboConfig) -> VoteResult:
     num_tokens_padded = max(padded) if padded else 0
     if should_split:
         num_tokens_padded = -(-num_tokens_padded // n) * n
+    unpaddable = _ranks([v != 0 and padded[r] != num_tokens_padded
+                         for r, v in enumerate(rows[_UNPADDABLE])])
+    if unpaddable:
+        raise DpVoteError(
+            f"DP vote: ranks {unpaddable} run a program this step whose padding rows would "
+            f"change its results or be counted in a buffer it updates (a graph compiled unsplit "
+            f"that mixes tokens or folds token rows into a buffer, or Dynamo's graph run after "
+            f"a float folded into the programs changed; each such rank's error says which), "
+            f"but the group pads their {[padded[r] for r in unpaddable]} token rows to "
+            f"{num_tokens_padded}; every rank raises so that none returns a wrong answer or "
+            "hangs. Give every DP rank the same token count this step, or remove the cause "
+            "named on those ranks."
+        )
     fixed = _ranks([v != 0 and padded[r] != num_tokens_padded for r, v in enumerate(rows[_FIXED])])
     if fixed:
         raise DpVoteError(
@@ -245,6 +262,7 @@ def coordinate_across_dp(
     local_error: str | None = None,
     fixed_num_tokens: bool = False,
     collectives: int | str | bytes | None = None,
+    unpaddable: str | None = None,
 ) -> VoteResult:
     """Agree with the other DP ranks on whether this step splits and on its padded token count.
 
@@ -274,13 +292,17 @@ def coordinate_across_dp(
             order, dtypes and static sizes: ``CompiledArtifact.unsplit_collectives``), hashed
             with :func:`fingerprint_to_int64`; compared among the ranks that give one (a rank
             that runs no collective gives ``None``).
+        unpaddable: why this rank's program cannot be padded this step (``None``: it can):
+            it runs at ``num_tokens_padded`` rows exactly; if the group pads further, every
+            rank raises ``DpVoteError``, this rank's naming the reason.
 
     Returns:
         The :class:`VoteResult`, identical on every rank.
 
     Raises:
-        DpVoteError: on every rank, when a rank's inputs are invalid or the ranks' config,
-            collectives or fingerprints differ (message names the ranks).
+        DpVoteError: on every rank, when a rank's inputs are invalid, the ranks' config,
+            collectives or fingerprints differ, or the group pads an ``unpaddable`` rank
+            (message names the ranks).
     """
     padded = num_tokens if num_tokens_padded is None else int(num_tokens_padded)
     num_tokens = int(num_tokens)
@@ -309,6 +331,7 @@ def coordinate_across_dp(
             int(invalid),
             int(bool(fixed_num_tokens)),
             fingerprint_to_int64(collectives),
+            int(unpaddable is not None),
         ],
         dtype=torch.int64,
     )
@@ -320,6 +343,9 @@ def coordinate_across_dp(
     except DpVoteError as e:
         if local_error is not None:
             raise DpVoteError(f"{e}; this rank: {local_error}") from None
+        # named only where the group pads this rank past its own rows (the ranks it lists)
+        if unpaddable is not None and padded != int(table[_PADDED].max()):
+            raise DpVoteError(f"{e}; this rank cannot be padded: {unpaddable}") from None
         raise
     log.debug(
         "DP vote (rank %d/%d): split=%s padded=%d tokens=%s uniform_decode=%s %s",

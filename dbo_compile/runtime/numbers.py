@@ -1,0 +1,138 @@
+"""The numbers a compiled graph takes as inputs, read from the model without Dynamo.
+
+Dynamo passes some Python numbers to the graph as inputs: under ``torch.compile(dynamic=True)``
+a float attribute of the model (a norm's eps, an attention or rope scale) becomes a 0-dim
+float64 CPU tensor that Dynamo makes from the attribute at every call, without a guard on its
+value; an int it did not specialise arrives as a Python int. A captured CUDA graph bakes such a
+value in (a CPU scalar reaches the kernels as an argument), and so do the backend's programs,
+which fold the floats (:attr:`~dbo_compile.runtime.artifact.CompiledArtifact.float_guards`).
+The CUDA-graph runner replays without going through Dynamo, so it reads these numbers again at
+every step from their Dynamo sources (``L['self']._modules['norm'].eps``, the expressions
+Dynamo's own guards evaluate, in a scope of the traced frame's arguments and globals) and runs
+a step whose numbers changed eagerly.
+
+Numbers Dynamo specialised (traced as constants, with a guard on their value: a float without
+``dynamic=True``, an int attribute of a module) are no graph inputs and are not seen here.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dbo_compile.errors import GraphRunnerError
+from dbo_compile.signature import InputSpec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["InputNumbers"]
+
+
+class InputNumbers:
+    """The number inputs of one compiled graph and the values one capture baked in.
+
+    Args:
+        compiled: what ``torch.compile`` returned: an ``OptimizedModule`` (the frame Dynamo
+            traced is the module's ``forward``) or a compiled function.
+        specs: the graph inputs' classification (their Dynamo sources).
+        args: the graph inputs of the captured call.
+        call_args / call_kwargs: arguments of a call of ``compiled`` (any step: they give the
+            scope the sources are read in).
+
+    Attributes:
+        entries: ``(graph input index, source, captured value)`` per number input, in input
+            order (empty: the graph takes none; nothing is read per step).
+
+    Raises:
+        GraphRunnerError: a graph input that may be such a number (a 0-dim float64 CPU
+            tensor, a Python number) whose source cannot be read here: the runner could not
+            see it change.
+    """
+
+    def __init__(self, compiled: Callable[..., Any], specs: Sequence[InputSpec],
+                 args: Sequence[Any], call_args: Sequence[Any], call_kwargs: dict[str, Any]):
+        candidates = [s for s in specs if _may_be_number(s, args[s.index])]
+        self.entries: list[tuple[int, str, Any]] = []
+        self._code = None
+        if not candidates:
+            return
+        self._fn, self._self = _traced_frame(compiled)
+        scope = self._scope(call_args, call_kwargs)
+        for spec in candidates:
+            try:
+                value = eval(spec.source, scope)  # noqa: S307 - Dynamo's own source expression
+            except Exception as e:  # noqa: BLE001 - any failure: the value cannot be followed
+                raise GraphRunnerError(
+                    f"graph input {spec.name} is a number Dynamo read from {spec.source!r} "
+                    f"({args[spec.index]!r}), baked into every captured graph, but its source "
+                    f"cannot be read outside Dynamo ({type(e).__name__}: {e}), so a change "
+                    "could not be seen: make it a constant of the model (compile without "
+                    "dynamic=True), or serve with run_step") from None
+            if _is_number(value):  # else a tensor of the model (a 0-dim buffer): not baked
+                self.entries.append((spec.index, spec.source, _number(args[spec.index])))
+        if self.entries:
+            self._code = compile("(" + "".join(f"{src}, " for _, src, _ in self.entries) + ")",
+                                 "<dbo graph number inputs>", "eval")
+
+    def changed(self, call_args: Sequence[Any], call_kwargs: dict[str, Any]
+                ) -> list[tuple[int, str, Any, Any]]:
+        """``(graph input index, source, captured value, value now)`` of each number input
+        that holds another value than at capture for a call with these arguments (a value
+        that is no number any more counts as changed)."""
+        if self._code is None:
+            return []
+        try:
+            now = eval(self._code, self._scope(call_args, call_kwargs))  # noqa: S307
+        except Exception as e:  # noqa: BLE001 - the model changed shape: not the graphs' model
+            return [(i, src, old, f"unreadable ({type(e).__name__})")
+                    for i, src, old in self.entries]
+        return [(i, src, old, new) for (i, src, old), new in zip(self.entries, now)
+                if not _is_number(new) or new != old]
+
+    def _scope(self, call_args: Sequence[Any], call_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``L`` (the traced frame's arguments, ``self`` first for a module) and ``G`` (its
+        globals), as Dynamo's sources name them."""
+        try:
+            bound = inspect.signature(self._fn).bind(*call_args, **call_kwargs)
+        except (TypeError, ValueError) as e:
+            raise GraphRunnerError(
+                f"the runner calls the compiled model as {self._fn!r} does not take "
+                f"({type(e).__name__}: {e}); it cannot read the numbers the graphs bake in") from None
+        bound.apply_defaults()
+        local = dict(bound.arguments)
+        if self._self is not None:
+            local = {"self": self._self, **local}
+        fn = inspect.unwrap(getattr(self._fn, "__func__", self._fn))
+        return {"L": local, "G": getattr(fn, "__globals__", {}), "__builtins__": builtins}
+
+
+def _traced_frame(compiled: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
+    """The function whose frame Dynamo traced (a module's ``forward``, bound) and its
+    ``self`` (``None``: a function)."""
+    module = getattr(compiled, "_orig_mod", None)  # torch's OptimizedModule
+    if isinstance(module, torch.nn.Module):
+        return module.forward, module
+    return getattr(compiled, "_torchdynamo_orig_callable", compiled), None
+
+
+def _may_be_number(spec: InputSpec, arg: Any) -> bool:
+    """A graph input that may be a number Dynamo read from the model: a 0-dim float64 CPU
+    tensor (a float passed as a tensor) or a Python number, with a source, that the runner
+    does not refresh per step (not a token-indexed tensor, a size or a metadata field)."""
+    if not spec.source or spec.field is not None or spec.kind in ("token", "size"):
+        return False
+    if isinstance(arg, torch.Tensor):
+        return arg.dim() == 0 and arg.dtype == torch.float64 and arg.device.type == "cpu"
+    return _is_number(arg)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, torch.Tensor)
+
+
+def _number(arg: Any) -> Any:
+    return arg.item() if isinstance(arg, torch.Tensor) else arg
