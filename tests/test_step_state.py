@@ -5,12 +5,15 @@ each such unit, and same-key calls keep ubatch order."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import dbo_compile.ops  # noqa: F401  (torch.ops.dbo.*)
 from dbo_compile.backend import compiled_artifacts, reset_artifacts
 from dbo_compile.ops.registry import register_step_state_op
 from dbo_compile.runtime.context import ubatch_scope
+from dbo_compile.runtime.padding import WriteBack, pad_args
+from dbo_compile.signature import InputSpec
 
 #: the engine's per-step state: the scale the op applies (what vLLM keeps in its forward context)
 STATE = {"scale": 1.0}
@@ -115,3 +118,22 @@ def test_step_state_split_needs_the_engines_ubatch_switch():
     (reason,) = art.stats.reasons
     assert "step-state ops" in reason and "ubatch_scope" in reason, reason
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_write_back_leaves_cut_rows_to_the_caller(inference):
+    """A program that must not see ``run_step``'s padding rows runs on the first rows only
+    (``pad_args`` to fewer rows: views of the caller's tensors); the write-back copies back
+    only padded copies. Under ``torch.inference_mode`` a view has no ``_base``: the cut view
+    was taken for a copy and written back at the wrong size (RuntimeError)."""
+    specs = [InputSpec(0, "x", "L['x']", "token"), InputSpec(1, "kv", "L['kv']", "token")]
+    with torch.inference_mode(inference):
+        x, kv = torch.arange(8.0).reshape(4, 2), torch.zeros(4, 2)
+        cut = pad_args(specs, [x, kv], 4, 3)
+        assert cut[1].shape[0] == 3 and cut[1].untyped_storage().data_ptr() == kv.data_ptr()
+        back = WriteBack([x, kv], cut, 4)
+        cut[1].add_(1.0)  # the program writes its rows in place: the caller's rows
+        back()
+        assert back.pairs == [] and kv[:3].eq(1).all() and kv[3].eq(0).all()
+        grown = pad_args(specs, [x, kv], 4, 6)  # padding: copies, written back
+        assert [o for o, _, _ in WriteBack([x, kv], grown, 4).pairs] == [x, kv]

@@ -54,11 +54,12 @@ class WriteBack:
     so its rows are always copied back (unwritten rows are equal: the copy changes nothing)."""
 
     def __init__(self, original: Sequence[Any], padded: Sequence[Any], num_tokens: int):
-        # a cut input (``pad_args`` to fewer rows) is a view: its writes are the caller's
+        # a cut input (``pad_args`` to fewer rows) is a view of the caller's tensor, its writes
+        # are the caller's (compared by storage: an inference tensor's view has no ``_base``)
         self.pairs = [(o, p, None if p.is_inference() else p._version)
                       for o, p in zip(original, padded)
                       if isinstance(p, torch.Tensor) and p is not o and isinstance(o, torch.Tensor)
-                      and p._base is None]
+                      and p.untyped_storage().data_ptr() != o.untyped_storage().data_ptr()]
         self.num_tokens = num_tokens
 
     def __call__(self) -> None:
