@@ -326,8 +326,6 @@ class _MixesTokens(DeepseekMoEModel):
     (_ReadsMaxQueryLen, [16], "prefill-shaped step ran another compiled graph"),
     # an unsplit graph that mixes tokens: padding to a bucket would change its results
     (_MixesTokens, [16], "not known to be row-local"),
-    # a split step is padded to a multiple of num_ubatches: bucket 33 would never be filled
-    (DeepseekMoEModel, [33], "not a multiple of num_ubatches=2.*use 32 or 34"),
 ])
 def test_capture_refuses_what_it_cannot_serve(cls, buckets, match):
     model = cls(get_config("tiny", num_layers=1), seed=0)
@@ -336,6 +334,31 @@ def test_capture_refuses_what_it_cannot_serve(cls, buckets, match):
                              timing_iters=1)
     with pytest.raises(GraphRunnerError, match=match):
         runner.capture()
+
+
+def test_bucket_1_and_odd_buckets_serve_unsplit_and_split_steps_find_an_even_bucket():
+    """A single decode request (1 token) has its bucket, as in a serving engine's list (the
+    graph of 2 rows, the smallest the compiled graph takes); a bucket that is not a multiple
+    of num_ubatches (33) captures the unsplit graph only, and a split step runs in the
+    smallest bucket that holds it and is such a multiple (refused before: ``buckets must be
+    ints >= 2``, ``not a multiple of num_ubatches``)."""
+    cfg, model = _model()
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    runner = CudaGraphRunner(compiled, [1, 33, 40], max_blocks_per_req=8, timing_iters=1)
+    assert runner.buckets == [2, 33, 40]
+    runner.capture()
+    assert sorted(runner.graphs[33].graphs) == ["unsplit"] and runner.graphs[40].use_split
+    for ctx, bucket, graph in (([7], 2, "unsplit"),  # one decode request: below 2, unsplit
+                               ([5, 40, 17], 40, "split"),  # 3 tokens split: padded to 4
+                               ([3] * 33, 40, "split")):  # 33 split: 34, not bucket 33
+        step = make_step(cfg, decode_context_lens=ctx, prefills=[], block_size=16,
+                         num_blocks=NUM_BLOCKS)
+        with torch.no_grad():
+            ref = model(step.input_ids, step.positions, step.attn_metadata)
+            out = runner(step.input_ids, step.positions, step.attn_metadata,
+                         step.num_scheduled_tokens)
+        assert runner.last_choice == (bucket, graph), (ctx, runner.last_choice)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_wrong_num_scheduled_tokens_raise_before_the_vote():
@@ -359,7 +382,7 @@ def test_runner_errors():
     cfg, model = _model()
     compiled = torch.compile(model, backend="dbo")
     with pytest.raises(GraphRunnerError, match="buckets"):
-        CudaGraphRunner(compiled, [1, 8], max_blocks_per_req=4)
+        CudaGraphRunner(compiled, [0, 8], max_blocks_per_req=4)
     with pytest.raises(GraphRunnerError, match="buckets"):
         CudaGraphRunner(compiled, [8.0], max_blocks_per_req=4)
     with pytest.raises(GraphRunnerError, match="max_blocks_per_req"):

@@ -36,9 +36,8 @@ several compiled graphs (graph breaks); a graph specialised to the warm-up layou
 prefill-shaped synthetic step is run per bucket too, and must reach the same compiled graph — it
 would not if the model branched on a host value such as ``max_query_len``); an unsplit graph
 whose padding rows could change its results (not known to be row-local) or be counted in a
-buffer it updates (a fold of token rows: Dynamo's graph keeps no padding row out of it); a
-bucket that is not a multiple of ``num_ubatches`` (a split step is padded past it); programs
-that fold a float the model no longer holds (it changed after ``torch.compile`` traced it:
+buffer it updates (a fold of token rows: Dynamo's graph keeps no padding row out of it);
+programs that fold a float the model no longer holds (it changed after ``torch.compile`` traced it:
 compile again).
 
 Per step (serving path; never captures):
@@ -271,7 +270,12 @@ class CudaGraphRunner:
     Args:
         compiled: ``torch.compile(model, backend="dbo", ...)``; called as
             ``compiled(input_ids, positions, attn_metadata, **model_kwargs)``.
-        buckets: padded token counts to capture (tokens per rank; each ``>= 2``).
+        buckets: padded token counts to capture (tokens per rank; each ``>= 1``). Bucket 1
+            (a single decode request) is captured at 2 rows, the smallest the compiled graph
+            takes (``run_step`` pads a 1-token step to 2 rows: Dynamo specialises sizes 0 and
+            1), so it is bucket 2. A bucket that is not a multiple of ``num_ubatches``
+            captures the unsplit graph only; a split step runs in the smallest bucket that
+            holds it and is such a multiple.
         max_blocks_per_req: block-table width (KV blocks per request) of the static buffers.
         block_size: KV-cache block size (tokens), passed to the prefix-read veto; default the
             block size of the compiled graph's KV caches.
@@ -299,10 +303,12 @@ class CudaGraphRunner:
                  min_gain: float | None = None, device: torch.device | str | None = None,
                  vocab_size: int | None = None, keep_candidates: bool = False, **model_kwargs: Any):
         buckets = list(buckets)
-        bad = [b for b in buckets if isinstance(b, bool) or not _is_int(b) or int(b) < 2]
+        bad = [b for b in buckets if isinstance(b, bool) or not _is_int(b) or int(b) < 1]
         if not buckets or bad:
-            raise GraphRunnerError(f"buckets must be ints >= 2 (token counts), got {buckets}")
-        buckets = [int(b) for b in buckets]
+            raise GraphRunnerError(f"buckets must be ints >= 1 (token counts), got {buckets}")
+        # a compiled graph's token dim is dynamic from 2 rows (Dynamo specialises sizes 0 and
+        # 1) and run_step pads a 1-token step to 2 rows: bucket 1 is the graph of 2 rows
+        buckets = [max(int(b), 2) for b in buckets]
         if not isinstance(max_blocks_per_req, int) or max_blocks_per_req < 1:
             raise GraphRunnerError(f"max_blocks_per_req must be an int >= 1, got {max_blocks_per_req!r}")
         if isinstance(timing_iters, bool) or not isinstance(timing_iters, int) or timing_iters < 1:
@@ -469,12 +475,6 @@ class CudaGraphRunner:
                 "; changed after torch.compile traced them): their graphs would serve the old "
                 "values. Compile the model again (torch._dynamo.reset(), then torch.compile) "
                 "and capture() again")
-        n = art.config.num_ubatches
-        if art.is_split and tokens % n:
-            raise GraphRunnerError(
-                f"bucket {tokens} is not a multiple of num_ubatches={n}: a split step is padded "
-                f"to a multiple of it ({tokens + n - tokens % n}), so this bucket's split graph "
-                f"would never run at its size; use {tokens - tokens % n} or {tokens + n - tokens % n}")
 
     @staticmethod
     def _map_inputs(args: Sequence[Any], ids: torch.Tensor, pos: torch.Tensor,
@@ -493,8 +493,10 @@ class CudaGraphRunner:
     def _capture_bucket(self, b: BucketGraphs, cuda: bool) -> None:
         art = b.artifact
         self._graph(b, "unsplit", lambda: run_watched(art.unsplit, *b.args), cuda)
-        # no step of this bucket can split (the vote's own thresholds): capture no split graph
-        never = b.tokens < min_split_tokens(art.config)
+        # no step of this bucket can split (the vote's own thresholds; a split step is padded
+        # to a multiple of num_ubatches, so it never runs in another bucket): no split graph
+        never = (b.tokens < min_split_tokens(art.config)
+                 or b.tokens % art.config.num_ubatches != 0)
         if art.is_split and not never:
             b.split_args = art.split_args(b.args, [1] * b.tokens)
             for name, program in art.candidates.items():
@@ -632,9 +634,15 @@ class CudaGraphRunner:
         vote = decision.vote
         # no vote (a graph without collectives): this rank alone decides
         padded = max(n, min_padded) if vote is None else vote.num_tokens_padded
-        tokens = next((t for t in self.buckets if t >= padded), None)
+        # a split step (padded to a multiple of num_ubatches) runs where a split graph is
+        split_step, n_ub = decision.should_split, largest.artifact.config.num_ubatches
+        tokens = next((t for t in self.buckets
+                       if t >= padded and (not split_step or t % n_ub == 0)), None)
         if tokens is None:
-            if n > self.buckets[-1]:
+            if split_step and padded <= self.buckets[-1]:
+                reason = (f"the split step of {padded} tokens fits no bucket that is a multiple "
+                          f"of num_ubatches={n_ub} (buckets {self.buckets})")
+            elif n > self.buckets[-1]:
                 reason = f"{n} tokens > largest bucket {self.buckets[-1]}"
             elif width > self.max_blocks_per_req:
                 reason = f"block table width {width} > max_blocks_per_req {self.max_blocks_per_req}"

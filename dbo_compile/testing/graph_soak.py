@@ -19,9 +19,9 @@ its neighbours and one past the largest bucket, which runs eagerly; else uniform
 little past the largest bucket), a request mix, a shared prefix (``p_share``: the
 prefix-read veto), an engine veto (``p_veto``), a block table wider than the runner's
 (``p_wide``: eagerly). No
-failures are injected: any error is counted as a wrong output. CudaGraphRunner takes no
-bucket below 2 tokens (``buckets must be ints >= 2``) today: 0- and 1-token steps are served
-by the bucket of 2, padded.
+failures are injected: any error is counted as a wrong output. The buckets hold 1 (a single
+decode request: CudaGraphRunner captures it at 2 rows, the compiled graph's smallest) and an
+odd bucket (unsplit graph only: a split step runs in the next even bucket).
 
 Checked at **every** step: the step ran the graph and bucket it must (the smallest bucket
 that holds it; split unless vetoed or below 2 tokens; eagerly when it fits no bucket), the
@@ -70,11 +70,11 @@ __all__ = ["SIZES", "TOLERANCES", "GraphSoak", "graph_soak_rank", "run_graph_soa
 #: of each size: ``"gpu"``, DeepSeek-V2-Lite's routing (64 experts, top-6, 2 shared) at a
 #: reduced width, 4 layers; ``"cpu"``, a tiny model for the CPU test of the same code path
 SIZES: dict[str, dict[str, Any]] = {
-    "gpu": {"preset": "deepseek-v2-lite", "world_size": 8, "buckets": (2, 4, 16, 64, 256),
+    "gpu": {"preset": "deepseek-v2-lite", "world_size": 8, "buckets": (1, 4, 16, 33, 64, 256),
             "overrides": {"num_layers": 4, "vocab_size": 4096, "first_k_dense_replace": 0,
                           "hidden_size": 1024, "moe_intermediate_size": 512, "num_heads": 8,
                           "num_kv_heads": 8}},
-    "cpu": {"preset": "tiny", "world_size": 8, "buckets": (2, 4, 16, 32),
+    "cpu": {"preset": "tiny", "world_size": 8, "buckets": (1, 4, 16, 32),
             "overrides": {"num_layers": 2, "num_experts": 16, "top_k": 3}},
 }
 #: per dtype: ``tol``, the largest difference from the reference (relative to the
@@ -188,6 +188,7 @@ class GraphSoak:
         self.runner = CudaGraphRunner(compiled, self.buckets, max_blocks_per_req=_MAX_BLOCKS,
                                       block_size=_BLOCK, vocab_size=cfg.vocab_size,
                                       timing_iters=3 if self.cuda else 1, device=self.device)
+        self.buckets = tuple(self.runner.buckets)  # as served: bucket 1 is the graph of 2 rows
         state = {"expert_load": model.expert_load,
                  **{f"kv_cache[{i}]": c for i, c in enumerate(model.kv_caches())}}
         before = {name: t.clone() for name, t in state.items()}
@@ -327,7 +328,9 @@ def _expected_graph(n: int, buckets: tuple[int, ...], vetoed: bool, shared: bool
         return "eager", 0
     split = n >= 2 and not vetoed and not shared
     need = n + n % 2 if split else n
-    return ("split" if split else "unsplit"), min(b for b in buckets if b >= need)
+    served = [max(b, 2) for b in buckets]  # bucket 1 is the graph of 2 rows
+    return ("split" if split else "unsplit"), min(
+        b for b in served if b >= need and (not split or b % 2 == 0))
 
 
 def run_graph_soak(steps: int, seed: int = 0, size: str = "gpu", dtype: str = "float32",
