@@ -5,6 +5,9 @@ token dim and schedules one ubatch's dispatch/combine beside the other ubatch's 
 package's floors and what each may import: ``docs/architecture.md``.
 """
 
+import importlib
+from typing import Any
+
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import (
     DboConfigError,
@@ -34,4 +37,21 @@ __all__ = [
 
 __version__ = "0.1.0"
 
+
+def _dbo_backend(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+    """``backend="dbo"`` as ``import dbo_compile`` registers it: the compiler
+    (:func:`dbo_compile.backend.dbo_backend`) is imported at its first call."""
+    return importlib.import_module("dbo_compile.backend").dbo_backend(gm, example_inputs, **kwargs)
+
+
+def _register_backend() -> None:
+    """Register ``backend="dbo"`` with Dynamo, so that ``import dbo_compile`` is enough where
+    the package is not installed (``PYTHONPATH=$PWD``: no ``torch_dynamo_backends`` entry
+    point); installed, the entry point names the same compiler."""
+    registry = importlib.import_module("torch._dynamo.backends.registry")
+    if "dbo" not in registry._BACKENDS:
+        registry.register_backend(name="dbo")(_dbo_backend)
+
+
 register_torch_log()
+_register_backend()

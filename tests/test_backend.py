@@ -442,3 +442,18 @@ def test_unsplit_graph_with_collectives_says_so_at_its_first_step(caplog):
         compiled(x)
         compiled(x)
     assert caplog.text.count("DBO is off for this graph") == 1
+
+
+def test_import_dbo_compile_registers_the_backend_without_the_entry_point():
+    """``PYTHONPATH=$PWD`` (the GPU host): no entry point is installed, and ``import
+    dbo_compile`` alone must make ``backend="dbo"`` resolve (it raised InvalidBackend there)."""
+    code = (
+        "import importlib.metadata as md\n"
+        "md.entry_points = lambda **kw: md.EntryPoints(())\n"  # as if not installed
+        "import torch, dbo_compile\n"
+        "f = torch.compile(lambda x: torch.relu(x) + 1, backend='dbo')\n"
+        "print(f(torch.arange(-2.0, 2.0)).tolist())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[1.0, 1.0, 1.0, 2.0]"
