@@ -20,6 +20,8 @@ from conftest import last_artifact
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.models import deepseek
 from dbo_compile.passes import stream_assign
+from dbo_compile.passes.ordering import list_order
+from dbo_compile.passes.pools import PoolState, check_escapes
 from dbo_compile.schedule import COMM, COMPUTE, Timeline, Unit, predecessors
 from dbo_compile.models.batch import fill_kv_cache
 from moe_cases import MIXED_CUT, build, eager_and_compiled, eager_then_restore
@@ -334,8 +336,8 @@ def _reference_list_order(units, deps, plan):
     ready = sorted(i for i, m in missing.items() if m == 0)
     timeline = Timeline(preds)
     by_id = {u.id: u for u in units}
-    stream_assign._check_escapes(plan, by_id)
-    pools = stream_assign._PoolState(plan, by_id)
+    check_escapes(plan, by_id)
+    pools = PoolState(plan, by_id)
     placed, dep_set = set(), set(deps)
     bottom = {}
     dag = nx.DiGraph(sorted(deps))
@@ -399,7 +401,7 @@ def test_list_order_equals_the_ready_list_scan():
         for u in units:  # a transfer in flight after the issue (a backend with a receive)
             u.latency_us = rng.choice([0.0, 0.0, 3.0]) if u.kind == COMM else 0.0
         plan = _random_pool(rng, units, deps)
-        got = _order_or_why(stream_assign._list_order, units, deps, plan, 2)
+        got = _order_or_why(list_order, units, deps, plan, 2)
         assert got == _order_or_why(_reference_list_order, units, deps, plan)
         outcomes["infeasible" if isinstance(got, str) else "pool edges" if got[1] else "plain"] += 1
     assert min(outcomes.values()) > 50, outcomes  # every kind of outcome was compared
