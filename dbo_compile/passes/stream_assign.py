@@ -1,5 +1,5 @@
 """The scheduling pass: group the split graph into units, list-schedule them on two streams,
-add events; annotate the nodes.
+add events; annotate the nodes with the schedule chosen.
 
 The result is a :class:`~dbo_compile.schedule.Schedule` (ground floor), which codegen runs.
 
@@ -32,8 +32,9 @@ Algorithm:
 The steps live in modules of their own: units and their dependencies (steps 1-2,
 :mod:`~dbo_compile.passes.units`), the orders (step 3, :mod:`~dbo_compile.passes.ordering`),
 the event edges (step 4, :mod:`~dbo_compile.passes.events`) and the comm backends' result
-pools, which both orders honour (:mod:`~dbo_compile.passes.pools`). This module runs them
-(:func:`stream_assign`) and annotates the nodes.
+pools, which both orders honour (:mod:`~dbo_compile.passes.pools`). This module runs them for
+one candidate (:func:`stream_assign`, which leaves the graph's nodes as they are) and writes
+the chosen schedule's streams onto the nodes, once (:func:`annotate_streams`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import logging
 import torch.fx as fx
 
 from dbo_compile.config import DboConfig
+from dbo_compile.errors import ScheduleError
 from dbo_compile.ops.comm import comm_spec_of
 from dbo_compile.ops.registry import comm_kind, is_receive, is_wait
 from dbo_compile.passes.cost_model import CostModel
@@ -53,7 +55,7 @@ from dbo_compile.passes.pools import PoolPlan, check_pools, unsplit_pool_violati
 from dbo_compile.passes.units import UnitGraph, unit_graph
 from dbo_compile.schedule import COMPUTE, Schedule, Unit, simulate
 
-__all__ = ["UnitGraph", "schedule_units", "stream_assign", "unit_graph",
+__all__ = ["UnitGraph", "annotate_streams", "schedule_units", "stream_assign", "unit_graph",
            "unsplit_pool_violation"]
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,9 @@ def schedule_units(units: list[Unit], deps: list[tuple[int, int]], hidden: list[
 
 def stream_assign(graph: fx.Graph, config: DboConfig, token_symbols: frozenset,
                   num_ubatches: int, units_of: UnitGraph | None = None) -> Schedule:
-    """Build units, schedule them and annotate nodes with ``unit`` and ``stream``.
+    """Build units and schedule them: one candidate's schedule of ``graph``, which is left as
+    it is (several candidates schedule one graph; :func:`annotate_streams` writes the chosen
+    one's streams onto its nodes).
 
     Args:
         graph: the split graph after :func:`~dbo_compile.passes.insert_yields.insert_yields`.
@@ -117,14 +121,29 @@ def stream_assign(graph: fx.Graph, config: DboConfig, token_symbols: frozenset,
         u.cost_us = round(u.cost_us, 3)
     specs = sorted({s for n in graph.nodes if comm_kind(n) is not None
                     for s in [comm_spec_of(n)] if s is not None})
-    schedule = schedule_units(units, deps, hidden, config, num_ubatches, plan, specs)
+    return schedule_units(units, deps, hidden, config, num_ubatches, plan, specs)
+
+
+def annotate_streams(graph: fx.Graph, schedule: Schedule) -> None:
+    """Annotate the nodes of ``graph`` with ``schedule``: ``meta["dbo"]["unit"]`` (the unit's
+    id) and the unit's stream (:func:`~dbo_compile.passes.meta.set_stream`); the wait of an
+    issue without a receive unit runs on the compute stream. Called once per split graph, with
+    the schedule chosen for it (the candidates' schedules of one graph differ).
+
+    Raises:
+        ScheduleError: ``schedule`` names a node that ``graph`` lacks (a schedule of another
+            graph).
+    """
     by_name = {n.name: n for n in graph.nodes}
     for u in schedule.units:
         for name in u.nodes:
-            node = by_name[name]
+            node = by_name.get(name)
+            if node is None:
+                raise ScheduleError(f"annotate_streams: unit {u.name} (id {u.id}) names node "
+                                    f"{name!r}, which the graph lacks; pass the schedule made "
+                                    "for this graph")
             dbo_meta(node)["unit"] = u.id
             set_stream(node, u.stream)
     for n in graph.nodes:
         if is_wait(n) and not is_receive(n):
             set_stream(n, COMPUTE)
-    return schedule
