@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 import dbo_compile.lowering as lowering
+from dbo_compile.lowering import aot, aten
 from conftest import last_artifact
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.models import deepseek
@@ -32,13 +33,13 @@ def _lower_both(model, args, monkeypatch):
     counts and the example inputs."""
     out = {}
     traces = []
-    real_trace = lowering._aot_trace
+    real_trace = aot.trace
 
     def counting(gm, fakes):
         traces.append(sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output")))
         return real_trace(gm, fakes)
 
-    monkeypatch.setattr(lowering, "_aot_trace", counting)
+    monkeypatch.setattr(aot, "trace", counting)
 
     def recorder(gm, example_inputs):
         specs = lowering.classify_inputs(gm, example_inputs)
@@ -46,7 +47,7 @@ def _lower_both(model, args, monkeypatch):
         out["layer_traces"] = list(traces)
         traces.clear()
         with monkeypatch.context() as m:
-            m.setattr(lowering, "_trace_by_layers", lambda *a: None)
+            m.setattr(aten, "trace_by_layers", lambda *a: None)
             out["whole"] = lowering.lower_to_aten(gm, example_inputs, specs).gm
         out["whole_traces"] = list(traces)
         out["inputs"] = list(example_inputs)
