@@ -8,33 +8,21 @@ run of one ubatch's compute between its yield points (on the compute stream). Th
 orders units over the whole graph, both ubatches and every layer at once, so it can run
 ubatch 0's next-layer attention while ubatch 1's combine of the previous layer is in flight.
 
-Algorithm:
-  1. Stages. A compute node of ubatch ``u`` belongs to the stage keyed by
-     ``(u, waits it depends on, first comm op depending on it)``. The key is monotone along
-     every path, so stages are convex (no path leaves a stage and comes back). Nodes that no
-     ubatch input reaches (weight views) form one shared prologue stage.
-  2. Dependencies. Data edges between units (a wait node stands for its issue's unit), plus
-     the edges FX cannot see: every access of ubatch ``u`` to an input that some op mutates in
-     place (the KV cache), or to the state a step-state op keys by an input (vLLM's KV cache
-     by layer name, :func:`~dbo_compile.ops.registry.step_state_key`), precedes ubatch
-     ``u + 1``'s accesses (``docs/design.md``, invariant 3), and every reader of a state input's old value precedes its write back
-     (:mod:`~dbo_compile.passes.state_threads`; each ubatch's copy of a state-thread segment
-     and each write back is a unit of its own).
-  3. List scheduling. Simulate the two in-order streams with the cost model; repeatedly issue
-     the ready unit with the earliest possible start (ties: comm first, so the collective is
-     launched before the compute it hides behind; then the longest path to the end of the
-     step, the critical path; then lower ubatch; then graph order).
-     Deterministic: no timing, data, rank or set order enters.
-  4. Event edges. The transitive reduction of (stream order + cross-stream dependencies)
-     keeps exactly the cross-stream edges no other path implies: each is one event record on
-     the producer's stream and one wait on the consumer's.
+Algorithm, one module a step:
+  1. Stages (:mod:`~dbo_compile.passes.units`): a compute node of ubatch ``u`` belongs to the
+     stage of its ubatch, the waits it depends on and the first comm op depending on it.
+  2. Dependencies (:mod:`~dbo_compile.passes.units`): data edges between units, plus the
+     edges FX cannot see (in-place inputs such as the KV cache and step-state keys, ubatch
+     ``u`` before ``u + 1``; readers of a state input before its write back).
+  3. Order (:mod:`~dbo_compile.passes.ordering`): list scheduling on the two simulated
+     in-order streams (or the naive per-layer interleave), deterministic.
+  4. Event edges (:mod:`~dbo_compile.passes.events`): the cross-stream edges of the transitive
+     reduction of stream order + dependencies, one event record and wait each.
+Both orders honour the comm backends' result pools (:mod:`~dbo_compile.passes.pools`).
 
-The steps live in modules of their own: units and their dependencies (steps 1-2,
-:mod:`~dbo_compile.passes.units`), the orders (step 3, :mod:`~dbo_compile.passes.ordering`),
-the event edges (step 4, :mod:`~dbo_compile.passes.events`) and the comm backends' result
-pools, which both orders honour (:mod:`~dbo_compile.passes.pools`). This module runs them for
-one candidate (:func:`stream_assign`, which leaves the graph's nodes as they are) and writes
-the chosen schedule's streams onto the nodes, once (:func:`annotate_streams`).
+This module runs the steps for one candidate (:func:`stream_assign`, which leaves the graph's
+nodes as they are) and writes the chosen schedule's units and streams onto the nodes, once
+(:func:`annotate_streams`).
 """
 
 from __future__ import annotations
