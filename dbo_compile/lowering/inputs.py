@@ -183,8 +183,9 @@ def baked_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[tup
     (and every program made from it) is a function of, as ``(input index, value)`` in input
     order: the floats :func:`fold_tensorified_floats` folds (:func:`folded_floats`) and the
     scalar inputs that are not symbolic (a Python int, float, bool, ... traced as a constant,
-    :func:`~dbo_compile.lowering.aten.lower_to_aten`). A tensor input's values and a SymInt's are read at run time. Another
-    value of one of these needs another lowered graph: the compile cache keys by them."""
+    :func:`~dbo_compile.lowering.aten.lower_to_aten`). A tensor input's values and a SymInt's
+    are read at run time. Another value of one of these needs another lowered graph: the
+    compile cache keys by them."""
     baked = dict(folded_floats(gm, example_inputs))
     for i, value in enumerate(example_inputs):
         if not isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
