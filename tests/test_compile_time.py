@@ -16,10 +16,13 @@ import torch
 import torch.fx as fx
 
 import dbo_compile.lowering as lowering
+from dbo_compile.lowering import aot, aten
 from conftest import last_artifact
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.models import deepseek
 from dbo_compile.passes import stream_assign
+from dbo_compile.passes.ordering import list_order
+from dbo_compile.passes.pools import PoolState, check_escapes
 from dbo_compile.schedule import COMM, COMPUTE, Timeline, Unit, predecessors
 from dbo_compile.models.batch import fill_kv_cache
 from moe_cases import MIXED_CUT, build, eager_and_compiled, eager_then_restore
@@ -30,13 +33,13 @@ def _lower_both(model, args, monkeypatch):
     counts and the example inputs."""
     out = {}
     traces = []
-    real_trace = lowering._aot_trace
+    real_trace = aot.trace
 
     def counting(gm, fakes):
         traces.append(sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output")))
         return real_trace(gm, fakes)
 
-    monkeypatch.setattr(lowering, "_aot_trace", counting)
+    monkeypatch.setattr(aot, "trace", counting)
 
     def recorder(gm, example_inputs):
         specs = lowering.classify_inputs(gm, example_inputs)
@@ -44,7 +47,7 @@ def _lower_both(model, args, monkeypatch):
         out["layer_traces"] = list(traces)
         traces.clear()
         with monkeypatch.context() as m:
-            m.setattr(lowering, "_trace_by_layers", lambda *a: None)
+            m.setattr(aten, "trace_by_layers", lambda *a: None)
             out["whole"] = lowering.lower_to_aten(gm, example_inputs, specs).gm
         out["whole_traces"] = list(traces)
         out["inputs"] = list(example_inputs)
@@ -334,8 +337,8 @@ def _reference_list_order(units, deps, plan):
     ready = sorted(i for i, m in missing.items() if m == 0)
     timeline = Timeline(preds)
     by_id = {u.id: u for u in units}
-    stream_assign._check_escapes(plan, by_id)
-    pools = stream_assign._PoolState(plan, by_id)
+    check_escapes(plan, by_id)
+    pools = PoolState(plan, by_id)
     placed, dep_set = set(), set(deps)
     bottom = {}
     dag = nx.DiGraph(sorted(deps))
@@ -399,7 +402,7 @@ def test_list_order_equals_the_ready_list_scan():
         for u in units:  # a transfer in flight after the issue (a backend with a receive)
             u.latency_us = rng.choice([0.0, 0.0, 3.0]) if u.kind == COMM else 0.0
         plan = _random_pool(rng, units, deps)
-        got = _order_or_why(stream_assign._list_order, units, deps, plan, 2)
+        got = _order_or_why(list_order, units, deps, plan, 2)
         assert got == _order_or_why(_reference_list_order, units, deps, plan)
         outcomes["infeasible" if isinstance(got, str) else "pool edges" if got[1] else "plain"] += 1
     assert min(outcomes.values()) > 50, outcomes  # every kind of outcome was compared

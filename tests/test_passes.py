@@ -155,6 +155,41 @@ def test_split_numerics_equal_eager(compiled_3layer):
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
 
 
+
+def _stream_marks(graph: fx.Graph) -> dict[str, tuple]:
+    return {n.name: (dbo_meta(n).get("unit"), dbo_meta(n).get("stream"),
+                     n.meta.get("custom", {}).get("stream")) for n in graph.nodes}
+
+
+def test_only_the_chosen_schedule_is_written_onto_the_split_graph(monkeypatch):
+    """Scheduling a candidate leaves the graph's nodes as they are; the schedule chosen (the
+    primary) is written onto its graph once, so the driver may schedule in any order."""
+    from dbo_compile.errors import ScheduleError
+    from dbo_compile.passes import stream_assign
+
+    real = stream_assign.stream_assign
+    touched = []
+
+    def spy(graph, *args, **kwargs):
+        before = _stream_marks(graph)
+        schedule = real(graph, *args, **kwargs)
+        touched.append(_stream_marks(graph) != before)
+        return schedule
+
+    monkeypatch.setattr(stream_assign, "stream_assign", spy)
+    torch._dynamo.reset()
+    model, step = build(MIXED_CUT, layers=2)
+    eager_and_compiled(model, step, {"split": "always", "link_gbps": 2.0,
+                                     "schedule_candidates": ("list@link/16", "naive")})
+    art = last_artifact()
+    assert len(touched) == 3 and not any(touched)
+    marks = _stream_marks(art.split_gm.graph)
+    for u in art.schedule.units:
+        for name in u.nodes:
+            assert marks[name][:2] == (u.id, u.stream), name
+    with pytest.raises(ScheduleError, match="lacks"):  # a schedule of another graph
+        stream_assign.annotate_streams(art.lowered_gm.graph, art.schedule)
+
 def test_generated_code_is_deterministic():
     codes = []
     for _ in range(2):

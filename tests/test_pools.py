@@ -29,6 +29,7 @@ from dbo_compile.ops.comm import (
     watching_results,
 )
 from dbo_compile.passes import stream_assign
+from dbo_compile.passes.pools import pool_plan_of
 from dbo_compile.schedule import Schedule
 
 CASES = [("list", 2), ("naive", 2), ("list", 3), ("naive", 3), ("list", 4), ("naive", 4)]
@@ -190,7 +191,7 @@ def test_the_checker_refuses_the_unconstrained_order(model_and_step):
         _run(model_and_step, scheduler="list", num_ubatches=2)
     art = last_artifact()
     _register(live=2)  # the same backend, declared: the plan the scheduler would honour
-    plan = stream_assign.pool_plan_of(art.split_gm.graph, art.schedule)
+    plan = pool_plan_of(art.split_gm.graph, art.schedule)
     with pytest.raises(ScheduleError, match="may run before"):
         stream_assign.check_pools(art.schedule, plan)
 
@@ -204,7 +205,7 @@ def test_pool_edges_join_readers_to_the_reusing_call(model_and_step, scheduler):
     art, err = _run(model_and_step, scheduler=scheduler, num_ubatches=3)
     assert err < 1e-5
     sched = art.schedule
-    plan = stream_assign.pool_plan_of(art.split_gm.graph, sched)
+    plan = pool_plan_of(art.split_gm.graph, sched)
     by_id = {u.id: u for u in sched.units}
     pool_edges = [(a, b) for a, b in sched.hidden_deps if b in plan.pool_of]
     assert pool_edges, sched.hidden_deps

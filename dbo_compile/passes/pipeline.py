@@ -365,8 +365,6 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassRunner, 
         primary = Candidate(config.scheduler, config.scheduler)
         candidates = [primary] + [c for c in candidates[1:] if not c.join_experts]
     schedules: dict[str, Schedule] = {}
-    # alternative schedules first: stream_assign annotates the graph's nodes, and the primary
-    # schedule's annotations must be the ones left on its graph (codegen reads the schedule only)
     alternatives = [(c, graph_for(c.join_experts)) for c in candidates[1:]]
     alternatives = [(c, g) for c, g in alternatives if g is not None]
     feasible = []
@@ -382,6 +380,7 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassRunner, 
     for c, _ in [(primary, None)] + alternatives:
         schedules[c.name].meta.update(candidate=c.name, joined_calls=joined.get(c.join_experts, 0))
     schedule = schedules[primary.name]
+    stream_assign.annotate_streams(primary_gm.graph, schedule)  # once, the schedule chosen
     schedule.meta.update(comm_ops_per_ubatch=len(state.comms), num_graph_inputs=len(state.specs))
     if nothing_to_join and config.join_experts:
         schedule.meta["join_experts"] = "no routed-expert call to join"

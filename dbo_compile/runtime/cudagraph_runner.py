@@ -79,22 +79,28 @@ from __future__ import annotations
 
 import logging
 import operator
-import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from dbo_compile.errors import GraphRunnerError, UBatchExecutionError
-from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata, HostCounts
+from dbo_compile.metadata import AttentionMetadata, HostCounts
 from dbo_compile.ops.comm import run_watched
 from dbo_compile.runtime.artifact import CompiledArtifact
+from dbo_compile.runtime.bucket_timing import decide, time_graphs, timed_graphs
+from dbo_compile.runtime.buckets import (
+    WARMUP_PARTS,
+    BucketGraphs,
+    OutputMap,
+    check_artifact,
+    copy_into,
+    graph_args,
+    map_inputs,
+)
 from dbo_compile.runtime.capture import capture, run_draining, state_kept
 from dbo_compile.runtime.context import (
-    last_outputs,
     record_calls,
     step_context,
     traced_only,
@@ -103,7 +109,7 @@ from dbo_compile.runtime.context import (
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.runtime.numbers import InputNumbers
 from dbo_compile.runtime.padding import join_ubatch_outputs, pad_args
-from dbo_compile.runtime.vote import min_split_tokens, vote_device
+from dbo_compile.runtime.vote import min_split_tokens
 
 log = logging.getLogger(__name__)
 
@@ -115,136 +121,6 @@ MIN_GAIN = 0.03
 
 __all__ = ["BucketGraphs", "CudaGraphRunner", "GraphRunnerError", "OutputMap",
            "WARMUP_PARTS"]
-
-#: the parts of a bucket's warm-up time (:attr:`BucketGraphs.warmup_s`), in order
-WARMUP_PARTS = ("record", "probe", "warmup_runs", "capture", "timing", "total")
-
-
-@dataclass
-class BucketGraphs:
-    """What was captured for one bucket.
-
-    Attributes:
-        tokens: the bucket's padded token count.
-        artifact: the compiled artifact (a
-            :class:`~dbo_compile.runtime.artifact.CompiledArtifact`).
-        args: the static graph inputs (token rows = ``tokens``; ``tokens`` requests).
-        split_args: the split program's static per-ubatch inputs (``None``: not split).
-        graphs / outs: ``"unsplit"`` and each split schedule candidate's graph and static
-            outputs (after the choice only ``"unsplit"`` and the chosen candidate are kept).
-        times_us: replay time (µs, median, max over the DP group) of each graph whose time
-            can change the choice: the split candidates, and with ``split="auto"`` the unsplit
-            graph; nothing where there is one graph to choose from (no split graph, or
-            ``"always"`` with one candidate).
-        choice: ``"unsplit"`` or the name of the split candidate this bucket runs when the vote
-            splits.
-        best_candidate: the fastest split candidate (``None``: not split), chosen or not.
-        input_pos: graph-input position of each step input (``input_ids``, ``positions``,
-            metadata fields) in ``args``.
-        warmup_s: seconds of this bucket's warm-up by part (:data:`WARMUP_PARTS`):
-            ``record``, the synthetic step through the compiled model (for the first bucket
-            Dynamo and the backend's compile; Inductor compiling the stages the step runs for
-            this bucket's signature); ``probe``, the prefill-shaped step; ``warmup_runs``, the
-            eager calls before each capture (where the other candidates' stages compile);
-            ``capture``, the captures themselves (CPU: the one eager run); ``timing``, the
-            timed replays; ``total``, all of it (with the choice and bookkeeping).
-        graph_s: per captured graph, its warm-up calls and capture (seconds).
-        out_map: how the model's return value is built from the graph's flat outputs.
-        numbers: the number inputs of the graph and the values the capture baked in.
-    """
-
-    tokens: int
-    artifact: CompiledArtifact
-    args: list[Any]
-    split_args: list[Any] | None = None
-    graphs: dict[str, Any] = field(default_factory=dict)
-    outs: dict[str, Any] = field(default_factory=dict)
-    times_us: dict[str, float] = field(default_factory=dict)
-    choice: str = "unsplit"
-    best_candidate: str | None = None
-    input_pos: dict[str, int] = field(default_factory=dict)
-    warmup_s: dict[str, float] = field(default_factory=dict)
-    graph_s: dict[str, float] = field(default_factory=dict)
-    out_map: OutputMap | None = None
-    numbers: InputNumbers | None = None
-
-    @property
-    def use_split(self) -> bool:
-        return self.choice != "unsplit"
-
-    @property
-    def t_unsplit_us(self) -> float | None:
-        """The unsplit graph's time (µs), ``None`` when it was not timed (see ``times_us``)."""
-        return self.times_us.get("unsplit")
-
-    @property
-    def t_split_us(self) -> float | None:
-        """The fastest split candidate's time (µs), ``None`` when none was timed."""
-        split = [t for k, t in self.times_us.items() if k != "unsplit"]
-        return min(split) if split else None
-
-
-@dataclass(frozen=True)
-class OutputMap:
-    """The model's return value in terms of the graph's flat outputs, recorded at warm-up:
-    a replay returns the eager structure (tuples, lists, dicts, nesting), not the flat tuple.
-
-    Attributes:
-        tree: the pytree spec of the model's return value.
-        leaves: per leaf ``("out", i)`` (flat graph output ``i``), ``("size", i)`` (graph
-            output ``i``, an int evaluated at the step's token count) or ``("const", value)``.
-    """
-
-    tree: Any
-    leaves: tuple[tuple[str, Any], ...]
-
-    @classmethod
-    def of(cls, ret: Any, tokens: int) -> OutputMap:
-        """Map ``ret`` (what ``run_step`` returned for a synthetic step of ``tokens`` rows) to
-        the flat outputs of the artifact call that made it (:func:`~.context.last_outputs`).
-
-        Raises:
-            GraphRunnerError: a tensor of ``ret`` is no graph output (an input returned
-                as it is, or a tensor made outside the compiled graph): a replay could not
-                refresh it.
-        """
-        record = last_outputs()
-        flat, specs = record if record is not None else ((), None)
-        specs = specs if specs is not None and len(specs) == len(flat) else [None] * len(flat)
-        index = {id(o): i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)}
-        sizes = [i for i, spec in enumerate(specs) if spec is not None and spec.kind == "size"]
-        paths, tree = pytree.tree_flatten_with_path(ret)
-        leaves: list[tuple[str, Any]] = []
-        for path, leaf in paths:
-            if isinstance(leaf, torch.Tensor):
-                if id(leaf) not in index:
-                    raise GraphRunnerError(
-                        f"the model's output {pytree.keystr(path) or '(the return value)'} is "
-                        "no output of the compiled graph (an input returned as it is, or a "
-                        "tensor made outside the graph): a replayed CUDA graph cannot refresh "
-                        "it; compute it inside the model")
-                leaves.append(("out", index[id(leaf)]))
-            elif isinstance(leaf, int) and not isinstance(leaf, bool) and any(
-                    specs[i].size(tokens) == leaf for i in sizes):
-                leaves.append(("size", next(i for i in sizes if specs[i].size(tokens) == leaf)))
-            else:
-                leaves.append(("const", leaf))
-        return cls(tree, tuple(leaves))
-
-    def build(self, static: Sequence[Any], specs: Sequence[Any] | None, n: int,
-              rows: int) -> Any:
-        """The return value of a replay: static outputs cut to the ``n`` real tokens (of the
-        bucket's ``rows``), sizes at ``n``."""
-        specs = specs if specs is not None and len(specs) == len(static) else [None] * len(static)
-        values = []
-        for kind, v in self.leaves:
-            if kind == "out":
-                values.append(_real_rows(static[v], n, rows, specs[v]))
-            elif kind == "size":
-                values.append(specs[v].size(n))
-            else:
-                values.append(v)
-        return pytree.tree_unflatten(values, self.tree)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -381,7 +257,7 @@ class CudaGraphRunner:
         if not isinstance(art, CompiledArtifact) or art.specs is None:
             raise GraphRunnerError(f"the compiled graph ({type(art).__name__}) has no input "
                                    "classification; compile with backend='dbo'")
-        return art, list(args), self._map_inputs(args, ids, pos, md), OutputMap.of(ret, tokens)
+        return art, list(args), map_inputs(args, ids, pos, md), OutputMap.of(ret, tokens)
 
     def capture(self) -> dict[int, BucketGraphs]:
         """Capture and time every bucket (largest first). Call on every rank of the job, in
@@ -415,7 +291,7 @@ class CudaGraphRunner:
                         "a decode-shaped one (Dynamo specialised on the step's layout, e.g. "
                         "max_query_len or the request count); a replayed CUDA graph would "
                         "ignore that. Keep layout-dependent host values out of the model")
-            self._check_artifact(art, tokens, args)
+            check_artifact(art, tokens, args)
             ids, pos, md, _ = self._dummy_step(tokens)
             numbers = InputNumbers(self.compiled, art.specs, args, (ids, pos, md),
                                    self.model_kwargs)
@@ -429,7 +305,7 @@ class CudaGraphRunner:
             with torch.no_grad(), state_kept([args[i] for i in art.state_inputs]):
                 self._capture_bucket(bucket, cuda)
             with torch.no_grad():
-                self._decide_bucket(bucket)
+                decide(bucket, self.min_gain, self.keep_candidates)
             bucket.warmup_s["total"] = time.perf_counter() - t0
             self.graphs[tokens] = bucket
             log.info("dbo graphs: warm-up of bucket %d: %s", tokens, _parts(bucket.warmup_s))
@@ -459,37 +335,6 @@ class CudaGraphRunner:
             "eager_steps": self.eager_steps,
         }
 
-    @staticmethod
-    def _check_artifact(art: CompiledArtifact, tokens: int, args: Sequence[Any]) -> None:
-        hazard = art.padding_hazard()
-        if hazard is not None:
-            raise GraphRunnerError(
-                f"bucket {tokens}: {hazard}, so a step cannot be padded to a bucket. Serve it "
-                "without CudaGraphRunner (run_step runs it at the step's own token count), or "
-                "make the model row-local and its buffer updates foldable")
-        stale = art.stale_floats(args)
-        if stale:
-            raise GraphRunnerError(
-                f"bucket {tokens}: the compiled programs fold floats the model no longer holds "
-                f"(source, compiled, now: {[(art.specs[i].source, old, new) for i, old, new in stale]}"
-                "; changed after torch.compile traced them): their graphs would serve the old "
-                "values. Compile the model again (torch._dynamo.reset(), then torch.compile) "
-                "and capture() again")
-
-    @staticmethod
-    def _map_inputs(args: Sequence[Any], ids: torch.Tensor, pos: torch.Tensor,
-                    md: AttentionMetadata) -> dict[str, int]:
-        """Graph-input position of each step input (by identity with the synthetic step's)."""
-        named = {"input_ids": ids, "positions": pos, **md.tensors()}
-        where = {}
-        for name, t in named.items():
-            hits = [i for i, a in enumerate(args) if a is t]
-            if hits:
-                where[name] = hits[0]
-        if "input_ids" not in where:
-            raise GraphRunnerError("the compiled graph does not take input_ids as an input")
-        return where
-
     def _capture_bucket(self, b: BucketGraphs, cuda: bool) -> None:
         art = b.artifact
         self._graph(b, "unsplit", lambda: run_watched(art.unsplit, *b.args), cuda)
@@ -502,7 +347,7 @@ class CudaGraphRunner:
             for name, program in art.candidates.items():
                 self._graph(b, name, _split_fn(program, b.split_args, art, b.tokens), cuda)
         t0 = time.perf_counter()
-        b.times_us = self._time(b, _timed(b, art.config.split))
+        b.times_us = self._time(b, timed_graphs(b, art.config.split))
         b.warmup_s["timing"] = time.perf_counter() - t0
 
     def _graph(self, b: BucketGraphs, name: str, fn: Callable[[], Any], cuda: bool) -> None:
@@ -519,52 +364,8 @@ class CudaGraphRunner:
             b.warmup_s[part] = b.warmup_s.get(part, 0.0) + times[key]
 
     def _time(self, b: BucketGraphs, names: Sequence[str]) -> dict[str, float]:
-        """Replay time of the graphs ``names`` of ``b`` (µs): interleaved rounds, median, max
-        over every rank (``names`` must be the same on every rank)."""
-        if not names:
-            return {}
-        cuda = self.device.type == "cuda"
-        samples: dict[str, list[float]] = {n: [] for n in names}
-        for _round in range(3):
-            for name in names:
-                g = b.graphs[name]
-                g.replay()
-                if cuda:
-                    torch.cuda.synchronize()
-                    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                          for _ in range(self.timing_iters)]
-                    for s, e in ev:
-                        s.record()
-                        g.replay()
-                        e.record()
-                    torch.cuda.synchronize()
-                    samples[name] += [s.elapsed_time(e) * 1e3 for s, e in ev]
-                else:
-                    for _ in range(self.timing_iters):
-                        t0 = time.perf_counter()
-                        g.replay()
-                        samples[name].append((time.perf_counter() - t0) * 1e6)
-        med = _max_over_ranks([statistics.median(samples[n]) for n in names])
-        return dict(zip(names, med))
-
-    def _decide_bucket(self, b: BucketGraphs) -> None:
-        """The fastest split candidate, and whether it runs at all (``split`` mode); the other
-        candidates' graphs are dropped at once, so that later captures reuse their memory."""
-        mode = b.artifact.config.split
-        split = [k for k in b.graphs if k != "unsplit"]
-        best = min(split, key=lambda k: (b.times_us[k], k)) if len(split) > 1 else (
-            split[0] if split else None)
-        b.best_candidate = best
-        if best is None or mode == "never":
-            b.choice = "unsplit"
-        elif mode == "always":
-            b.choice = best
-        else:
-            faster = b.times_us[best] <= (1.0 - self.min_gain) * b.times_us["unsplit"]
-            b.choice = best if faster else "unsplit"
-        if not self.keep_candidates:
-            for name in [k for k in b.graphs if k not in ("unsplit", best)]:
-                del b.graphs[name], b.outs[name]
+        """Replay time of the graphs ``names`` of ``b`` (µs): :func:`.bucket_timing.time_graphs`."""
+        return time_graphs(b, names, self.timing_iters, self.device.type == "cuda")
 
     def describe(self) -> str:
         """One line per bucket: times and the choice."""
@@ -618,7 +419,7 @@ class CudaGraphRunner:
         ctx = dict(num_scheduled_tokens=list(num_scheduled_tokens), block_size=self.block_size,
                    vetoes=tuple(vetoes), allow_split=allow_split)
         largest = self.graphs[self.buckets[-1]]
-        real_args = self._graph_args(largest, input_ids, positions, attn_metadata)
+        real_args = graph_args(largest, input_ids, positions, attn_metadata)
         width = int(attn_metadata.block_table.shape[1])
         # the graphs bake in the numbers the model held at capture (the vote's artifact sees
         # the captured ones in real_args): one that changed sends the step down the eager path
@@ -733,7 +534,7 @@ class CudaGraphRunner:
         if b is None or n > tokens:
             raise GraphRunnerError(f"step of {n} tokens does not fit a captured bucket "
                                    f"({tokens} not in {sorted(self.graphs)} or too small)")
-        args = self._graph_args(b, input_ids, positions, attn_metadata)
+        args = graph_args(b, input_ids, positions, attn_metadata)
         padded_args = pad_args(b.artifact.specs, args, n, tokens)
         if split:
             if b.split_args is None:
@@ -742,14 +543,14 @@ class CudaGraphRunner:
                 host = attn_metadata.host_counts()
             per_ubatch = b.artifact.split_args(padded_args, list(num_scheduled_tokens), host=host,
                                                validated=validated)
-            _copy_into(b.split_args, per_ubatch, *self._copy_plan(b, split=True))
+            copy_into(b.split_args, per_ubatch, *self._copy_plan(b, split=True))
         else:
-            _copy_into(b.args, padded_args, *self._copy_plan(b, split=False))
+            copy_into(b.args, padded_args, *self._copy_plan(b, split=False))
 
     def _copy_plan(self, b: BucketGraphs, split: bool
                    ) -> tuple[Sequence[tuple[int, int | None]], Sequence[Any], list[int]]:
-        """``_copy_into``'s ``inputs``, ``specs`` and ``positions`` for the unsplit graph of
-        ``b`` or its split program: only the positions a step can change (the step's own
+        """:func:`~.buckets.copy_into`'s ``inputs``, ``specs`` and ``positions`` for the unsplit
+        graph of ``b`` or its split program: only the positions a step can change (the step's own
         inputs, token-indexed inputs, which are padded per step, and whatever is cut per
         ubatch); the others (weights, KV caches) are the captured objects themselves. Worked
         out once per bucket: a large model has hundreds of inputs."""
@@ -766,18 +567,6 @@ class CudaGraphRunner:
                 positions = sorted(step)
             self._copy_plans[key] = (inputs, art.specs, positions)
         return self._copy_plans[key]
-
-    @staticmethod
-    def _graph_args(b: BucketGraphs, ids: torch.Tensor, pos: torch.Tensor,
-                    md: AttentionMetadata) -> list[Any]:
-        args = list(b.args)
-        named = {"input_ids": ids, "positions": pos, **md.tensors()}
-        for name, i in b.input_pos.items():
-            args[i] = named[name]
-        valid = b.artifact.row_valid_index
-        if valid is not None:  # every row of the step is real; the bucket's padding is not
-            args[valid] = torch.ones(int(ids.shape[0]), dtype=torch.bool, device=ids.device)
-        return args
 
     def _eager(self, reason: str, ids, pos, md, ctx) -> Any:
         if reason not in self._warned:
@@ -799,83 +588,8 @@ def _is_int(value: Any) -> bool:
         return False
 
 
-def _timed(b: BucketGraphs, mode: str) -> list[str]:
-    """The graphs of ``b`` whose times can change its choice (``split`` mode ``mode``): the
-    split candidates, and with ``"auto"`` the unsplit graph; none where fewer than two remain."""
-    names = [k for k in b.graphs if k != "unsplit" or mode == "auto"]
-    return names if len(names) > 1 else []
-
-
 def _split_fn(program: Any, split_args: list[Any], art: CompiledArtifact, tokens: int):
     """The split program over static per-ubatch inputs; outputs concatenated in ubatch order
     (sizes at the bucket's ``tokens``)."""
     outputs, specs = art.signature.outputs, art.output_specs
     return lambda: join_ubatch_outputs(program(*split_args), outputs, specs, tokens)
-
-
-def _max_over_ranks(values: list[float]) -> list[float]:
-    """Elementwise max over every rank of the job (the default group), not only the DP vote's
-    group: the graphs' collectives may span other ranks (EP), which must replay the same
-    schedule candidate."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=vote_device(dist.group.WORLD))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _real_rows(out: Any, n: int, rows: int, spec: Any) -> Any:
-    """The real rows of a token-indexed output (``spec``: its ``OutputSpec``; unclassified:
-    any output whose dim 0 is the bucket's row count)."""
-    if not isinstance(out, torch.Tensor) or not out.dim():
-        return out
-    if spec is not None and spec.kind == "token":
-        return out[: spec.coef * n]
-    if spec is not None and spec.kind != "unknown":
-        return out
-    return out[:n] if out.shape[0] == rows else out
-
-
-def _copy_into(static: list[Any], new: Sequence[Any], inputs: Sequence[tuple[int, int | None]],
-               specs: Sequence[Any], positions: Sequence[int] | None = None) -> None:
-    """Copy a step's (per-ubatch) inputs into the captured static ones.
-
-    Shared inputs are the same objects (skipped). Token-indexed tensors have the captured
-    shape (else ``GraphRunnerError``). Request-indexed metadata is padded to the captured
-    request count with zero-length requests (see the module docstring). Ints (sizes) are not
-    copied: the graph keeps its captured token sizes, which the bucket's padding reproduces,
-    and its captured request capacity, which the request padding fills. ``positions``: the
-    only positions that can differ (default: all).
-    """
-    for pos in range(len(inputs)) if positions is None else positions:
-        index = inputs[pos][0]
-        dst, src = static[pos], new[pos]
-        if dst is src:
-            continue
-        spec = specs[index]
-        if isinstance(dst, torch.Tensor):
-            if FIELD_LAYOUT.get(spec.field or "") == "request":
-                _copy_request_padded(dst, src, spec.field)
-            elif dst.shape == src.shape:
-                dst.copy_(src)
-            else:
-                raise GraphRunnerError(
-                    f"graph input {spec.name} ({spec.kind}): step shape {tuple(src.shape)} != "
-                    f"captured {tuple(dst.shape)}")
-
-
-def _copy_request_padded(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    r = src.shape[0] - (1 if name == "query_start_loc" else 0)
-    cap = dst.shape[0] - (1 if name == "query_start_loc" else 0)
-    if r > cap:
-        raise GraphRunnerError(f"{name}: {r} requests > captured capacity {cap}")
-    if name == "query_start_loc":
-        dst[: r + 1].copy_(src)
-        dst[r + 1:].copy_(src[-1:].expand(cap - r))
-    elif name == "block_table":
-        dst.zero_()
-        dst[:r, : src.shape[1]].copy_(src)
-    else:
-        dst[:r].copy_(src)
-        dst[r:].zero_()
-

@@ -1,0 +1,88 @@
+"""The split decision measured on a bucket's captured graphs: which graphs are timed, their
+replay times (interleaved rounds, median, max over every rank) and the choice
+(:mod:`~dbo_compile.runtime.cudagraph_runner`'s module docstring, warm-up step 3)."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from dbo_compile.runtime.buckets import BucketGraphs
+from dbo_compile.runtime.vote import vote_device
+
+log = logging.getLogger(__name__)
+
+
+def timed_graphs(b: BucketGraphs, mode: str) -> list[str]:
+    """The graphs of ``b`` whose times can change its choice (``split`` mode ``mode``): the
+    split candidates, and with ``"auto"`` the unsplit graph; none where fewer than two remain."""
+    names = [k for k in b.graphs if k != "unsplit" or mode == "auto"]
+    return names if len(names) > 1 else []
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Elementwise max over every rank of the job (the default group), not only the DP vote's
+    group: the graphs' collectives may span other ranks (EP), which must replay the same
+    schedule candidate."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=vote_device(dist.group.WORLD))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def time_graphs(b: BucketGraphs, names: Sequence[str], iters: int, cuda: bool
+                ) -> dict[str, float]:
+    """Replay time of the graphs ``names`` of ``b`` (µs): interleaved rounds, median, max
+    over every rank (``names`` must be the same on every rank); ``iters`` timed replays
+    per graph and round, CUDA events where ``cuda``, else host time."""
+    if not names:
+        return {}
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for _round in range(3):
+        for name in names:
+            g = b.graphs[name]
+            g.replay()
+            if cuda:
+                torch.cuda.synchronize()
+                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(iters)]
+                for s, e in ev:
+                    s.record()
+                    g.replay()
+                    e.record()
+                torch.cuda.synchronize()
+                samples[name] += [s.elapsed_time(e) * 1e3 for s, e in ev]
+            else:
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    g.replay()
+                    samples[name].append((time.perf_counter() - t0) * 1e6)
+    med = max_over_ranks([statistics.median(samples[n]) for n in names])
+    return dict(zip(names, med))
+
+
+def decide(b: BucketGraphs, min_gain: float, keep_candidates: bool) -> None:
+    """The fastest split candidate, and whether it runs at all (``split`` mode); the other
+    candidates' graphs are dropped at once (unless ``keep_candidates``), so that later
+    captures reuse their memory; ``min_gain``: see :class:`~.cudagraph_runner.CudaGraphRunner`."""
+    mode = b.artifact.config.split
+    split = [k for k in b.graphs if k != "unsplit"]
+    best = min(split, key=lambda k: (b.times_us[k], k)) if len(split) > 1 else (
+        split[0] if split else None)
+    b.best_candidate = best
+    if best is None or mode == "never":
+        b.choice = "unsplit"
+    elif mode == "always":
+        b.choice = best
+    else:
+        faster = b.times_us[best] <= (1.0 - min_gain) * b.times_us["unsplit"]
+        b.choice = best if faster else "unsplit"
+    if not keep_candidates:
+        for name in [k for k in b.graphs if k not in ("unsplit", best)]:
+            del b.graphs[name], b.outs[name]

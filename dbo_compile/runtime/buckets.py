@@ -1,0 +1,268 @@
+"""What the CUDA-graph runner keeps per bucket, and how a step meets the captured static
+buffers (:mod:`~dbo_compile.runtime.cudagraph_runner` captures and replays them).
+
+- :class:`BucketGraphs`: one bucket's graphs, static inputs and outputs, times and choice (its
+  warm-up seconds by part: :data:`WARMUP_PARTS`);
+- :func:`check_artifact`: what a bucket refuses to capture;
+- :func:`map_inputs` / :func:`graph_args`: where a step's inputs sit among the graph inputs;
+- :func:`copy_into`: a step's inputs copied into the static ones, request-indexed metadata
+  padded with zero-length requests to the captured request capacity;
+- :class:`OutputMap`: the model's return value in terms of the graph's flat outputs, cut to the
+  step's real token rows on replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from dbo_compile.errors import GraphRunnerError
+from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata
+from dbo_compile.runtime.artifact import CompiledArtifact
+from dbo_compile.runtime.context import last_outputs
+from dbo_compile.runtime.numbers import InputNumbers
+
+log = logging.getLogger(__name__)
+
+
+#: the parts of a bucket's warm-up time (:attr:`BucketGraphs.warmup_s`), in order
+WARMUP_PARTS = ("record", "probe", "warmup_runs", "capture", "timing", "total")
+
+
+@dataclass
+class BucketGraphs:
+    """What was captured for one bucket.
+
+    Attributes:
+        tokens: the bucket's padded token count.
+        artifact: the compiled artifact (a
+            :class:`~dbo_compile.runtime.artifact.CompiledArtifact`).
+        args: the static graph inputs (token rows = ``tokens``; ``tokens`` requests).
+        split_args: the split program's static per-ubatch inputs (``None``: not split).
+        graphs / outs: ``"unsplit"`` and each split schedule candidate's graph and static
+            outputs (after the choice only ``"unsplit"`` and the chosen candidate are kept).
+        times_us: replay time (µs, median, max over the DP group) of each graph whose time
+            can change the choice: the split candidates, and with ``split="auto"`` the unsplit
+            graph; nothing where there is one graph to choose from (no split graph, or
+            ``"always"`` with one candidate).
+        choice: ``"unsplit"`` or the name of the split candidate this bucket runs when the vote
+            splits.
+        best_candidate: the fastest split candidate (``None``: not split), chosen or not.
+        input_pos: graph-input position of each step input (``input_ids``, ``positions``,
+            metadata fields) in ``args``.
+        warmup_s: seconds of this bucket's warm-up by part (:data:`WARMUP_PARTS`):
+            ``record``, the synthetic step through the compiled model (for the first bucket
+            Dynamo and the backend's compile; Inductor compiling the stages the step runs for
+            this bucket's signature); ``probe``, the prefill-shaped step; ``warmup_runs``, the
+            eager calls before each capture (where the other candidates' stages compile);
+            ``capture``, the captures themselves (CPU: the one eager run); ``timing``, the
+            timed replays; ``total``, all of it (with the choice and bookkeeping).
+        graph_s: per captured graph, its warm-up calls and capture (seconds).
+        out_map: how the model's return value is built from the graph's flat outputs.
+        numbers: the number inputs of the graph and the values the capture baked in.
+    """
+
+    tokens: int
+    artifact: CompiledArtifact
+    args: list[Any]
+    split_args: list[Any] | None = None
+    graphs: dict[str, Any] = field(default_factory=dict)
+    outs: dict[str, Any] = field(default_factory=dict)
+    times_us: dict[str, float] = field(default_factory=dict)
+    choice: str = "unsplit"
+    best_candidate: str | None = None
+    input_pos: dict[str, int] = field(default_factory=dict)
+    warmup_s: dict[str, float] = field(default_factory=dict)
+    graph_s: dict[str, float] = field(default_factory=dict)
+    out_map: OutputMap | None = None
+    numbers: InputNumbers | None = None
+
+    @property
+    def use_split(self) -> bool:
+        return self.choice != "unsplit"
+
+    @property
+    def t_unsplit_us(self) -> float | None:
+        """The unsplit graph's time (µs), ``None`` when it was not timed (see ``times_us``)."""
+        return self.times_us.get("unsplit")
+
+    @property
+    def t_split_us(self) -> float | None:
+        """The fastest split candidate's time (µs), ``None`` when none was timed."""
+        split = [t for k, t in self.times_us.items() if k != "unsplit"]
+        return min(split) if split else None
+
+
+@dataclass(frozen=True)
+class OutputMap:
+    """The model's return value in terms of the graph's flat outputs, recorded at warm-up:
+    a replay returns the eager structure (tuples, lists, dicts, nesting), not the flat tuple.
+
+    Attributes:
+        tree: the pytree spec of the model's return value.
+        leaves: per leaf ``("out", i)`` (flat graph output ``i``), ``("size", i)`` (graph
+            output ``i``, an int evaluated at the step's token count) or ``("const", value)``.
+    """
+
+    tree: Any
+    leaves: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, ret: Any, tokens: int) -> OutputMap:
+        """Map ``ret`` (what ``run_step`` returned for a synthetic step of ``tokens`` rows) to
+        the flat outputs of the artifact call that made it (:func:`~.context.last_outputs`).
+
+        Raises:
+            GraphRunnerError: a tensor of ``ret`` is no graph output (an input returned
+                as it is, or a tensor made outside the compiled graph): a replay could not
+                refresh it.
+        """
+        record = last_outputs()
+        flat, specs = record if record is not None else ((), None)
+        specs = specs if specs is not None and len(specs) == len(flat) else [None] * len(flat)
+        index = {id(o): i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)}
+        sizes = [i for i, spec in enumerate(specs) if spec is not None and spec.kind == "size"]
+        paths, tree = pytree.tree_flatten_with_path(ret)
+        leaves: list[tuple[str, Any]] = []
+        for path, leaf in paths:
+            if isinstance(leaf, torch.Tensor):
+                if id(leaf) not in index:
+                    raise GraphRunnerError(
+                        f"the model's output {pytree.keystr(path) or '(the return value)'} is "
+                        "no output of the compiled graph (an input returned as it is, or a "
+                        "tensor made outside the graph): a replayed CUDA graph cannot refresh "
+                        "it; compute it inside the model")
+                leaves.append(("out", index[id(leaf)]))
+            elif isinstance(leaf, int) and not isinstance(leaf, bool) and any(
+                    specs[i].size(tokens) == leaf for i in sizes):
+                leaves.append(("size", next(i for i in sizes if specs[i].size(tokens) == leaf)))
+            else:
+                leaves.append(("const", leaf))
+        return cls(tree, tuple(leaves))
+
+    def build(self, static: Sequence[Any], specs: Sequence[Any] | None, n: int,
+              rows: int) -> Any:
+        """The return value of a replay: static outputs cut to the ``n`` real tokens (of the
+        bucket's ``rows``), sizes at ``n``."""
+        specs = specs if specs is not None and len(specs) == len(static) else [None] * len(static)
+        values = []
+        for kind, v in self.leaves:
+            if kind == "out":
+                values.append(_real_rows(static[v], n, rows, specs[v]))
+            elif kind == "size":
+                values.append(specs[v].size(n))
+            else:
+                values.append(v)
+        return pytree.tree_unflatten(values, self.tree)
+
+
+def _real_rows(out: Any, n: int, rows: int, spec: Any) -> Any:
+    """The real rows of a token-indexed output (``spec``: its ``OutputSpec``; unclassified:
+    any output whose dim 0 is the bucket's row count)."""
+    if not isinstance(out, torch.Tensor) or not out.dim():
+        return out
+    if spec is not None and spec.kind == "token":
+        return out[: spec.coef * n]
+    if spec is not None and spec.kind != "unknown":
+        return out
+    return out[:n] if out.shape[0] == rows else out
+
+
+def copy_into(static: list[Any], new: Sequence[Any], inputs: Sequence[tuple[int, int | None]],
+               specs: Sequence[Any], positions: Sequence[int] | None = None) -> None:
+    """Copy a step's (per-ubatch) inputs into the captured static ones.
+
+    Shared inputs are the same objects (skipped). Token-indexed tensors have the captured
+    shape (else ``GraphRunnerError``). Request-indexed metadata is padded to the captured
+    request count with zero-length requests (see the module docstring). Ints (sizes) are not
+    copied: the graph keeps its captured token sizes, which the bucket's padding reproduces,
+    and its captured request capacity, which the request padding fills. ``positions``: the
+    only positions that can differ (default: all).
+    """
+    for pos in range(len(inputs)) if positions is None else positions:
+        index = inputs[pos][0]
+        dst, src = static[pos], new[pos]
+        if dst is src:
+            continue
+        spec = specs[index]
+        if isinstance(dst, torch.Tensor):
+            if FIELD_LAYOUT.get(spec.field or "") == "request":
+                _copy_request_padded(dst, src, spec.field)
+            elif dst.shape == src.shape:
+                dst.copy_(src)
+            else:
+                raise GraphRunnerError(
+                    f"graph input {spec.name} ({spec.kind}): step shape {tuple(src.shape)} != "
+                    f"captured {tuple(dst.shape)}")
+
+
+def _copy_request_padded(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    r = src.shape[0] - (1 if name == "query_start_loc" else 0)
+    cap = dst.shape[0] - (1 if name == "query_start_loc" else 0)
+    if r > cap:
+        raise GraphRunnerError(f"{name}: {r} requests > captured capacity {cap}")
+    if name == "query_start_loc":
+        dst[: r + 1].copy_(src)
+        dst[r + 1:].copy_(src[-1:].expand(cap - r))
+    elif name == "block_table":
+        dst.zero_()
+        dst[:r, : src.shape[1]].copy_(src)
+    else:
+        dst[:r].copy_(src)
+        dst[r:].zero_()
+
+
+def check_artifact(art: CompiledArtifact, tokens: int, args: Sequence[Any]) -> None:
+    """What bucket ``tokens`` refuses to capture (module docstring of
+    :mod:`~.cudagraph_runner`).
+
+    Raises:
+        GraphRunnerError: padding rows could change the results, or the programs fold a
+            float the model no longer holds (``args``: the graph inputs).
+    """
+    hazard = art.padding_hazard()
+    if hazard is not None:
+        raise GraphRunnerError(
+            f"bucket {tokens}: {hazard}, so a step cannot be padded to a bucket. Serve it "
+            "without CudaGraphRunner (run_step runs it at the step's own token count), or "
+            "make the model row-local and its buffer updates foldable")
+    stale = art.stale_floats(args)
+    if stale:
+        raise GraphRunnerError(
+            f"bucket {tokens}: the compiled programs fold floats the model no longer holds "
+            f"(source, compiled, now: {[(art.specs[i].source, old, new) for i, old, new in stale]}"
+            "; changed after torch.compile traced them): their graphs would serve the old "
+            "values. Compile the model again (torch._dynamo.reset(), then torch.compile) "
+            "and capture() again")
+
+
+def map_inputs(args: Sequence[Any], ids: torch.Tensor, pos: torch.Tensor,
+               md: AttentionMetadata) -> dict[str, int]:
+    """Graph-input position of each step input (by identity with the synthetic step's)."""
+    named = {"input_ids": ids, "positions": pos, **md.tensors()}
+    where = {}
+    for name, t in named.items():
+        hits = [i for i, a in enumerate(args) if a is t]
+        if hits:
+            where[name] = hits[0]
+    if "input_ids" not in where:
+        raise GraphRunnerError("the compiled graph does not take input_ids as an input")
+    return where
+
+
+def graph_args(b: BucketGraphs, ids: torch.Tensor, pos: torch.Tensor,
+               md: AttentionMetadata) -> list[Any]:
+    """The graph inputs of ``b`` with a step's own in place (``input_ids``, ``positions``, the
+    metadata's tensors; the row-valid mask all true: every row of the step is real)."""
+    args = list(b.args)
+    named = {"input_ids": ids, "positions": pos, **md.tensors()}
+    for name, i in b.input_pos.items():
+        args[i] = named[name]
+    valid = b.artifact.row_valid_index
+    if valid is not None:  # every row of the step is real; the bucket's padding is not
+        args[valid] = torch.ones(int(ids.shape[0]), dtype=torch.bool, device=ids.device)
+    return args
