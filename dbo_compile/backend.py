@@ -66,7 +66,7 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     # torch imports this package while parsing TORCH_LOGS and then adds its handler again
     drop_duplicate_handlers(logging.getLogger("dbo_compile"))
     config = pipeline.resolve_device_defaults(DboConfig.from_options(options), example_inputs)
-    runner = pipeline.PassRunner()
+    runner = pipeline.PassManager()
     # one flat graph for every pass: nested compile regions (a decoder layer Dynamo traced
     # once and called per layer) are inlined first
     if runner.time("inline_regions", lowering.inline_regions, gm):

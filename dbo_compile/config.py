@@ -256,6 +256,10 @@ class DboConfig:
         launch_us: fixed cost of one compute kernel, µs.
         dump_dir: if set, each compiled schedule is written there as JSON, and the generated
             wrapper as ``.py``.
+        disable_passes: names of compile passes to skip (a debug switch, e.g.
+            ``("join_experts",)``): only passes the program is correct without
+            (:class:`~dbo_compile.passes.manager.GraphPass` ``optional``); a compile refuses
+            any other name with :class:`~dbo_compile.errors.DboConfigError` naming those.
         cache_dir: the persistent compile cache (:mod:`dbo_compile.codegen.cache`): a
             directory (``~`` expanded) where each compiled graph's lowered graph, split
             signature, schedules, generated wrappers and unit graphs are written, and from
@@ -347,6 +351,7 @@ class DboConfig:
     comm_latency_us: float = 15.0
     launch_us: float = 4.0
     dump_dir: str | None = None
+    disable_passes: tuple[str, ...] = ()
     cache_dir: str | None = None
     dp_group_name: str | None = None
     comm_backend: str = "auto"
@@ -430,6 +435,11 @@ class DboConfig:
                 isinstance(v, bool) or not isinstance(v, int) or v < 1
                 for v in self.sm_carveout_candidates)):
             raise bad("sm_carveout_candidates", "must be None or a tuple of positive ints (SMs)")
+        if isinstance(self.disable_passes, (list, tuple)) and all(
+                isinstance(n, str) for n in self.disable_passes):  # canonical, as for the vote
+            object.__setattr__(self, "disable_passes", tuple(sorted(set(self.disable_passes))))
+        else:
+            raise bad("disable_passes", "must be a tuple of pass names")
         for name in ("dump_dir", "cache_dir", "dp_group_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -22,7 +22,7 @@ The ordered pass lists (names as in ``artifact.compile_times`` and in the number
                     codegen        the generated wrapper (codegen/wrapper.py)
     unsplit         unsplit        the lowered graph as the unsplit program (Inductor or ATen)
 
-:class:`PassRunner` runs a list: it times each pass (DEBUG log ``dbo pass NN name: s``, and
+:class:`PassManager` runs a list: it times each pass (DEBUG log ``dbo pass NN name: s``, and
 ``times`` for the artifact), dumps the graph after each pass through ``trace_structured``
 under a numbered name (``dbo_NN_<pass>``; tlparse shows them) and lints and recompiles the
 graph once at the end of the list, where a pass changed it. Candidates come from one table
@@ -64,6 +64,7 @@ from dbo_compile.passes import (
     stream_assign,
 )
 from dbo_compile.passes import token_dim
+from dbo_compile.passes.manager import CompileState, GraphPass, PassManager, dump_graph
 from dbo_compile.passes.meta import dbo_meta
 from dbo_compile.runtime.program import DboCompiledModule
 from dbo_compile.schedule import Schedule
@@ -72,99 +73,9 @@ from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
 log = logging.getLogger(__name__)
 
 
-__all__ = ["CompileState", "GraphPass", "PassRunner", "bind_passes", "compile_split",
+__all__ = ["CompileState", "GraphPass", "PassManager", "bind_passes", "compile_split",
            "compile_unsplit", "drain_plan", "lowered_passes", "resolve_device_defaults",
            "split_passes", "stage_compiler"]
-
-
-@dataclass
-class CompileState:
-    """What the passes of one graph hand on to each other.
-
-    Attributes:
-        config: the options (resolved device defaults; never changed by a pass).
-        example_inputs: one value per Dynamo placeholder.
-        input_kinds: explicit input kinds for graphs not from Dynamo (``None``: from sources).
-        specs: the input classification (``lower``).
-        token_symbols: the symbols of the token and request dims (``lower``).
-        token_symbol: the symbol of the token dim (``lower``).
-        request_symbols: the symbols of the request dims (``lower``).
-        output_specs: what each graph output is (``token_dim``).
-        threads: the state threads (in-place updates of shared inputs from the tokens) and
-            token-free writes of shared inputs (``state_threads``).
-        float_guards: ``(input index, value)`` of the floats folded into the graph
-            (``lower``: :func:`~dbo_compile.lowering.fold_tensorified_floats`).
-        comms: the issuing comm nodes of the lowered graph (``find_comm``).
-        signature: how the split graph maps to the lowered one (``split_ubatch``).
-        unit_graphs: per split graph (``id`` of its ``fx.Graph``), the units its schedule
-            candidates share (``stream_assign``, found by the first candidate).
-    """
-
-    config: DboConfig
-    example_inputs: Sequence[Any]
-    input_kinds: Sequence[str] | None = None
-    specs: list[InputSpec] = field(default_factory=list)
-    token_symbols: frozenset = frozenset()
-    token_symbol: Any = None
-    request_symbols: frozenset = frozenset()
-    output_specs: tuple[OutputSpec, ...] = ()
-    threads: list = field(default_factory=list)
-    float_guards: tuple[tuple[int, float], ...] = ()
-    comms: list[fx.Node] = field(default_factory=list)
-    signature: SplitSignature | None = None
-    unit_graphs: dict[int, stream_assign.UnitGraph] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GraphPass:
-    """One pass: ``run(gm, state)`` changes ``gm`` in place and returns ``None``, or returns
-    the new GraphModule that replaces it (``lower``, ``split_ubatch``).
-
-    Attributes:
-        name: as in ``compile_times`` and the dumps.
-        run: the pass.
-        changes_graph: the pass adds, removes or rewires nodes (the runner then lints and
-            recompiles at the end of the list); ``False`` for passes that only annotate.
-    """
-
-    name: str
-    run: Callable[[fx.GraphModule, CompileState], fx.GraphModule | None]
-    changes_graph: bool = True
-
-
-class PassRunner:
-    """Runs pass lists (module docstring); ``times`` maps each pass (``name`` or
-    ``name[candidate]``) to its seconds, in the order run."""
-
-    def __init__(self):
-        self.times: dict[str, float] = {}
-        self._number = itertools.count()
-        self._last = -1
-
-    def run(self, gm: fx.GraphModule, passes: Sequence[GraphPass], state: CompileState,
-            tag: str = "") -> fx.GraphModule:
-        changed = False
-        for p in passes:
-            out = self.time(p.name, p.run, gm, state, tag=tag)
-            if out is not None:
-                gm, changed = out, False  # a new module, made consistent by its pass
-            changed |= p.changes_graph
-            _dump_graph(f"{self._last:02d}_{p.name}", gm)
-        if changed:
-            gm.graph.lint()
-            gm.recompile()
-        return gm
-
-    def time(self, name: str, fn: Callable[..., Any], *args: Any, tag: str = "") -> Any:
-        """``fn(*args)``, timed as pass ``name`` (``name[tag]``)."""
-        key = f"{name}[{tag}]" if tag else name
-        self._last = next(self._number)
-        t0 = time.perf_counter()
-        out = fn(*args)
-        dt = time.perf_counter() - t0
-        self.times[key] = self.times.get(key, 0.0) + dt
-        log.debug("dbo pass %02d %s: %.3f s", self._last, key, dt)
-        return out
 
 
 # -- the passes -------------------------------------------------------------------------------
@@ -172,7 +83,8 @@ class PassRunner:
 
 def bind_passes(config: DboConfig) -> list[GraphPass]:
     """The passes on Dynamo's graph itself (the unsplit fallback runs it too)."""
-    return [GraphPass("bind_backends", lambda gm, st: bind.bind_backends(gm, st.config))]
+    return [GraphPass("bind_backends", lambda gm, st: bind.bind_backends(gm, st.config),
+                      reads=("config",))]
 
 
 def _lower(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
@@ -243,14 +155,22 @@ def _insert_yields(gm: fx.GraphModule, st: CompileState) -> None:
 
 def lowered_passes(config: DboConfig) -> list[GraphPass]:
     """The passes from Dynamo's graph to the lowered (unsplit) graph."""
-    return [GraphPass("lower", _lower), GraphPass("reinplace", _reinplace),
-            GraphPass("dead_code", _dead_code), GraphPass("token_dim", _token_dim, False),
-            GraphPass("state_threads", _state_threads), GraphPass("find_comm", _find_comm, False)]
+    return [GraphPass("lower", _lower, ("example_inputs", "input_kinds"),
+                      ("specs", "float_guards", "token_symbols", "token_symbol",
+                       "request_symbols")),
+            GraphPass("reinplace", _reinplace),
+            GraphPass("dead_code", _dead_code, optional=True),
+            GraphPass("token_dim", _token_dim, ("token_symbols", "request_symbols",
+                                                "token_symbol"), ("output_specs",), False),
+            GraphPass("state_threads", _state_threads, ("specs", "token_symbol"),
+                      ("threads", "specs")),
+            GraphPass("find_comm", _find_comm, ("specs",), ("comms",), False)]
 
 
 def split_passes(config: DboConfig) -> list[GraphPass]:
     """The passes from the lowered graph to the split graph."""
-    return [GraphPass("split_ubatch", _split_ubatch), GraphPass("insert_yields", _insert_yields)]
+    return [GraphPass("split_ubatch", _split_ubatch, ("specs", "threads"), ("signature",)),
+            GraphPass("insert_yields", _insert_yields)]
 
 
 def _join_pass(joined: list[int]) -> GraphPass:
@@ -259,7 +179,7 @@ def _join_pass(joined: list[int]) -> GraphPass:
         joined.append(join_experts.join_experts(copied, st.config.num_ubatches))
         return copied
 
-    return GraphPass("join_experts", run)
+    return GraphPass("join_experts", run, optional=True)
 
 
 def _schedule_pass(candidate: Candidate, out: dict[str, Schedule]) -> GraphPass:
@@ -271,7 +191,7 @@ def _schedule_pass(candidate: Candidate, out: dict[str, Schedule]) -> GraphPass:
             gm.graph, candidate.apply(st.config), st.token_symbols, st.config.num_ubatches,
             units_of)
 
-    return GraphPass("stream_assign", run, changes_graph=False)
+    return GraphPass("stream_assign", run, ("token_symbols",), changes_graph=False)
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -279,7 +199,7 @@ def _schedule_pass(candidate: Candidate, out: dict[str, Schedule]) -> GraphPass:
 
 def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
                   input_kinds: Sequence[str] | None = None,
-                  runner: PassRunner | None = None) -> DboCompiledModule:
+                  runner: PassManager | None = None) -> DboCompiledModule:
     """Run the whole pipeline; return the :class:`~dbo_compile.runtime.program.DboCompiledModule`.
 
     Args:
@@ -301,10 +221,10 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         UnsplittableGraphError: the graph has no comm op or mixes tokens across the split.
     """
     config = resolve_device_defaults(config, example_inputs)
-    runner = runner or PassRunner()
+    runner = runner or PassManager()
     t0 = time.perf_counter()
     state = CompileState(config, example_inputs, input_kinds)
-    _dump_graph("input", gm)
+    dump_graph("input", gm)
     gm = runner.run(gm, bind_passes(config), state)
     key = None
     if config.cache_dir:
@@ -329,7 +249,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     return compiled
 
 
-def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassRunner, t0: float
+def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassManager, t0: float
                    ) -> tuple[DboCompiledModule, dict[str, SplitProgram]]:
     """:func:`compile_split` after the bind pass, without the cache; also the distinct
     candidate programs."""
@@ -501,7 +421,7 @@ def _to_cache(key: str, compiled: DboCompiledModule, programs: dict[str, SplitPr
         "collectives": (compiled.split_collectives, compiled.unsplit_collectives)})
 
 
-def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassRunner,
+def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassManager,
                 folds: tuple[tuple[int, float], ...]) -> DboCompiledModule | None:
     """The artifact of ``key``'s entry (``None``: no usable entry); ``gm``: the bound Dynamo
     graph (the float guards' fallback compiles it unsplit); ``folds``: the floats this graph's
@@ -631,19 +551,6 @@ def compile_unsplit(gm: fx.GraphModule, config: DboConfig) -> Callable[..., Any]
     if config.compute_backend == "aten":
         return gm
     return inductor.InductorStage(gm, "the unsplit program")
-
-
-def _dump_graph(name: str, gm: fx.GraphModule) -> None:
-    """The graph after a pass, as a ``trace_structured`` artifact ``dbo_<name>`` and at DEBUG
-    (formatted only when someone listens)."""
-    try:
-        trace_structured("artifact", metadata_fn=lambda: {"name": f"dbo_{name}",
-                                                          "encoding": "string"},
-                         payload_fn=lambda: gm.print_readable(print_output=False))
-    except Exception:  # noqa: BLE001 - logging must never break compilation
-        pass
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("dbo graph after %s:\n%s", name, gm.graph.python_code("self").src)
 
 
 #: dump dirs already warned about (one WARNING per unwritable directory and process)
