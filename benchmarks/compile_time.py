@@ -51,10 +51,6 @@ import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
-#: columns of the table, in pipeline order; a pass a tree does not have is left blank
-_PASSES = ("inline_regions", "bind_backends", "lower", "reinplace", "dead_code", "token_dim",
-           "find_comm", "split_ubatch", "insert_yields", "join_experts", "stream_assign",
-           "codegen", "unsplit")
 
 
 def _one(num_layers: int, candidates: bool, cache_dir: str | None = None) -> dict:
@@ -141,7 +137,10 @@ def _table(title: str, rows: dict[int, dict]) -> str:
     counts: dict[str, int] = {}
     for r in rows.values():
         counts.update(r["counts"])
-    cols = ["dynamo"] + [p for p in _PASSES if any(p in r["row"] for r in rows.values())]
+    # the pipeline's passes in its order (this tree's); a pass a tree does not have is blank
+    from dbo_compile.passes.pipeline import pass_names
+
+    cols = ["dynamo"] + [p for p in pass_names() if any(p in r["row"] for r in rows.values())]
     cols += ["backend other", "step", "compile", "compile cpu"]
     head = [c + (f" [{counts[c]}]" if counts.get(c, 1) > 1 else "") for c in cols]
     lines = [title, "| layers | units | " + " | ".join(head) + " |",

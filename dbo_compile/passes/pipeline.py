@@ -38,7 +38,6 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,147 +50,97 @@ from dbo_compile import lowering
 from dbo_compile.codegen import cache, inductor
 from dbo_compile.codegen.wrapper import SplitProgram
 from dbo_compile.config import Candidate, DboConfig, candidates_of, program_variants
-from dbo_compile.errors import CommBackendError, ScheduleError, UnsplittableGraphError
+from dbo_compile.errors import (
+    CommBackendError,
+    PipelineError,
+    ScheduleError,
+    UnsplittableGraphError,
+)
 from dbo_compile.ops.comm import comm_backend_of
 from dbo_compile.ops.registry import comm_fingerprint, comm_nodes, comm_plan, kv_block_sizes
 from dbo_compile.passes import (
     bind,
+    dead_code,
+    find_comm,
     insert_yields,
     join_experts,
+    lower,
     reinplace,
     split_ubatch,
     state_threads,
     stream_assign,
+    token_dim,
 )
-from dbo_compile.passes import token_dim
-from dbo_compile.passes.manager import CompileState, GraphPass, PassManager, dump_graph
-from dbo_compile.passes.meta import dbo_meta
+from dbo_compile.passes.manager import (
+    CompileState,
+    GraphPass,
+    PassManager,
+    check_disabled,
+    dump_graph,
+    registered_passes,
+    with_user_passes,
+)
 from dbo_compile.runtime.program import DboCompiledModule
 from dbo_compile.schedule import Schedule
-from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
 
 
-__all__ = ["CompileState", "GraphPass", "PassManager", "bind_passes", "compile_split",
-           "compile_unsplit", "drain_plan", "lowered_passes", "resolve_device_defaults",
-           "split_passes", "stage_compiler"]
+__all__ = ["BIND_PASSES", "CANDIDATE_PASSES", "JOIN_PASSES", "LOWERED_PASSES", "SPLIT_PASSES",
+           "compile_split", "compile_unsplit", "drain_plan", "pass_names", "pipeline_passes",
+           "resolve_device_defaults", "stage_compiler"]
 
 
 # -- the passes -------------------------------------------------------------------------------
 
-
-def bind_passes(config: DboConfig) -> list[GraphPass]:
-    """The passes on Dynamo's graph itself (the unsplit fallback runs it too)."""
-    return [GraphPass("bind_backends", lambda gm, st: bind.bind_backends(gm, st.config),
-                      reads=("config",))]
-
-
-def _lower(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
-    st.specs = lowering.classify_inputs(gm, st.example_inputs, st.input_kinds)
-    mirror = next((s for s in st.specs if s.kind == "host_mirror"), None)
-    if mirror is not None:
-        raise UnsplittableGraphError(
-            f"the model reads the host mirror {mirror.field}_cpu ({mirror.source}) of the "
-            "attention metadata: mirrors serve the runtime's host decisions and are not cut "
-            f"per ubatch; read the device field {mirror.field} instead")
-    if not any(s.kind == "token" for s in st.specs):
-        raise UnsplittableGraphError("the graph has no token-indexed tensor input")
-    gm, st.float_guards = lowering.fold_tensorified_floats(gm, st.example_inputs)
-    lowered = lowering.lower_to_aten(gm, st.example_inputs, st.specs)
-    st.token_symbols = lowered.token_symbols
-    st.token_symbol = lowered.token_symbol
-    st.request_symbols = lowered.request_symbols
-    placeholders = [n for n in lowered.gm.graph.nodes if n.op == "placeholder"]
-    for spec, node in zip(st.specs, placeholders):
-        if spec.field is not None:
-            dbo_meta(node)["field"] = spec.field
-    return lowered.gm
+#: bind_backends: the config's comm / experts backends into the ops' ``backend`` argument
+BIND_BACKENDS = GraphPass("bind_backends", lambda gm, st: bind.bind_backends(gm, st.config))
+#: the passes on Dynamo's graph itself (the unsplit fallback runs it too)
+BIND_PASSES: tuple[GraphPass, ...] = (BIND_BACKENDS,)
+#: the passes from Dynamo's graph to the lowered (unsplit) graph
+LOWERED_PASSES: tuple[GraphPass, ...] = (lower.PASS, reinplace.PASS, dead_code.PASS,
+                                         token_dim.PASS, state_threads.PASS, find_comm.PASS)
+#: the passes from the lowered graph to the split graph
+SPLIT_PASSES: tuple[GraphPass, ...] = (split_ubatch.PASS, insert_yields.PASS)
+#: once per split graph, for the joined candidates: a joined copy of it
+JOIN_PASSES: tuple[GraphPass, ...] = (join_experts.PASS,)
+#: per schedule candidate, on its split graph (``compile_times`` key ``name[candidate]``)
+CANDIDATE_PASSES: tuple[GraphPass, ...] = (stream_assign.PASS,)
 
 
-def _reinplace(gm: fx.GraphModule, st: CompileState) -> None:
-    reinplace.reinplace_graph_input_mutations(gm.graph)
+def pipeline_passes() -> list[GraphPass]:
+    """Every pass of the lists, in pipeline order, the registered user passes included."""
+    return with_user_passes(BIND_PASSES + LOWERED_PASSES + SPLIT_PASSES + JOIN_PASSES
+                            + CANDIDATE_PASSES)
 
 
-def _dead_code(gm: fx.GraphModule, st: CompileState) -> None:
-    gm.graph.eliminate_dead_code()
+def pass_names() -> list[str]:
+    """The name of every step the compile times, in pipeline order, as the keys of
+    ``artifact.compile_times`` (a candidate's without its ``[candidate]`` tag): the backend's
+    ``inline_regions``, the passes of the lists (user passes included), ``codegen`` and
+    ``unsplit``; with ``cache_dir`` also ``cache_key``, ``cache_load`` and ``cache_store``,
+    which are not listed."""
+    return ["inline_regions", *(p.name for p in pipeline_passes()), "codegen", "unsplit"]
 
 
-def _token_dim(gm: fx.GraphModule, st: CompileState) -> None:
-    token_dim.annotate_token_dims(gm.graph, st.token_symbols, st.request_symbols)
-    st.output_specs = token_dim.check_outputs(gm.graph, st.token_symbol)
+def _check_passes(config: DboConfig) -> None:
+    """The user passes run after a pass of the lists under a name of their own, and
+    ``disable_passes`` names only optional passes.
 
-
-def _state_threads(gm: fx.GraphModule, st: CompileState) -> None:
-    st.threads = state_threads.find_state_threads(gm.graph, st.specs)
-    spec = state_threads.mask_padding_rows(gm.graph, st.threads, st.specs, st.token_symbol)
-    if spec is not None:
-        st.specs = [*st.specs, spec]
-
-
-def _find_comm(gm: fx.GraphModule, st: CompileState) -> None:
-    st.comms = comm_nodes(gm.graph)
-    if not st.comms:
-        e = UnsplittableGraphError(
-            "the graph has no comm op (dbo.dispatch / dbo.combine / "
-            "_c10d_functional.all_to_all_single): nothing to overlap"
-        )
-        e.row_local = True  # the token-dim pass passed: padding rows cannot change real rows
-        e.state_inputs = state_threads.state_inputs(gm.graph, st.specs)
-        # ... but they would be counted in a fold of token rows (Dynamo's graph has no mask)
-        e.folds_token_rows = any(seg.kind == "fold" for t in st.threads for seg in t.segments)
-        raise e
-
-
-def _split_ubatch(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
-    split_gm, st.signature = split_ubatch.split_ubatch(gm, st.specs, st.config.num_ubatches,
-                                                       st.threads)
-    return split_gm
-
-
-def _insert_yields(gm: fx.GraphModule, st: CompileState) -> None:
-    insert_yields.insert_yields(gm.graph)
-
-
-def lowered_passes(config: DboConfig) -> list[GraphPass]:
-    """The passes from Dynamo's graph to the lowered (unsplit) graph."""
-    return [GraphPass("lower", _lower, ("example_inputs", "input_kinds"),
-                      ("specs", "float_guards", "token_symbols", "token_symbol",
-                       "request_symbols")),
-            GraphPass("reinplace", _reinplace),
-            GraphPass("dead_code", _dead_code, optional=True),
-            GraphPass("token_dim", _token_dim, ("token_symbols", "request_symbols",
-                                                "token_symbol"), ("output_specs",), False),
-            GraphPass("state_threads", _state_threads, ("specs", "token_symbol"),
-                      ("threads", "specs")),
-            GraphPass("find_comm", _find_comm, ("specs",), ("comms",), False)]
-
-
-def split_passes(config: DboConfig) -> list[GraphPass]:
-    """The passes from the lowered graph to the split graph."""
-    return [GraphPass("split_ubatch", _split_ubatch, ("specs", "threads"), ("signature",)),
-            GraphPass("insert_yields", _insert_yields)]
-
-
-def _join_pass(joined: list[int]) -> GraphPass:
-    def run(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
-        copied = join_experts.copy_split_graph(gm)  # the unjoined graph is scheduled too
-        joined.append(join_experts.join_experts(copied, st.config.num_ubatches))
-        return copied
-
-    return GraphPass("join_experts", run, optional=True)
-
-
-def _schedule_pass(candidate: Candidate, out: dict[str, Schedule]) -> GraphPass:
-    def run(gm: fx.GraphModule, st: CompileState) -> None:
-        units_of = st.unit_graphs.get(id(gm.graph))
-        if units_of is None:
-            units_of = st.unit_graphs[id(gm.graph)] = stream_assign.unit_graph(gm.graph)
-        out[candidate.name] = stream_assign.stream_assign(
-            gm.graph, candidate.apply(st.config), st.token_symbols, st.config.num_ubatches,
-            units_of)
-
-    return GraphPass("stream_assign", run, ("token_symbols",), changes_graph=False)
+    Raises:
+        PipelineError: a user pass named after no pass, or with a pipeline pass's name.
+        DboConfigError: ``disable_passes`` names a pass that cannot be disabled.
+    """
+    ours = BIND_PASSES + LOWERED_PASSES + SPLIT_PASSES + JOIN_PASSES + CANDIDATE_PASSES
+    passes = pipeline_passes()
+    for user, after in registered_passes():
+        if user.name in {p.name for p in ours}:
+            raise PipelineError(f"the user pass {user.name!r} has the name of a pipeline pass; "
+                                "give it a name of its own")
+        if after not in {p.name for p in passes}:
+            raise PipelineError(f"the user pass {user.name!r} runs after {after!r}, which is "
+                                f"no pass; the passes are {[p.name for p in passes]}")
+    check_disabled(config, passes)
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -221,11 +170,12 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         UnsplittableGraphError: the graph has no comm op or mixes tokens across the split.
     """
     config = resolve_device_defaults(config, example_inputs)
+    _check_passes(config)
     runner = runner or PassManager()
     t0 = time.perf_counter()
     state = CompileState(config, example_inputs, input_kinds)
     dump_graph("input", gm)
-    gm = runner.run(gm, bind_passes(config), state)
+    gm = runner.run(gm, BIND_PASSES, state)
     key = None
     if config.cache_dir:
         key = runner.time("cache_key", cache.cache_key, gm, example_inputs, config, input_kinds)
@@ -254,12 +204,12 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassManager,
     """:func:`compile_split` after the bind pass, without the cache; also the distinct
     candidate programs."""
     config = state.config
-    lowered_gm = runner.run(gm, lowered_passes(config), state)
+    lowered_gm = runner.run(gm, LOWERED_PASSES, state)
     why = stream_assign.unsplit_pool_violation(lowered_gm.graph)
     if why is not None:
         raise CommBackendError(f"the model breaks its comm backend's result pool: {why}; "
                                "copy the result (x.clone()) before the later call")
-    split_gm = runner.run(lowered_gm, split_passes(config), state)
+    split_gm = runner.run(lowered_gm, SPLIT_PASSES, state)
 
     graphs: dict[bool, fx.GraphModule | None] = {False: split_gm}
     joined: dict[bool, int] = {}
@@ -267,14 +217,14 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassManager,
     def graph_for(join: bool) -> fx.GraphModule | None:
         """The split graph a candidate schedules (``None``: nothing to join)."""
         if join not in graphs:
-            count: list[int] = []
+            state.write(joined_calls=0)  # stays 0 where join_experts is disabled
             try:
-                copied = runner.run(split_gm, [_join_pass(count)], state)
+                copied = runner.run(split_gm, JOIN_PASSES, state)
             except ScheduleError as e:
                 log.warning("dbo: routed experts not joined: %s", e)
-                count = [0]
-            joined[join] = count[0]
-            graphs[join] = copied if count[0] else None
+                state.joined_calls = 0
+            joined[join] = state.joined_calls
+            graphs[join] = copied if state.joined_calls else None
         return graphs[join]
 
     candidates = candidates_of(config)
@@ -292,13 +242,17 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassManager,
     feasible = []
     for c, g in alternatives:
         try:
-            runner.run(g, [_schedule_pass(c, schedules)], state, tag=c.name)
+            state.write(candidate=c)
+            runner.run(g, CANDIDATE_PASSES, state, tag=c.name)
+            schedules[c.name] = state.schedule
             feasible.append((c, g))
         except UnsplittableGraphError as e:  # a result pool this schedule cannot honour
             log.info("dbo: schedule candidate %s dropped: %s", c.name, e)
     alternatives = feasible
     primary_gm = graphs[primary.join_experts]
-    runner.run(primary_gm, [_schedule_pass(primary, schedules)], state, tag=primary.name)
+    state.write(candidate=primary)
+    runner.run(primary_gm, CANDIDATE_PASSES, state, tag=primary.name)
+    schedules[primary.name] = state.schedule
     for c, _ in [(primary, None)] + alternatives:
         schedules[c.name].meta.update(candidate=c.name, joined_calls=joined.get(c.join_experts, 0))
     schedule = schedules[primary.name]

@@ -70,6 +70,7 @@ from dbo_compile.ops.registry import (
     step_state_key,
 )
 from dbo_compile.passes.cost_model import CostModel
+from dbo_compile.passes.manager import CompileState, GraphPass
 from dbo_compile.passes.meta import dbo_meta, set_stream
 from dbo_compile.schedule import COMM, COMPUTE, Schedule, Timeline, Unit, predecessors, simulate
 
@@ -844,3 +845,15 @@ def stream_assign(graph: fx.Graph, config: DboConfig, token_symbols: frozenset,
         if is_wait(n) and not is_receive(n):
             set_stream(n, COMPUTE)
     return schedule
+
+
+def _run(gm: fx.GraphModule, st: CompileState) -> None:
+    units_of = st.unit_graphs.get(id(gm.graph))
+    if units_of is None:  # the first candidate of this split graph finds its units
+        units_of = st.unit_graphs[id(gm.graph)] = unit_graph(gm.graph)
+    st.schedule = stream_assign(gm.graph, st.candidate.apply(st.config), st.token_symbols,
+                                st.config.num_ubatches, units_of)
+
+
+PASS = GraphPass("stream_assign", _run, reads=("candidate", "token_symbols"),
+                 writes=("schedule", "unit_graphs"), changes_graph=False)
