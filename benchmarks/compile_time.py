@@ -10,7 +10,7 @@ Run (CPU, 1 rank, no GPU needed)::
 Each measurement is one fresh process (``python benchmarks/compile_time.py --one N --candidates
 on``): it builds ``get_config("tiny", num_layers=N)`` on one rank (no EP group: the comm ops run
 locally), compiles it with ``backend="dbo"`` and ``compute_backend="aten"``, ``split="always"``,
-``schedule_candidates`` on (the default: every candidate of ``config.CANDIDATES``) or off, and
+``schedule_candidates`` on (the default: every candidate of ``candidates.CANDIDATES``) or off, and
 calls it twice on one small step (8 decodes with 16–37-token contexts and a 16-token prefill,
 24 tokens: the step itself is not what is measured, and the example's step, with its
 1,000-token contexts, takes seconds to run at 61 layers on this CPU). The persistent compile

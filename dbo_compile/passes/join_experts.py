@@ -21,7 +21,7 @@ The joined nodes form one shared stage (``meta["dbo"]["ubatch"] = None``, ``"joi
 waits for both ubatches' dispatch and feeds both combines: the price is that the experts of a
 layer start only when the later dispatch has landed. Whether the weight reads saved pay for
 that wait depends on the bucket and the link; the runtime measures joined and unjoined
-schedules (``DboConfig.join_experts``, :data:`dbo_compile.config.CANDIDATES`).
+schedules (``DboConfig.join_experts``, :data:`dbo_compile.candidates.CANDIDATES`).
 """
 
 from __future__ import annotations

@@ -32,28 +32,22 @@ way (no routed-expert call to join) is written into the schedule's ``meta``.
 
 from __future__ import annotations
 
-import copy
-import itertools
 import logging
-import os
-import re
 import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
-from torch._logging import trace_structured
 
 import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.* and their records)
 from dbo_compile import lowering
 from dbo_compile.codegen import cache, inductor
 from dbo_compile.codegen.wrapper import SplitProgram
-from dbo_compile.config import Candidate, DboConfig, candidates_of, program_variants
+from dbo_compile.candidates import candidate_programs, carveout_sms
+from dbo_compile.config import DboConfig
 from dbo_compile.errors import (
     CommBackendError,
     PipelineError,
-    ScheduleError,
     UnsplittableGraphError,
 )
 from dbo_compile.ops.comm import comm_backend_of
@@ -71,6 +65,7 @@ from dbo_compile.passes import (
     stream_assign,
     token_dim,
 )
+from dbo_compile.passes.candidate_driver import compile_candidates, dump_programs
 from dbo_compile.passes.manager import (
     CompileState,
     GraphPass,
@@ -211,87 +206,18 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassManager,
                                "copy the result (x.clone()) before the later call")
     split_gm = runner.run(lowered_gm, SPLIT_PASSES, state)
 
-    graphs: dict[bool, fx.GraphModule | None] = {False: split_gm}
-    joined: dict[bool, int] = {}
-
-    def graph_for(join: bool) -> fx.GraphModule | None:
-        """The split graph a candidate schedules (``None``: nothing to join)."""
-        if join not in graphs:
-            state.write(joined_calls=0)  # stays 0 where join_experts is disabled
-            try:
-                copied = runner.run(split_gm, JOIN_PASSES, state)
-            except ScheduleError as e:
-                log.warning("dbo: routed experts not joined: %s", e)
-                state.joined_calls = 0
-            joined[join] = state.joined_calls
-            graphs[join] = copied if state.joined_calls else None
-        return graphs[join]
-
-    candidates = candidates_of(config)
-    primary = candidates[0]
-    nothing_to_join = graph_for(primary.join_experts) is None
-    if nothing_to_join:  # the primary is unjoined, and no candidate joins
-        log.info("dbo: join_experts: no routed-expert call to join; schedules are unjoined")
-        primary = Candidate(config.scheduler, config.scheduler)
-        candidates = [primary] + [c for c in candidates[1:] if not c.join_experts]
-    schedules: dict[str, Schedule] = {}
-    # alternative schedules first: stream_assign annotates the graph's nodes, and the primary
-    # schedule's annotations must be the ones left on its graph (codegen reads the schedule only)
-    alternatives = [(c, graph_for(c.join_experts)) for c in candidates[1:]]
-    alternatives = [(c, g) for c, g in alternatives if g is not None]
-    feasible = []
-    for c, g in alternatives:
-        try:
-            state.write(candidate=c)
-            runner.run(g, CANDIDATE_PASSES, state, tag=c.name)
-            schedules[c.name] = state.schedule
-            feasible.append((c, g))
-        except UnsplittableGraphError as e:  # a result pool this schedule cannot honour
-            log.info("dbo: schedule candidate %s dropped: %s", c.name, e)
-    alternatives = feasible
-    primary_gm = graphs[primary.join_experts]
-    state.write(candidate=primary)
-    runner.run(primary_gm, CANDIDATE_PASSES, state, tag=primary.name)
-    schedules[primary.name] = state.schedule
-    for c, _ in [(primary, None)] + alternatives:
-        schedules[c.name].meta.update(candidate=c.name, joined_calls=joined.get(c.join_experts, 0))
-    schedule = schedules[primary.name]
-    schedule.meta.update(comm_ops_per_ubatch=len(state.comms), num_graph_inputs=len(state.specs))
-    if nothing_to_join and config.join_experts:
-        schedule.meta["join_experts"] = "no routed-expert call to join"
-
-    compile_stage = stage_compiler(config)
-    # shared by the candidates of one split graph: a unit of several candidates is built (and
-    # compiled) once; the joined graph has units of the same nodes that read other inputs
-    built: dict[int, dict] = {}
-    modules: dict[tuple, fx.GraphModule] = {}  # units computing the same, one GraphModule
-
-    def codegen(gm: fx.GraphModule, sched: Schedule) -> SplitProgram:
-        return SplitProgram(gm, sched, compile_stage, carveout_sms=_carveout_sms(config),
-                            built=built.setdefault(id(gm), {}), modules=modules)
-
-    program = runner.time("codegen", codegen, primary_gm, schedule, tag=primary.name)
-    programs: dict[str, SplitProgram] = {primary.name: program}
-    # each candidate's program: the first candidate's of the same host order
-    alias = {primary.name: primary.name}
-    orders = {_unit_order(schedule): primary.name}
-    for c, g in alternatives:  # one program per distinct host order
-        order = _unit_order(schedules[c.name])
-        if order not in orders:
-            orders[order] = c.name
-            programs[c.name] = runner.time("codegen", codegen, g, schedules[c.name], tag=c.name)
-        alias[c.name] = orders[order]
-    alias.setdefault(config.scheduler + ("+join" if config.join_experts else ""), primary.name)
-    candidate_programs = _with_carveouts(programs, alias, config)
-    _dump_schedules(programs, config)
+    cands = compile_candidates(split_gm, state, runner, JOIN_PASSES, CANDIDATE_PASSES,
+                               stage_compiler(config))
+    schedule, primary_gm = cands.schedule, cands.primary_gm
     # the unsplit program is the lowered graph: symbolic in the token dim, so it also runs at
     # the padded token count the DP vote agrees on
     unsplit = runner.time("unsplit", compile_unsplit, lowered_gm, config)
     log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
              "(%.2f s)", config.num_ubatches, len(state.comms), len(schedule.units),
              len(schedule.event_edges), time.perf_counter() - t0)
-    compiled = DboCompiledModule(unsplit, program, state.specs, state.signature, config,
-                                 candidates=candidate_programs, compile_times=runner.times,
+    compiled = DboCompiledModule(unsplit, cands.programs[next(iter(cands.programs))],
+                                 state.specs, state.signature, config,
+                                 candidates=cands.candidates, compile_times=runner.times,
                                  kv_block_sizes=kv_block_sizes(lowered_gm.graph),
                                  output_specs=state.output_specs,
                                  split_plan=drain_plan(primary_gm.graph, state.token_symbol,
@@ -306,37 +232,9 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, runner: PassManager,
                                  unsplit_collectives=comm_fingerprint(lowered_gm.graph))
     compiled.split_gm = split_gm
     compiled.lowered_gm = lowered_gm
-    compiled.program_alias = alias
+    compiled.program_alias = cands.alias
     compiled.token_symbols = state.token_symbols  # the cost model's (and a calibration's)
-    return compiled, programs
-
-
-def _with_carveouts(programs: dict[str, SplitProgram], alias: dict[str, str],
-                    config: DboConfig) -> dict[str, Any]:
-    """The candidate programs (:func:`~dbo_compile.config.program_variants`, the primary
-    first): ``programs[alias[candidate]]`` for a variant without a carve-out, a copy of it
-    with the carve-out (same code and units) for one with. ``alias`` maps each compiled
-    candidate to the program of its host order; a variant of a candidate not compiled (no
-    routed-expert call to join) or of a program already listed is left out."""
-    out: dict[str, Any] = {}
-    seen: set[tuple[int, int | None]] = set()
-    for name, base, sms in program_variants(config):
-        if base not in alias or (id(programs[alias[base]]), sms) in seen:
-            continue
-        prog = programs[alias[base]]
-        seen.add((id(prog), sms))
-        if sms is None:
-            out[alias[base]] = prog
-        else:
-            out[name] = copy.copy(prog)
-            out[name].carveout_sms = sms
-    return out
-
-
-def _dump_schedules(programs: dict[str, SplitProgram], config: DboConfig) -> None:
-    graph_no = next(_SPLIT_GRAPHS)
-    for i, (name, prog) in enumerate(programs.items()):  # the primary first
-        _dump_schedule(prog.schedule, prog.code, config, graph_no, None if i == 0 else name)
+    return compiled, cands.programs
 
 
 # -- the compile cache (codegen/cache.py) -------------------------------------------------------
@@ -417,7 +315,7 @@ def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassMan
                     fn = staged_fns[i]
                 fns.append(fn)
             programs[name] = SplitProgram.from_parts(schedule, fns, unit_io, code, num_events,
-                                                     carveout_sms=_carveout_sms(config))
+                                                     carveout_sms=carveout_sms(config))
         if config.compute_backend == "aten":
             lowered: Any = cache.DeferredGraph(payload["lowered"])
         else:
@@ -425,8 +323,7 @@ def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassMan
         primary = next(iter(programs.values()))
         compiled = DboCompiledModule(compile_unsplit(lowered, config), primary, payload["specs"],
                                      payload["signature"], config,
-                                     candidates=_with_carveouts(programs, payload["alias"],
-                                                                config),
+                                     candidates=candidate_programs(programs, payload["alias"], config),
                                      compile_times=runner.times,
                                      kv_block_sizes=payload["kv_block_sizes"],
                                      output_specs=payload["output_specs"],
@@ -442,21 +339,13 @@ def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, runner: PassMan
     except Exception as e:  # noqa: BLE001 - an entry that does not rebuild is ignored
         cache.ignore(config.cache_dir, key, e)
         return None
-    _dump_schedules(programs, config)
+    dump_programs(programs, config)
     compiled.split_gm = None  # not stored: nothing runs it
     compiled.lowered_gm = lowered
     compiled.token_symbols = None  # no traced graphs to read them in (calibrate.py refuses)
     log.info("dbo: compile cache: read %s's entry (%d candidate programs)", key[:16],
              len(programs))
     return compiled
-
-
-def _carveout_sms(config: DboConfig) -> int | None:
-    """SMs the split programs carve out of compute: ``comm_sms``, else the emulated world's
-    ``emulate_comm_sms`` (the SMs its comm kernels would hold), else none."""
-    if config.comm_sms is not None:
-        return config.comm_sms
-    return config.emulate_comm_sms or None
 
 
 def drain_plan(graph: fx.Graph, token_symbol: Any, schedule: Schedule | None = None):
@@ -470,10 +359,6 @@ def drain_plan(graph: fx.Graph, token_symbol: Any, schedule: Schedule | None = N
         if backend is not None and (backend.handle or backend.receive is not None):
             return None
     return comm_plan(graph, token_symbol, schedule)
-
-
-def _unit_order(schedule: Schedule) -> tuple:
-    return tuple(tuple(u.nodes) for u in schedule.units)
 
 
 def resolve_device_defaults(config: DboConfig, example_inputs: Sequence[Any]) -> DboConfig:
@@ -505,40 +390,3 @@ def compile_unsplit(gm: fx.GraphModule, config: DboConfig) -> Callable[..., Any]
     if config.compute_backend == "aten":
         return gm
     return inductor.InductorStage(gm, "the unsplit program")
-
-
-#: dump dirs already warned about (one WARNING per unwritable directory and process)
-_DUMP_WARNED: set[str] = set()
-#: split graphs compiled in this process (numbers the dumps: a model with graph breaks has
-#: several, compiled in the same order on every rank)
-_SPLIT_GRAPHS = itertools.count()
-
-
-def _dump_schedule(schedule: Schedule, code: str, config: DboConfig, graph_no: int,
-                   candidate: str | None) -> None:
-    """The schedule (JSON) to TORCH_TRACE, and with ``dump_dir`` the schedule and its wrapper
-    to ``schedule_rank{R}_g{graph_no}_{fingerprint}[_{candidate}].json/.py`` (``candidate``:
-    None for the primary, else its name, ``@``, ``/`` and ``+`` written as ``-``)."""
-    try:  # the JSON is made only where someone listens (it took 0.1 s a schedule at 61 layers)
-        name = "dbo_schedule" if candidate is None else f"dbo_schedule_{candidate}"
-        trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "json"},
-                         payload_fn=schedule.to_json)
-    except Exception:  # noqa: BLE001
-        pass
-    if config.dump_dir:
-        payload = schedule.to_json()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        suffix = "" if candidate is None else "_" + re.sub(r"[^A-Za-z0-9_.]", "-", candidate)
-        base = os.path.join(config.dump_dir,
-                            f"schedule_rank{rank}_g{graph_no}_{config.fingerprint()}{suffix}")
-        try:
-            os.makedirs(config.dump_dir, exist_ok=True)
-            with open(base + ".json", "w") as f:
-                f.write(payload)
-            with open(base + ".py", "w") as f:
-                f.write(code)
-        except OSError as e:  # a diagnostic never fails the compile
-            if config.dump_dir not in _DUMP_WARNED:
-                _DUMP_WARNED.add(config.dump_dir)
-                log.warning("dbo: dump_dir=%r cannot be written (%s: %s); schedules are not "
-                            "dumped", config.dump_dir, type(e).__name__, e)
