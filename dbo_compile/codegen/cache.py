@@ -17,7 +17,8 @@ world size of each process group a comm op names, static in the ops' fake shapes
 explicit input kinds of a graph not from Dynamo, the config fingerprint
 (:meth:`~dbo_compile.config.DboConfig.fingerprint`, resolved device defaults included), the
 torch version, and the package's version and source (a digest of its ``.py``
-files: an edited checkout never reads an entry an older one wrote). The lowering is a
+files: an edited checkout never reads an entry an older one wrote), and the registered user
+passes (:func:`~dbo_compile.passes.manager.pass_uuid`: name, place, source). The lowering is a
 function of these, so the key determines the lowered graph the issue asks to key by, and a
 lookup needs no lowering (AOTAutograd was most of the compile time).
 
@@ -126,11 +127,15 @@ def _describe(value: Any) -> str:
 
 
 def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
-              input_kinds: Sequence[str] | None = None) -> str:
-    """The key of ``gm``'s entry (see the module docstring): 64 hex digits."""
+              input_kinds: Sequence[str] | None = None, user_passes: Sequence[str] = ()) -> str:
+    """The key of ``gm``'s entry (see the module docstring): 64 hex digits. ``user_passes``:
+    the registered user passes' identities
+    (:func:`~dbo_compile.passes.manager.user_pass_keys`; they change the programs)."""
     index: dict[fx.Node, int] = {}
     lines = [f"dbo-cache {FORMAT} torch {torch.__version__} package {package_digest()}",
              f"config {config.fingerprint()} kinds {list(input_kinds or [])}"]
+    if user_passes:
+        lines.append(f"user passes {list(user_passes)!r}")
 
     def arg(a: Any) -> Any:
         return fx.node.map_aggregate(a, lambda x: f"%{index[x]}" if isinstance(x, fx.Node)

@@ -31,12 +31,16 @@ A user pass (vLLM's ``PostGradPassManager.add()``) is one :class:`GraphPass` and
 
 It then runs in every list holding the pass named by ``after`` (it may name another user
 pass), right after it, in registration order; :func:`~dbo_compile.passes.pipeline.pass_names`
-lists it, and ``compile_times`` and the dumps name it as any other pass.
+lists it, and ``compile_times`` and the dumps name it as any other pass. The compile cache's
+key holds each registered user pass's :func:`pass_uuid` (its name, place and source), so an
+entry compiled without it, or with another version of it, is not read back.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import inspect
 import itertools
 import logging
 import time
@@ -59,7 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["CompileState", "GraphPass", "PassManager", "check_disabled", "dump_graph",
-           "register_pass", "registered_passes"]
+           "pass_uuid", "register_pass", "registered_passes", "user_pass_keys"]
 
 #: the facts a :class:`CompileState` holds when it is made
 GIVEN = ("config", "example_inputs", "input_kinds")
@@ -199,6 +203,25 @@ def register_pass(graph_pass: GraphPass, *, after: str) -> RemovableHandle:
 def registered_passes() -> list[tuple[GraphPass, str]]:
     """The user passes, ``(pass, after)`` in registration order."""
     return list(_USER_PASSES.values())
+
+
+def pass_uuid(graph_pass: GraphPass) -> str:
+    """What identifies a pass's code (vLLM's ``InductorPass.uuid()``): its name, its
+    function's module and qualified name, and a SHA-256 of the function's source (of its
+    ``repr`` where Python cannot find the source: a builtin, a ``functools.partial``)."""
+    fn = graph_pass.run
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        source = repr(fn)
+    where = f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    return f"{graph_pass.name} {where} {hashlib.sha256(source.encode()).hexdigest()[:16]}"
+
+
+def user_pass_keys() -> list[str]:
+    """One line per registered user pass, ``"<pass_uuid> after <name>"``, in registration
+    order: what the compile cache's key adds for them (``[]``: none registered)."""
+    return [f"{pass_uuid(p)} after {after}" for p, after in _USER_PASSES.values()]
 
 
 def with_user_passes(passes: Iterable[GraphPass]) -> list[GraphPass]:

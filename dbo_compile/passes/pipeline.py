@@ -69,6 +69,7 @@ from dbo_compile.passes.manager import (
     check_disabled,
     dump_graph,
     registered_passes,
+    user_pass_keys,
     with_user_passes,
 )
 from dbo_compile.runtime.drain import drain_plan
@@ -166,7 +167,8 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     stages = stage_compiler(config)
     key = None
     if config.cache_dir:
-        key = manager.time("cache_key", cache.cache_key, gm, example_inputs, config, input_kinds)
+        key = manager.time("cache_key", cache.cache_key, gm, example_inputs, config, input_kinds,
+                           user_pass_keys())
         found = manager.time("cache_load", _from_cache, key, gm, config, stages,
                              lowering.folded_floats(gm, example_inputs))
         if found is not None:
