@@ -422,14 +422,29 @@ def unit_graphs(units: Sequence[Callable]) -> list[fx.GraphModule]:
 # -- the entry records ------------------------------------------------------------------------
 
 
+class _Entry:
+    """An entry record: its payload (what the file holds) is its fields by name and its
+    ``kind``; :func:`load` picks the record by ``kind``."""
+
+    kind: ClassVar[str] = ""
+
+    def payload(self) -> dict[str, Any]:
+        return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> Any:
+        """Raises ``KeyError`` for a payload missing a field (an entry of another layout)."""
+        return cls(**{f.name: payload[f.name] for f in fields(cls)})
+
+
 @dataclass
-class SplitEntry:
-    """The entry of a split graph (:data:`FORMAT`); the payload is its fields by name and
-    ``kind`` ``"split"``.
+class SplitEntry(_Entry):
+    """The entry of a split graph (:data:`FORMAT`), ``kind`` ``"split"``.
 
     Attributes:
-        specs / signature / kv_block_sizes / output_specs / float_guards / state_inputs /
-            program_alias: the :class:`~dbo_compile.runtime.program.SplitRecord`'s.
+        specs / signature / kv_block_sizes / output_specs / float_guards / state_inputs:
+            the :class:`~dbo_compile.runtime.program.SplitRecord`'s; ``alias``: its
+            ``program_alias``.
         lowered: the lowered graph (:func:`dump_graph`).
         units: the unit graphs, each once: ``(graph, an Inductor stage?, why it runs ATen)``.
         programs: per distinct candidate program ``(name, schedule dict, unit index per
@@ -481,14 +496,6 @@ class SplitEntry:
                    tuple(record.float_guards), tuple(record.state_inputs),
                    (record.split_collectives, record.unsplit_collectives))
 
-    def payload(self) -> dict[str, Any]:
-        return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
-
-    @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> SplitEntry:
-        """Raises ``KeyError`` for a payload missing a field."""
-        return cls(**{f.name: payload[f.name] for f in fields(cls)})
-
     def rebuild(self, config: DboConfig, stages: StageCompiler, gm: fx.GraphModule
                 ) -> tuple[SplitRecord, dict[str, SplitProgram]]:
         """The artifact's record and its distinct programs, as compiled; ``gm``: the bound
@@ -528,22 +535,27 @@ class SplitEntry:
 
 
 @dataclass
-class UnsplittableEntry:
-    """The entry of a graph the passes found unsplittable (:data:`FORMAT`): the error's
-    message and facts (:class:`~dbo_compile.errors.UnsplittableGraphError`)."""
+class UnsplittableEntry(_Entry):
+    """The entry of a graph the passes found unsplittable (:data:`FORMAT`), ``kind``
+    ``"unsplittable"``: the error's message and, in the other fields, the facts the raiser
+    set on it (:class:`~dbo_compile.errors.UnsplittableGraphError`'s attributes, by name: a
+    new fact is one field here)."""
 
     kind: ClassVar[str] = "unsplittable"
     reason: str
     row_local: bool = False
     state_inputs: tuple = ()
 
-    def payload(self) -> dict[str, Any]:
-        return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
+    @classmethod
+    def of(cls, error: UnsplittableGraphError) -> UnsplittableEntry:
+        facts = [f.name for f in fields(cls)][1:]
+        return cls(str(error), **{name: getattr(error, name) for name in facts})
 
     def error(self) -> UnsplittableGraphError:
+        """The error, as the compile raised it (its message marked ``(compile cache)``)."""
         e = UnsplittableGraphError(f"{self.reason} (compile cache)")
-        e.row_local = bool(self.row_local)
-        e.state_inputs = tuple(self.state_inputs)
+        for f in fields(self)[1:]:
+            setattr(e, f.name, getattr(self, f.name))
         return e
 
 
@@ -561,8 +573,7 @@ def store(directory: str, key: str, record: SplitRecord,
 
 def store_unsplittable(directory: str, key: str, error: UnsplittableGraphError) -> bool:
     """Write that ``key``'s graph is unsplittable, and why."""
-    return write_entry(directory, key, UnsplittableEntry(
-        str(error), error.row_local, tuple(error.state_inputs)).payload())
+    return write_entry(directory, key, UnsplittableEntry.of(error).payload())
 
 
 def load(directory: str, key: str, gm: fx.GraphModule, config: DboConfig,
@@ -580,19 +591,22 @@ def load(directory: str, key: str, gm: fx.GraphModule, config: DboConfig,
     payload = read_entry(directory, key)
     if payload is None:
         return None
-    if payload.get("kind") == UnsplittableEntry.kind:
-        raise UnsplittableEntry(payload["reason"], payload.get("row_local", False),
-                                payload.get("state_inputs", ())).error()
     try:
-        entry = SplitEntry.from_payload(payload)
-        if tuple(entry.float_guards) != tuple(folds):
-            raise ValueError(f"its programs fold the floats (input, value) "
-                             f"{list(entry.float_guards)}, this graph's inputs hold "
-                             f"{list(folds)}")
-        record, programs = entry.rebuild(config, stages, gm)
+        if payload.get("kind") == UnsplittableEntry.kind:
+            verdict = UnsplittableEntry.from_payload(payload).error()
+        else:
+            verdict = None
+            entry = SplitEntry.from_payload(payload)
+            if tuple(entry.float_guards) != tuple(folds):
+                raise ValueError(f"its programs fold the floats (input, value) "
+                                 f"{list(entry.float_guards)}, this graph's inputs hold "
+                                 f"{list(folds)}")
+            record, programs = entry.rebuild(config, stages, gm)
     except Exception as e:  # noqa: BLE001 - an entry that does not rebuild is ignored
         ignore(directory, key, e)
         return None
+    if verdict is not None:
+        raise verdict
     log.info("dbo: compile cache: read %s's entry (%d candidate programs)", key[:16],
              len(programs))
     return record, programs
