@@ -545,6 +545,7 @@ class UnsplittableEntry(_Entry):
     reason: str
     row_local: bool = False
     state_inputs: tuple = ()
+    folds_token_rows: bool = False
 
     @classmethod
     def of(cls, error: UnsplittableGraphError) -> UnsplittableEntry:

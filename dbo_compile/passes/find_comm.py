@@ -2,7 +2,8 @@
 
 A graph without one has nothing to overlap: it is unsplittable
 (:class:`~dbo_compile.errors.UnsplittableGraphError`, with ``row_local`` set: the token-dim
-pass ran, so padding rows cannot change real rows, and the inputs the graph writes in place).
+pass ran, so padding rows cannot change real rows, and the inputs the graph writes in place;
+``folds_token_rows``: a state thread folds token rows, which padding rows would be counted in).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ def _run(gm: fx.GraphModule, st: CompileState) -> None:
         )
         e.row_local = True  # the token-dim pass passed: padding rows cannot change real rows
         e.state_inputs = state_threads.state_inputs(gm.graph, st.specs)
+        # ... but they would be counted in a fold of token rows (Dynamo's graph has no mask)
+        e.folds_token_rows = any(seg.kind == "fold" for t in st.threads for seg in t.segments)
         raise e
 
 
-PASS = GraphPass("find_comm", _run, reads=("specs",), writes=("comms",), changes_graph=False)
+PASS = GraphPass("find_comm", _run, reads=("specs", "threads"), writes=("comms",),
+                 changes_graph=False)

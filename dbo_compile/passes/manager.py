@@ -96,7 +96,7 @@ class CompileState:
             artifact.
         threads: the state threads (in-place updates of shared inputs from the tokens) and
             token-free writes of shared inputs. Written by ``state_threads``; read by
-            ``split_ubatch``.
+            ``find_comm`` (a fold of token rows) and ``split_ubatch``.
         comms: the issuing comm nodes of the lowered graph. Written by ``find_comm``; read by
             the candidate driver (the schedule's ``meta``, the log).
         signature: how the split graph maps to the lowered one. Written by

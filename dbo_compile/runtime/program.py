@@ -223,14 +223,12 @@ class DboCompiledModule(CompiledArtifact):
                          compile_times=record.compile_times, output_specs=record.output_specs,
                          split_plan=record.split_plan, unsplit_plan=record.unsplit_plan,
                          state_inputs=record.state_inputs,
-                         unsplit_collectives=record.unsplit_collectives)
+                         unsplit_collectives=record.unsplit_collectives,
+                         float_guards=record.float_guards, guard_fallback=record.guard_fallback)
         self.split_collectives = record.split_collectives
         self.fingerprint = f"{split_program.schedule.fingerprint()}/{record.split_collectives}"
         self.kv_block_sizes = record.kv_block_sizes
         self._warned_block_size = False
-        self.float_guards = tuple(record.float_guards)
-        self.guard_fallback = record.guard_fallback
-        self._warned_guard = False
         self.program_alias = dict(record.program_alias)
         self.lowered_gm = record.lowered_gm
         self.split_gm = record.split_gm
