@@ -10,7 +10,7 @@ Run (CPU, 1 rank, no GPU needed)::
 Each measurement is one fresh process (``python benchmarks/compile_time.py --one N --candidates
 on``): it builds ``get_config("tiny", num_layers=N)`` on one rank (no EP group: the comm ops run
 locally), compiles it with ``backend="dbo"`` and ``compute_backend="aten"``, ``split="always"``,
-``schedule_candidates`` on (the default: every candidate of ``config.CANDIDATES``) or off, and
+``schedule_candidates`` on (the default: every candidate of ``candidates.CANDIDATES``) or off, and
 calls it twice on one small step (8 decodes with 16–37-token contexts and a 16-token prefill,
 24 tokens: the step itself is not what is measured, and the example's step, with its
 1,000-token contexts, takes seconds to run at 61 layers on this CPU). The persistent compile
@@ -51,10 +51,6 @@ import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
-#: columns of the table, in pipeline order; a pass a tree does not have is left blank
-_PASSES = ("inline_regions", "bind_backends", "lower", "reinplace", "dead_code", "token_dim",
-           "find_comm", "split_ubatch", "insert_yields", "join_experts", "stream_assign",
-           "codegen", "unsplit")
 
 
 def _one(num_layers: int, candidates: bool, cache_dir: str | None = None) -> dict:
@@ -141,7 +137,10 @@ def _table(title: str, rows: dict[int, dict]) -> str:
     counts: dict[str, int] = {}
     for r in rows.values():
         counts.update(r["counts"])
-    cols = ["dynamo"] + [p for p in _PASSES if any(p in r["row"] for r in rows.values())]
+    # the pipeline's passes in its order (this tree's); a pass a tree does not have is blank
+    from dbo_compile.passes.pipeline import pass_names
+
+    cols = ["dynamo"] + [p for p in pass_names() if any(p in r["row"] for r in rows.values())]
     cols += ["backend other", "step", "compile", "compile cpu"]
     head = [c + (f" [{counts[c]}]" if counts.get(c, 1) > 1 else "") for c in cols]
     lines = [title, "| layers | units | " + " | ".join(head) + " |",

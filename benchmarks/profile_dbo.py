@@ -30,7 +30,8 @@ def candidate_options(name: str) -> dict:
     """Backend options that compile only the schedule candidate ``name`` (as the runner names
     them: ``list``, ``naive``, ``list@link/16``, ``...+sms16``), as the primary schedule:
     compiling every candidate with Inductor takes minutes."""
-    from dbo_compile.config import DboConfig, candidates_of
+    from dbo_compile.candidates import candidates_of
+    from dbo_compile.config import DboConfig
 
     base, _, sms = name.partition("+sms")
     schedules = {c.name: c.apply(DboConfig()) for c in candidates_of(DboConfig())}

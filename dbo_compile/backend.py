@@ -18,12 +18,15 @@ import torch.fx as fx
 from torch._dynamo.backends.registry import _BACKENDS, register_backend
 
 from dbo_compile import lowering
+from dbo_compile.codegen.stages import stage_compiler
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.logs import drop_duplicate_handlers
 from dbo_compile.ops.registry import comm_fingerprint, comm_group_name, comm_kind
 from dbo_compile.passes import pipeline, token_dim
+from dbo_compile.passes.manager import PassManager
 from dbo_compile.runtime.artifact import CompiledArtifact, check_groups
+from dbo_compile.runtime.drain import drain_plan
 from dbo_compile.runtime.program import UnsplitProgram
 
 log = logging.getLogger(__name__)
@@ -66,20 +69,20 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     # torch imports this package while parsing TORCH_LOGS and then adds its handler again
     drop_duplicate_handlers(logging.getLogger("dbo_compile"))
     config = pipeline.resolve_device_defaults(DboConfig.from_options(options), example_inputs)
-    runner = pipeline.PassRunner()
+    manager = PassManager()
     # one flat graph for every pass: nested compile regions (a decoder layer Dynamo traced
     # once and called per layer) are inlined first
-    if runner.time("inline_regions", lowering.inline_regions, gm):
+    if manager.time("inline_regions", lowering.inline_regions, gm):
         gm.recompile()
     check_groups(config, [g for n in gm.graph.nodes if (g := comm_group_name(n)) is not None])
     try:
         compiled: CompiledArtifact = pipeline.compile_split(gm, example_inputs, config,
-                                                            runner=runner)
+                                                            manager=manager)
     except UnsplittableGraphError as e:
         if config.on_unsplittable == "raise":
             raise
         log.warning("dbo: compiling this graph unsplit: %s", e)
-        compiled = _unsplit_program(gm, example_inputs, config, e, runner.times)
+        compiled = _unsplit_program(gm, example_inputs, config, e, manager.times)
     _ARTIFACTS.append(compiled)
     return compiled
 
@@ -98,13 +101,13 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     # a graph Dynamo traced with symbolic sizes runs at any token count; a static one cannot
     dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
     token = _token_symbol(specs, gm)
-    return UnsplitProgram(pipeline.compile_unsplit(gm, config), str(why), config, specs,
+    return UnsplitProgram(stage_compiler(config).unsplit(gm), str(why), config, specs,
                           has_comm, fixed_num_tokens=not dynamic, row_local=why.row_local,
                           state_inputs=why.state_inputs, folds_token_rows=why.folds_token_rows,
                           unsplit_collectives=comm_fingerprint(gm.graph) if has_comm else None,
                           compile_times=times,
                           output_specs=token_dim.output_specs(gm.graph, token),
-                          unsplit_plan=pipeline.drain_plan(gm.graph, token))
+                          unsplit_plan=drain_plan(gm.graph, token))
 
 
 def _token_symbol(specs: list | None, gm: fx.GraphModule) -> Any:

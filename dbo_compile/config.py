@@ -13,10 +13,10 @@ import functools
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from dbo_compile.candidates import DEFAULT_CANDIDATES, SCHEDULE_CANDIDATES, split_carveout
 from dbo_compile.errors import DboConfigError, UnknownOptionError
 
 _SPLIT_MODES = ("auto", "always", "never")
@@ -28,113 +28,6 @@ _NOT_FINGERPRINTED = ("dump_dir", "check_host_mirrors", "cache_dir")
 #: the token thresholds' defaults (vLLM's); ``None`` in a field resolves to
 #: ``max(default, num_ubatches)``
 _THRESHOLD_DEFAULTS = {"decode_token_threshold": 32, "prefill_token_threshold": 512}
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One schedule candidate: a scheduler run under changed cost figures, on the split graph
-    with or without joined experts. The backend compiles the primary schedule and, with
-    ``DboConfig.schedule_candidates``, those of :data:`CANDIDATES`; the CUDA-graph runner
-    times them per bucket and keeps the fastest.
-
-    Attributes:
-        name: ``scheduler[@link/N][+join]``, e.g. ``"list@link/16+join"``.
-        scheduler: ``"list"`` or ``"naive"``.
-        link_divisor: the cost model's ``link_gbps`` is divided by it (comm-heavy networks:
-            measured on 2x H200, NCCL through host memory moves ~6x less than the default
-            figure).
-        join_experts: schedule the split graph whose routed experts are joined across the
-            ubatches (:mod:`dbo_compile.passes.join_experts`).
-    """
-
-    name: str
-    scheduler: str
-    link_divisor: int = 1
-    join_experts: bool = False
-
-    def apply(self, config: DboConfig) -> DboConfig:
-        """``config`` with this candidate's scheduler, link figure and join."""
-        changes: dict[str, Any] = dict(scheduler=self.scheduler, join_experts=self.join_experts)
-        if self.link_divisor != 1:
-            changes["link_gbps"] = config.link_gbps / self.link_divisor
-        return config.replace(**changes)
-
-
-#: the schedule candidates besides the primary, in compile order (``schedule_candidates=True``
-#: compiles all of them)
-CANDIDATES: tuple[Candidate, ...] = (
-    Candidate("list", "list"),
-    Candidate("list@link/4", "list", link_divisor=4),
-    Candidate("list@link/16", "list", link_divisor=16),
-    Candidate("naive", "naive"),
-    Candidate("list+join", "list", join_experts=True),
-    Candidate("list@link/16+join", "list", link_divisor=16, join_experts=True),
-)
-#: the names of :data:`CANDIDATES`, valid in ``DboConfig.schedule_candidates`` (also with a
-#: carve-out suffix, ``"list@link/16+sms16"``)
-SCHEDULE_CANDIDATES: tuple[str, ...] = tuple(c.name for c in CANDIDATES)
-#: ``DboConfig.schedule_candidates``'s default: the candidates that were ever the fastest
-#: split graph on 2x H200 (``benchmarks/results/latest.json``, ``t_variants_us``; the
-#: docstring of ``DboConfig.schedule_candidates`` has the data). With the primary (``list``)
-#: 4 split graphs per bucket instead of 12.
-DEFAULT_CANDIDATES: tuple[str, ...] = ("list@link/16+sms16", "list+join", "list@link/16+join")
-_CARVEOUT_SUFFIX = re.compile(r"^(?P<base>.+)\+sms(?P<sms>[1-9][0-9]*)$")
-
-
-def _split_carveout(name: str) -> tuple[str, int | None]:
-    """``("list@link/16", 16)`` for ``"list@link/16+sms16"``; ``(name, None)`` without a
-    carve-out suffix."""
-    m = _CARVEOUT_SUFFIX.match(name)
-    if m and m.group("base") in SCHEDULE_CANDIDATES:
-        return m.group("base"), int(m.group("sms"))
-    return name, None
-
-
-def primary_candidate(config: DboConfig) -> Candidate:
-    """The candidate ``config`` itself asks for: its scheduler at its own figures, joined with
-    ``join_experts``."""
-    join = "+join" if config.join_experts else ""
-    return Candidate(config.scheduler + join, config.scheduler, join_experts=config.join_experts)
-
-
-def candidates_of(config: DboConfig) -> list[Candidate]:
-    """The candidates whose schedules are compiled for a graph, the primary first: the
-    primary, then with ``schedule_candidates`` every entry of :data:`CANDIDATES` (or named in
-    the tuple, with or without a carve-out suffix) whose name is not the primary's.
-    Deterministic in ``config``, so that every rank compiles the same candidates."""
-    primary = primary_candidate(config)
-    out = [primary]
-    keep = config.schedule_candidates
-    if keep:
-        bases = set() if keep is True else {_split_carveout(n)[0] for n in keep}
-        out += [c for c in CANDIDATES if c.name != primary.name and (keep is True or c.name in bases)]
-    return out
-
-
-def program_variants(config: DboConfig) -> list[tuple[str, str, int | None]]:
-    """The split programs a graph gets, the primary first: ``(name, schedule candidate,
-    SM carve-out or None)``, e.g. ``("list@link/16+sms16", "list@link/16", 16)``.
-
-    ``schedule_candidates`` ``True``, ``False`` or a tuple without carve-out suffixes: each
-    compiled candidate (:func:`candidates_of`), then each again with every carve-out of
-    ``sm_carveout_candidates``. A tuple with suffixes (the default): the primary and exactly
-    the entries named, a ``+smsN`` entry where ``N`` is one of the resolved
-    ``sm_carveout_candidates`` and otherwise (CPU, or ``()``) its schedule without one.
-    Call with the resolved config (``sm_carveout_candidates`` not ``None``)."""
-    compiled = [c.name for c in candidates_of(config)]
-    carveouts = tuple(config.sm_carveout_candidates or ())
-    keep = config.schedule_candidates
-    if not isinstance(keep, tuple) or all(_split_carveout(n)[1] is None for n in keep):
-        return [(n, n, None) for n in compiled] + [
-            (f"{n}+sms{sms}", n, sms) for sms in carveouts for n in compiled]
-    out = [(compiled[0], compiled[0], None)]
-    for name in keep:
-        base, sms = _split_carveout(name)
-        if sms is not None and sms not in carveouts:
-            name, sms = base, None
-        if name not in [v[0] for v in out]:
-            out.append((name, base, sms))
-    return out
 
 
 def _canonical_options(value: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
@@ -187,16 +80,18 @@ class DboConfig:
             the list scheduler assuming a 4x and a 16x slower link (``link_gbps / 4``, ``/ 16``:
             comm-heavy networks), the other scheduler and the joined schedules (see
             ``join_experts``). The cost model's figures are rough; measuring the candidates
-            makes the order right on the link at hand. ``True``: all of :data:`CANDIDATES`,
-            each also with every SM carve-out (12 split graphs per bucket on CUDA).
-            ``False``: one schedule (and its carve-outs). A tuple of names from
-            :data:`SCHEDULE_CANDIDATES`: the primary schedule and those, each with every
-            carve-out; a tuple naming carve-outs itself (``"list@link/16+sms16"``, the names
-            the runner and the benchmarks report) gets the primary and exactly those (see
-            :func:`program_variants`; where torch cannot carve SMs out, a ``+smsN`` entry is
-            its schedule alone).
+            makes the order right on the link at hand. ``True``: all of
+            :data:`~dbo_compile.candidates.CANDIDATES`, each also with every SM carve-out (12
+            split graphs per bucket on CUDA). ``False``: one schedule (and its carve-outs). A
+            tuple of names from :data:`~dbo_compile.candidates.SCHEDULE_CANDIDATES`: the
+            primary schedule and those, each with every carve-out; a tuple naming carve-outs
+            itself (``"list@link/16+sms16"``, the names the runner and the benchmarks report)
+            gets the primary and exactly those (see
+            :func:`~dbo_compile.candidates.program_variants`; where torch cannot carve SMs
+            out, a ``+smsN`` entry is its schedule alone).
 
-            Default :data:`DEFAULT_CANDIDATES`, ``("list@link/16+sms16", "list+join",
+            Default :data:`~dbo_compile.candidates.DEFAULT_CANDIDATES`,
+            ``("list@link/16+sms16", "list+join",
             "list@link/16+join")``: with the primary, 4 split graphs per bucket to capture and
             time at warm-up instead of 12. The data (``benchmarks/results/latest.json``, 2x
             H200, DeepSeek-V2-Lite shapes, Inductor stages, all 12 candidates timed per
@@ -256,6 +151,10 @@ class DboConfig:
         launch_us: fixed cost of one compute kernel, µs.
         dump_dir: if set, each compiled schedule is written there as JSON, and the generated
             wrapper as ``.py``.
+        disable_passes: names of compile passes to skip (a debug switch, e.g.
+            ``("join_experts",)``): only passes the program is correct without
+            (:class:`~dbo_compile.passes.manager.GraphPass` ``optional``); a compile refuses
+            any other name with :class:`~dbo_compile.errors.DboConfigError` naming those.
         cache_dir: the persistent compile cache (:mod:`dbo_compile.codegen.cache`): a
             directory (``~`` expanded) where each compiled graph's lowered graph, split
             signature, schedules, generated wrappers and unit graphs are written, and from
@@ -347,6 +246,7 @@ class DboConfig:
     comm_latency_us: float = 15.0
     launch_us: float = 4.0
     dump_dir: str | None = None
+    disable_passes: tuple[str, ...] = ()
     cache_dir: str | None = None
     dp_group_name: str | None = None
     comm_backend: str = "auto"
@@ -406,7 +306,7 @@ class DboConfig:
                 raise bad(name, "must be a bool")
         if isinstance(self.schedule_candidates, (list, tuple)):
             unknown = [c for c in self.schedule_candidates
-                       if not isinstance(c, str) or _split_carveout(c)[0] not in SCHEDULE_CANDIDATES]
+                       if not isinstance(c, str) or split_carveout(c)[0] not in SCHEDULE_CANDIDATES]
             if unknown:
                 raise bad("schedule_candidates",
                           f"unknown candidate(s) {unknown}; valid: {list(SCHEDULE_CANDIDATES)}, "
@@ -414,7 +314,7 @@ class DboConfig:
             # canonical (order and duplicates do not matter, () is False): the fingerprint the
             # DP vote compares must not depend on how a rank built the tuple
             def rank(name: str) -> tuple:
-                base, sms = _split_carveout(name)
+                base, sms = split_carveout(name)
                 return SCHEDULE_CANDIDATES.index(base), sms or 0
 
             picked = tuple(sorted(set(self.schedule_candidates), key=rank))
@@ -430,6 +330,11 @@ class DboConfig:
                 isinstance(v, bool) or not isinstance(v, int) or v < 1
                 for v in self.sm_carveout_candidates)):
             raise bad("sm_carveout_candidates", "must be None or a tuple of positive ints (SMs)")
+        if isinstance(self.disable_passes, (list, tuple)) and all(
+                isinstance(n, str) for n in self.disable_passes):  # canonical, as for the vote
+            object.__setattr__(self, "disable_passes", tuple(sorted(set(self.disable_passes))))
+        else:
+            raise bad("disable_passes", "must be a tuple of pass names")
         for name in ("dump_dir", "cache_dir", "dp_group_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -54,6 +54,12 @@ class ScheduleError(DboError):
     """The scheduler or codegen found an inconsistency (a cycle, a missing event edge)."""
 
 
+class PipelineError(DboError):
+    """A pass list cannot run as declared (:mod:`dbo_compile.passes.manager`): a pass reads a
+    fact no earlier pass wrote, writes one it does not declare, or a user pass names no pass
+    to run after, or a name taken."""
+
+
 # -- ops ----------------------------------------------------------------------------------
 
 

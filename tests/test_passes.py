@@ -225,8 +225,8 @@ def test_list_scheduler_never_worse_than_naive_order_in_the_model():
 def test_schedule_candidates_are_distinct_orders_of_the_same_program():
     """``schedule_candidates`` compiles alternative orders (list under slower links, naive);
     each is a different host order of the same units, and each computes what eager does."""
-    from dbo_compile.config import candidates_of
-    from dbo_compile.config import SCHEDULE_CANDIDATES, DboConfig
+    from dbo_compile.candidates import SCHEDULE_CANDIDATES, candidates_of
+    from dbo_compile.config import DboConfig
     from dbo_compile.errors import DboConfigError
 
     names = [c.name for c in candidates_of(DboConfig(schedule_candidates=True))]
@@ -303,7 +303,8 @@ def test_sm_carveout_candidates_add_a_copy_of_each_schedule():
 def test_default_candidates_pair_the_carveout_with_the_slow_link_schedule():
     """The default captures 4 split graphs per bucket on CUDA (issue 17): the primary,
     ``list@link/16`` with the carve-out, and the two joined schedules without it."""
-    from dbo_compile.config import DEFAULT_CANDIDATES, DboConfig, program_variants
+    from dbo_compile.candidates import DEFAULT_CANDIDATES, program_variants
+    from dbo_compile.config import DboConfig
     from dbo_compile.errors import DboConfigError
 
     cuda = DboConfig(sm_carveout_candidates=(16,))

@@ -17,14 +17,17 @@ world size of each process group a comm op names, static in the ops' fake shapes
 explicit input kinds of a graph not from Dynamo, the config fingerprint
 (:meth:`~dbo_compile.config.DboConfig.fingerprint`, resolved device defaults included), the
 torch version, and the package's version and source (a digest of its ``.py``
-files: an edited checkout never reads an entry an older one wrote). The lowering is a
+files: an edited checkout never reads an entry an older one wrote), and the registered user
+passes (:func:`~dbo_compile.passes.manager.pass_uuid`: name, place, source). The lowering is a
 function of these, so the key determines the lowered graph the issue asks to key by, and a
 lookup needs no lowering (AOTAutograd was most of the compile time).
 
-**Entry** (one file ``<key>.pkl`` per graph, a pickle): the lowered graph (the unsplit
-program), the input classification, the split signature, and per distinct schedule
-candidate its schedule, generated wrapper and unit graphs (shared between candidates and
-between units that compute the same, as compiled), or for an unsplittable graph the reason.
+**Entry** (one file ``<key>.pkl`` per graph, a pickle; the record :class:`SplitEntry`, its
+fields by name): the lowered graph (the unsplit program), the input classification, the
+split signature, and per distinct schedule candidate its schedule, generated wrapper and
+unit graphs (shared between candidates and between units that compute the same, as
+compiled), or for an unsplittable graph the reason (:class:`UnsplittableEntry`).
+:func:`store` writes a compiled artifact's record, :func:`load` reads one back.
 Graphs are stored node by node with their names (:func:`dump_graph`), so that a unit rebuilt
 from the cache is the same program text as the one compiled, and Inductor's FX-graph cache,
 keyed by it, hits for it too.
@@ -35,7 +38,7 @@ processes writing one key leave one whole file). A file that cannot be read, unp
 something else, names another key or other versions, or fails to rebuild is ignored with a
 WARNING naming the file and why, and the graph is compiled as if there were no entry (the
 new entry then replaces it); so is an entry whose folded floats are not this graph's
-(checked on read as well, ``passes/pipeline.py``). A directory that cannot be written only
+(checked on read as well, :func:`load`). A directory that cannot be written only
 logs a WARNING. Nothing is ever evicted.
 """
 
@@ -51,25 +54,34 @@ import operator
 import os
 import pickle
 import tempfile
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.fx as fx
 
 import dbo_compile
+from dbo_compile.candidates import candidate_programs, carveout_sms
+from dbo_compile.codegen.wrapper import SplitProgram
 from dbo_compile.config import DboConfig
-from dbo_compile.errors import CommBackendError
+from dbo_compile.errors import CommBackendError, UnsplittableGraphError
 from dbo_compile.lowering import baked_inputs, graph_module, layer_of, source_name
 from dbo_compile.ops.comm import ep_world_size
 from dbo_compile.ops.registry import comm_group_name
-from dbo_compile.schedule import CommPlan
+from dbo_compile.runtime.program import SplitRecord
+from dbo_compile.schedule import CommPlan, Schedule
+
+if TYPE_CHECKING:
+    from dbo_compile.codegen.stages import StageCompiler
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "cache_key", "dump_graph", "dump_plan", "load_graph", "load_plan",
-           "read_entry", "write_entry"]
+__all__ = ["FORMAT", "SplitEntry", "UnsplittableEntry", "cache_key", "dump_graph", "dump_plan",
+           "load", "load_graph", "load_plan", "read_entry", "store", "store_unsplittable",
+           "write_entry"]
 
-#: bump when the entry layout changes (part of the key and checked in every entry)
+#: bump when the entry layout (:class:`SplitEntry`, :class:`UnsplittableEntry`) changes (part
+#: of the key and checked in every entry)
 FORMAT = 3
 
 
@@ -115,11 +127,15 @@ def _describe(value: Any) -> str:
 
 
 def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
-              input_kinds: Sequence[str] | None = None) -> str:
-    """The key of ``gm``'s entry (see the module docstring): 64 hex digits."""
+              input_kinds: Sequence[str] | None = None, user_passes: Sequence[str] = ()) -> str:
+    """The key of ``gm``'s entry (see the module docstring): 64 hex digits. ``user_passes``:
+    the registered user passes' identities
+    (:func:`~dbo_compile.passes.manager.user_pass_keys`; they change the programs)."""
     index: dict[fx.Node, int] = {}
     lines = [f"dbo-cache {FORMAT} torch {torch.__version__} package {package_digest()}",
              f"config {config.fingerprint()} kinds {list(input_kinds or [])}"]
+    if user_passes:
+        lines.append(f"user passes {list(user_passes)!r}")
 
     def arg(a: Any) -> Any:
         return fx.node.map_aggregate(a, lambda x: f"%{index[x]}" if isinstance(x, fx.Node)
@@ -401,3 +417,197 @@ def ignore(directory: str, key: str, why: BaseException) -> None:
 def unit_graphs(units: Sequence[Callable]) -> list[fx.GraphModule]:
     """The GraphModule behind each unit callable (an Inductor stage's traced graph)."""
     return [getattr(u, "gm", u) for u in units]
+
+
+# -- the entry records ------------------------------------------------------------------------
+
+
+class _Entry:
+    """An entry record: its payload (what the file holds) is its fields by name and its
+    ``kind``; :func:`load` picks the record by ``kind``."""
+
+    kind: ClassVar[str] = ""
+
+    def payload(self) -> dict[str, Any]:
+        return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> Any:
+        """Raises ``KeyError`` for a payload missing a field (an entry of another layout)."""
+        return cls(**{f.name: payload[f.name] for f in fields(cls)})
+
+
+@dataclass
+class SplitEntry(_Entry):
+    """The entry of a split graph (:data:`FORMAT`), ``kind`` ``"split"``.
+
+    Attributes:
+        specs / signature / kv_block_sizes / output_specs / float_guards / state_inputs:
+            the :class:`~dbo_compile.runtime.program.SplitRecord`'s; ``alias``: its
+            ``program_alias``.
+        lowered: the lowered graph (:func:`dump_graph`).
+        units: the unit graphs, each once: ``(graph, an Inductor stage?, why it runs ATen)``.
+        programs: per distinct candidate program ``(name, schedule dict, unit index per
+            schedule unit, unit_io, wrapper code, number of events)``, the primary first.
+        split_plan / unsplit_plan: the drain plans (:func:`dump_plan`).
+        collectives: ``(split_collectives, unsplit_collectives)``.
+    """
+
+    kind: ClassVar[str] = "split"
+    specs: list
+    signature: Any
+    lowered: dict[str, Any]
+    units: list[tuple[dict[str, Any], bool, str | None]]
+    programs: list[tuple]
+    alias: dict[str, str]
+    kv_block_sizes: Any
+    output_specs: Any
+    split_plan: Any
+    unsplit_plan: Any
+    float_guards: tuple
+    state_inputs: tuple
+    collectives: tuple
+
+    @classmethod
+    def of(cls, record: SplitRecord, programs: dict[str, SplitProgram]) -> SplitEntry:
+        """The entry of a compiled artifact's ``record`` and its distinct candidate
+        ``programs`` (unit graphs stored once each).
+
+        Raises:
+            ValueError: a graph that cannot be stored (:func:`dump_graph`).
+        """
+        callables: dict[int, int] = {}
+        units: list[tuple[dict, bool, str | None]] = []
+        entries = []
+        for name, prog in programs.items():
+            index = []
+            for fn in prog.units:
+                if id(fn) not in callables:  # (graph, an Inductor stage?, why it runs ATen)
+                    callables[id(fn)] = len(units)
+                    units.append((dump_graph(getattr(fn, "gm", fn)),
+                                  not isinstance(fn, fx.GraphModule),
+                                  getattr(fn, "aten_reason", None)))
+                index.append(callables[id(fn)])
+            entries.append((name, prog.schedule.to_dict(), index, prog.unit_io, prog.code,
+                            prog.num_events))
+        return cls(record.specs, record.signature, dump_graph(record.lowered_gm), units, entries,
+                   record.program_alias, record.kv_block_sizes, record.output_specs,
+                   dump_plan(record.split_plan), dump_plan(record.unsplit_plan),
+                   tuple(record.float_guards), tuple(record.state_inputs),
+                   (record.split_collectives, record.unsplit_collectives))
+
+    def rebuild(self, config: DboConfig, stages: StageCompiler, gm: fx.GraphModule
+                ) -> tuple[SplitRecord, dict[str, SplitProgram]]:
+        """The artifact's record and its distinct programs, as compiled; ``gm``: the bound
+        Dynamo graph (the float guards' fallback compiles it unsplit)."""
+        made = [load_graph(data) for data, _, _ in self.units]
+        programs: dict[str, SplitProgram] = {}
+        staged_fns: dict[int, Callable] = {}
+        compile_stage = stages.compile_stage
+        for name, sched, index, unit_io, code, num_events in self.programs:
+            schedule = Schedule.from_dict(sched)
+            fns = []
+            for unit, i in zip(schedule.units, index):
+                fn = made[i]
+                _, staged, aten_reason = self.units[i]
+                if staged and compile_stage is not None:
+                    if i not in staged_fns:  # one stage per unit graph, as compiled
+                        staged_fns[i] = compile_stage(fn, unit)
+                        # the rebuilt graph has no meta["val"] to find a value int in
+                        staged_fns[i].aten_reason = aten_reason or staged_fns[i].aten_reason
+                    fn = staged_fns[i]
+                fns.append(fn)
+            programs[name] = SplitProgram.from_parts(schedule, fns, unit_io, code, num_events,
+                                                     carveout_sms=carveout_sms(config))
+        lowered = stages.lowered_from_cache(self.lowered)
+        record = SplitRecord(
+            stages.unsplit(lowered), candidate_programs(programs, self.alias, config),
+            self.specs, self.signature, config, program_alias=self.alias,
+            kv_block_sizes=self.kv_block_sizes, output_specs=self.output_specs,
+            split_plan=load_plan(self.split_plan), unsplit_plan=load_plan(self.unsplit_plan),
+            float_guards=self.float_guards,
+            guard_fallback=stages.unsplit(gm) if self.float_guards else None,
+            state_inputs=self.state_inputs, split_collectives=self.collectives[0],
+            unsplit_collectives=self.collectives[1], lowered_gm=lowered,
+            split_gm=None,  # not stored: nothing runs it
+            token_symbols=None)  # no traced graphs to read them in (calibrate.py refuses)
+        return record, programs
+
+
+@dataclass
+class UnsplittableEntry(_Entry):
+    """The entry of a graph the passes found unsplittable (:data:`FORMAT`), ``kind``
+    ``"unsplittable"``: the error's message and, in the other fields, the facts the raiser
+    set on it (:class:`~dbo_compile.errors.UnsplittableGraphError`'s attributes, by name: a
+    new fact is one field here)."""
+
+    kind: ClassVar[str] = "unsplittable"
+    reason: str
+    row_local: bool = False
+    state_inputs: tuple = ()
+    folds_token_rows: bool = False
+
+    @classmethod
+    def of(cls, error: UnsplittableGraphError) -> UnsplittableEntry:
+        facts = [f.name for f in fields(cls)][1:]
+        return cls(str(error), **{name: getattr(error, name) for name in facts})
+
+    def error(self) -> UnsplittableGraphError:
+        """The error, as the compile raised it (its message marked ``(compile cache)``)."""
+        e = UnsplittableGraphError(f"{self.reason} (compile cache)")
+        for f in fields(self)[1:]:
+            setattr(e, f.name, getattr(self, f.name))
+        return e
+
+
+def store(directory: str, key: str, record: SplitRecord,
+          programs: dict[str, SplitProgram]) -> bool:
+    """Write the entry of a compiled artifact (:meth:`SplitEntry.of`); ``False`` (and a
+    WARNING) where it cannot be stored or written."""
+    try:
+        entry = SplitEntry.of(record, programs)
+    except ValueError as e:
+        log.warning("dbo: compile cache: not writing this graph: %s", e)
+        return False
+    return write_entry(directory, key, entry.payload())
+
+
+def store_unsplittable(directory: str, key: str, error: UnsplittableGraphError) -> bool:
+    """Write that ``key``'s graph is unsplittable, and why."""
+    return write_entry(directory, key, UnsplittableEntry.of(error).payload())
+
+
+def load(directory: str, key: str, gm: fx.GraphModule, config: DboConfig,
+         stages: StageCompiler, folds: tuple[tuple[int, float], ...]
+         ) -> tuple[SplitRecord, dict[str, SplitProgram]] | None:
+    """The record and distinct programs of ``key``'s entry (``None``: no usable entry, the
+    graph is compiled); ``gm``: the bound Dynamo graph (the float guards' fallback compiles it
+    unsplit); ``folds``: the floats this graph's lowering would fold
+    (:func:`~dbo_compile.lowering.folded_floats`), which must be the entry's (they are part
+    of the key; an entry folding others is ignored).
+
+    Raises:
+        UnsplittableGraphError: the entry says the graph is unsplittable (why, as compiled).
+    """
+    payload = read_entry(directory, key)
+    if payload is None:
+        return None
+    try:
+        if payload.get("kind") == UnsplittableEntry.kind:
+            verdict = UnsplittableEntry.from_payload(payload).error()
+        else:
+            verdict = None
+            entry = SplitEntry.from_payload(payload)
+            if tuple(entry.float_guards) != tuple(folds):
+                raise ValueError(f"its programs fold the floats (input, value) "
+                                 f"{list(entry.float_guards)}, this graph's inputs hold "
+                                 f"{list(folds)}")
+            record, programs = entry.rebuild(config, stages, gm)
+    except Exception as e:  # noqa: BLE001 - an entry that does not rebuild is ignored
+        ignore(directory, key, e)
+        return None
+    if verdict is not None:
+        raise verdict
+    log.info("dbo: compile cache: read %s's entry (%d candidate programs)", key[:16],
+             len(programs))
+    return record, programs

@@ -34,6 +34,7 @@ import torch.fx as fx
 from dbo_compile.errors import ScheduleError
 from dbo_compile.ops.comm import comm_backend_of, comm_receive, comm_spec_of
 from dbo_compile.ops.registry import comm_kind, comm_wait, is_c10d_wait, op_has_arg, set_op_arg
+from dbo_compile.passes.manager import CompileState, GraphPass
 from dbo_compile.passes.meta import dbo_meta
 
 log = logging.getLogger(__name__)
@@ -81,3 +82,10 @@ def insert_yields(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
                      ubatch=meta.get("ubatch"), token_dim=meta.get("token_dim"))
         pairs.append((node, wait))
     return pairs
+
+
+def _run(gm: fx.GraphModule, st: CompileState) -> None:
+    insert_yields(gm.graph)
+
+
+PASS = GraphPass("insert_yields", _run)

@@ -21,7 +21,7 @@ The joined nodes form one shared stage (``meta["dbo"]["ubatch"] = None``, ``"joi
 waits for both ubatches' dispatch and feeds both combines: the price is that the experts of a
 layer start only when the later dispatch has landed. Whether the weight reads saved pay for
 that wait depends on the bucket and the link; the runtime measures joined and unjoined
-schedules (``DboConfig.join_experts``, :data:`dbo_compile.config.CANDIDATES`).
+schedules (``DboConfig.join_experts``, :data:`dbo_compile.candidates.CANDIDATES`).
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ import dbo_compile.ops  # noqa: F401  (registers the ops and their records)
 from dbo_compile.errors import ScheduleError
 from dbo_compile.lowering import graph_module
 from dbo_compile.ops.registry import comm_kind, joinable_ops
+from dbo_compile.passes.manager import CompileState, GraphPass
 from dbo_compile.passes.meta import dbo_meta
 
 log = logging.getLogger(__name__)
 
-__all__ = ["copy_split_graph", "join_experts"]
+__all__ = ["PASS", "copy_split_graph", "join_experts"]
 
 aten = torch.ops.aten
 
@@ -178,3 +179,15 @@ def join_experts(gm: fx.GraphModule, num_ubatches: int) -> int:
             legalize_graph(gm)
         log.info("dbo: joined the ubatch copies of %d routed-expert calls", len(groups))
     return len(groups)
+
+
+def _run(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
+    """A copy of the split graph with its routed experts joined (the unjoined graph is
+    scheduled too); ``st.joined_calls``: the calls joined (0: nothing to join)."""
+    copied = copy_split_graph(gm)
+    st.joined_calls = join_experts(copied, st.config.num_ubatches)
+    return copied
+
+
+#: optional: without it, no candidate is joined (as for a graph with nothing to join)
+PASS = GraphPass("join_experts", _run, writes=("joined_calls",), optional=True)

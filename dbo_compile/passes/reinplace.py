@@ -22,6 +22,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from dbo_compile.passes.manager import CompileState, GraphPass
 from dbo_compile.passes.meta import dbo_meta
 
 log = logging.getLogger(__name__)
@@ -110,3 +111,11 @@ def reinplace_graph_input_mutations(graph: fx.Graph) -> int:
         else:
             log.warning("could not fully re-inplace %s; left functional", node.name)
     return count
+
+
+def _run(gm: fx.GraphModule, st: CompileState) -> None:
+    reinplace_graph_input_mutations(gm.graph)
+
+
+#: needed: the scheduler orders the KV-cache accesses by the ``mutates`` it writes
+PASS = GraphPass("reinplace", _run)

@@ -33,6 +33,7 @@ from typing import Sequence
 import torch.fx as fx
 
 from dbo_compile.lowering import graph_module
+from dbo_compile.passes.manager import CompileState, GraphPass
 from dbo_compile.passes.meta import dbo_meta
 from dbo_compile.passes.state_threads import StateThread
 from dbo_compile.signature import InputSpec, SplitSignature
@@ -170,3 +171,11 @@ def _emit_segment(graph: fx.Graph, t: StateThread, i: int, current: dict[int, fx
             dbo_meta(new)["thread"] = (t.placeholder.name, i)
             local[n] = new
         current[id(t)] = local[seg.nodes[-1]]
+
+
+def _run(gm: fx.GraphModule, st: CompileState) -> fx.GraphModule:
+    split_gm, st.signature = split_ubatch(gm, st.specs, st.config.num_ubatches, st.threads)
+    return split_gm
+
+
+PASS = GraphPass("split_ubatch", _run, reads=("specs", "threads"), writes=("signature",))

@@ -58,13 +58,14 @@ import torch.utils._pytree as pytree
 
 from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.ops.registry import op_arg, op_info
+from dbo_compile.passes.manager import CompileState, GraphPass
 from dbo_compile.passes.meta import dbo_meta
 from dbo_compile.passes.token_dim import is_token_indexed, per_ubatch_nodes
 from dbo_compile.signature import ROW_VALID_INPUT, InputSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FOLDS", "ROW_VALID", "Segment", "StateThread", "find_state_threads",
+__all__ = ["FOLDS", "PASS", "ROW_VALID", "Segment", "StateThread", "find_state_threads",
            "mask_padding_rows", "state_inputs"]
 
 aten = torch.ops.aten
@@ -435,3 +436,14 @@ def _rows_per_token(rows: Any, t: Any) -> int | None:
         return None
     ratio = sympy.simplify(rows.node.expr / t)
     return int(ratio) if ratio.is_integer and ratio.free_symbols == set() and int(ratio) > 0 else None
+
+
+def _run(gm: fx.GraphModule, st: CompileState) -> None:
+    st.threads = find_state_threads(gm.graph, st.specs)
+    spec = mask_padding_rows(gm.graph, st.threads, st.specs, st.token_symbol)
+    if spec is not None:
+        st.specs = [*st.specs, spec]
+
+
+PASS = GraphPass("state_threads", _run, reads=("specs", "token_symbol"),
+                 writes=("threads", "specs"))

@@ -37,6 +37,7 @@ from dbo_compile.ops.comm import comm_spec_of
 from dbo_compile.ops.registry import comm_kind, is_receive, is_wait
 from dbo_compile.passes.cost_model import CostModel
 from dbo_compile.passes.events import minimal_event_edges
+from dbo_compile.passes.manager import CompileState, GraphPass
 from dbo_compile.passes.meta import dbo_meta, set_stream
 from dbo_compile.passes.ordering import list_order, naive_order
 from dbo_compile.passes.pools import PoolPlan, check_pools, unsplit_pool_violation
@@ -135,3 +136,15 @@ def annotate_streams(graph: fx.Graph, schedule: Schedule) -> None:
     for n in graph.nodes:
         if is_wait(n) and not is_receive(n):
             set_stream(n, COMPUTE)
+
+
+def _run(gm: fx.GraphModule, st: CompileState) -> None:
+    units_of = st.unit_graphs.get(id(gm.graph))
+    if units_of is None:  # the first candidate of this split graph finds its units
+        units_of = st.unit_graphs[id(gm.graph)] = unit_graph(gm.graph)
+    st.schedule = stream_assign(gm.graph, st.candidate.apply(st.config), st.token_symbols,
+                                st.config.num_ubatches, units_of)
+
+
+PASS = GraphPass("stream_assign", _run, reads=("candidate", "token_symbols"),
+                 writes=("schedule", "unit_graphs"), changes_graph=False)

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.errors import UnsplittableGraphError
+from dbo_compile.passes.manager import CompileState, GraphPass
 from dbo_compile.passes.meta import dbo_meta
 from dbo_compile.passes.row_local import (
     has_symbols,
@@ -221,3 +222,12 @@ def _per_ubatch_nodes(graph: fx.Graph) -> set[fx.Node]:
         if is_token_indexed(node) or any(a in dep for a in node.all_input_nodes):
             dep.add(node)
     return dep
+
+
+def _run(gm: fx.GraphModule, st: CompileState) -> None:
+    annotate_token_dims(gm.graph, st.token_symbols, st.request_symbols)
+    st.output_specs = check_outputs(gm.graph, st.token_symbol)
+
+
+PASS = GraphPass("token_dim", _run, reads=("token_symbols", "request_symbols", "token_symbol"),
+                 writes=("output_specs",), changes_graph=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -48,8 +49,8 @@ from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DboCompiledModule", "StepStats", "UnsplitProgram", "last_called", "record_calls",
-           "uncounted"]
+__all__ = ["DboCompiledModule", "SplitRecord", "StepStats", "UnsplitProgram", "last_called",
+           "record_calls", "uncounted"]
 
 
 class UnsplitProgram(CompiledArtifact):
@@ -124,6 +125,67 @@ class UnsplitProgram(CompiledArtifact):
         return StepDecision(vote, "unsplittable", [1] * n, unpaddable=hazard)
 
 
+@dataclass
+class SplitRecord:
+    """What a split artifact is made of: the pipeline's compile, or a compile-cache entry read
+    back (:mod:`dbo_compile.codegen.cache`; then ``split_gm`` and ``token_symbols`` are
+    ``None``: no traced graph).
+
+    Attributes:
+        unsplit: the unsplit program; takes the graph's inputs at any token count.
+        candidates: every compiled split program by schedule-candidate name, the primary
+            first (``config.schedule_candidates``, :mod:`dbo_compile.candidates`). The eager
+            path runs the primary; :class:`~dbo_compile.runtime.graphs.CudaGraphRunner`
+            picks one per bucket by measurement.
+        specs: classification of the graph inputs.
+        signature: how split-program inputs/outputs map to the graph's.
+        config: options.
+        program_alias: each compiled candidate's name -> the name of the candidate whose
+            program (host order) it runs.
+        compile_times: seconds per compile pass (:mod:`dbo_compile.passes.manager`).
+        kv_block_sizes: the KV block sizes of the graph's paged-KV ops
+            (:func:`~dbo_compile.ops.registry.kv_block_sizes`), which the prefix-read veto
+            uses when the caller passes no ``block_size`` (``()``: none; ``None``: not static).
+        output_specs: what each graph output is.
+        split_plan / unsplit_plan: the collectives of the primary split program / ``unsplit``
+            in issue order (:func:`~dbo_compile.runtime.drain.drain_plan`).
+        float_guards: ``(input index, value)`` of the floats folded into the programs
+            (``torch.compile(dynamic=True)`` passes float attributes as 0-dim tensors, on
+            whose value Dynamo does not guard): each call compares them (host reads of CPU
+            tensors); a step where one changed runs ``guard_fallback`` (Dynamo's graph,
+            unsplit), with a WARNING the first time.
+        guard_fallback: Dynamo's graph, unsplit (``None``: no float folded).
+        state_inputs: the inputs the programs write in place (``CompiledArtifact.state_inputs``).
+        split_collectives / unsplit_collectives: the fingerprints of the collectives the
+            primary split program / ``unsplit`` issue, in issue order: ops, dtypes, static
+            sizes, constants (:func:`~dbo_compile.ops.registry.comm_fingerprint`).
+        lowered_gm: the lowered graph (a cache entry's may be rebuilt at its first use).
+        split_gm: the (unjoined) split graph.
+        token_symbols: the symbols of the token and request dims in those graphs (the cost
+            model's, a calibration's).
+    """
+
+    unsplit: Callable[..., Any]
+    candidates: dict[str, Any]
+    specs: list[InputSpec]
+    signature: SplitSignature
+    config: DboConfig
+    program_alias: dict[str, str] = field(default_factory=dict)
+    compile_times: dict[str, float] = field(default_factory=dict)
+    kv_block_sizes: tuple[int, ...] | None = ()
+    output_specs: Sequence[OutputSpec] | None = None
+    split_plan: CommPlan = None
+    unsplit_plan: CommPlan = None
+    float_guards: Sequence[tuple[int, float]] = ()
+    guard_fallback: Callable[..., Any] | None = None
+    state_inputs: Sequence[int] = ()
+    split_collectives: str | None = None
+    unsplit_collectives: str | None = None
+    lowered_gm: Any = None
+    split_gm: Any = None
+    token_symbols: frozenset | None = None
+
+
 class DboCompiledModule(CompiledArtifact):
     """What the ``dbo`` backend returns to Dynamo for a splittable graph.
 
@@ -135,31 +197,8 @@ class DboCompiledModule(CompiledArtifact):
     ubatch order.
 
     Args:
-        unsplit: the unsplit program; takes the graph's inputs at any token count.
-        split_program: the generated split program (:class:`~dbo_compile.codegen.SplitProgram`).
-        specs: classification of the graph inputs.
-        signature: how split-program inputs/outputs map to the graph's.
-        config: options.
-        candidates: every compiled schedule candidate of the split program by name (the
-            primary, ``split_program``, first; ``config.schedule_candidates``). The eager path
-            runs the primary; :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` picks one
-            per bucket by measurement.
-        compile_times: seconds per compile pass (:mod:`dbo_compile.passes.pipeline`).
-        kv_block_sizes: the KV block sizes of the graph's paged-KV ops
-            (:func:`~dbo_compile.ops.registry.kv_block_sizes`), which the prefix-read veto
-            uses when the caller passes no ``block_size``.
-        output_specs: what each graph output is.
-        split_plan / unsplit_plan: the collectives of ``split_program`` / ``unsplit`` in
-            issue order (:mod:`~dbo_compile.runtime.step_txn`).
-        float_guards: ``(input index, value)`` of the floats folded into the programs
-            (``torch.compile(dynamic=True)`` passes float attributes as 0-dim tensors, on
-            whose value Dynamo does not guard): each call compares them (host reads of CPU
-            tensors); a step where one changed runs ``guard_fallback`` (Dynamo's graph,
-            unsplit), with a WARNING the first time.
-        state_inputs: the inputs the programs write in place (``CompiledArtifact.state_inputs``).
-        split_collectives / unsplit_collectives: the fingerprints of the collectives
-            ``split_program`` / ``unsplit`` issue, in issue order: ops, dtypes, static sizes,
-            constants (:func:`~dbo_compile.ops.registry.comm_fingerprint`).
+        record: what it is made of (:class:`SplitRecord`); its fields are attributes of the
+            artifact, and ``split_program`` is the first of its ``candidates``.
 
     Attributes:
         fingerprint: the primary schedule's
@@ -176,31 +215,24 @@ class DboCompiledModule(CompiledArtifact):
             normally.
     """
 
-    def __init__(self, unsplit: Callable[..., Any], split_program: Any, specs: list[InputSpec],
-                 signature: SplitSignature, config: DboConfig,
-                 candidates: dict[str, Any] | None = None,
-                 compile_times: dict[str, float] | None = None,
-                 kv_block_sizes: tuple[int, ...] | None = (),
-                 output_specs: Sequence[OutputSpec] | None = None,
-                 split_plan: CommPlan = None, unsplit_plan: CommPlan = None,
-                 float_guards: Sequence[tuple[int, float]] = (),
-                 guard_fallback: Callable[..., Any] | None = None,
-                 state_inputs: Sequence[int] = (), split_collectives: str | None = None,
-                 unsplit_collectives: str | None = None):
-        super().__init__(unsplit=unsplit, config=config, specs=specs, reason=None,
-                         row_local=True, split_program=split_program,
-                         candidates=candidates or {config.scheduler: split_program},
-                         signature=signature, compile_times=compile_times,
-                         output_specs=output_specs, split_plan=split_plan,
-                         unsplit_plan=unsplit_plan, state_inputs=state_inputs,
-                         unsplit_collectives=unsplit_collectives, float_guards=float_guards,
-                         guard_fallback=guard_fallback)
-        self.split_collectives = split_collectives
-        self.fingerprint = f"{split_program.schedule.fingerprint()}/{split_collectives}"
-        #: the KV block sizes of the graph's paged-KV ops (``()``: none; ``None``: not static),
-        #: which the prefix-read veto uses (set by the pipeline)
-        self.kv_block_sizes = kv_block_sizes
+    def __init__(self, record: SplitRecord):
+        split_program = next(iter(record.candidates.values()))
+        super().__init__(unsplit=record.unsplit, config=record.config, specs=record.specs,
+                         reason=None, row_local=True, split_program=split_program,
+                         candidates=record.candidates, signature=record.signature,
+                         compile_times=record.compile_times, output_specs=record.output_specs,
+                         split_plan=record.split_plan, unsplit_plan=record.unsplit_plan,
+                         state_inputs=record.state_inputs,
+                         unsplit_collectives=record.unsplit_collectives,
+                         float_guards=record.float_guards, guard_fallback=record.guard_fallback)
+        self.split_collectives = record.split_collectives
+        self.fingerprint = f"{split_program.schedule.fingerprint()}/{record.split_collectives}"
+        self.kv_block_sizes = record.kv_block_sizes
         self._warned_block_size = False
+        self.program_alias = dict(record.program_alias)
+        self.lowered_gm = record.lowered_gm
+        self.split_gm = record.split_gm
+        self.token_symbols = record.token_symbols
 
     @property
     def code(self) -> str:
