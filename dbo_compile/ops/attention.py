@@ -28,7 +28,6 @@ Shapes (``T`` = token dim, ``R`` = requests, ``Hq``/``Hkv`` query/KV heads, ``D`
     out          [T, Hq, D]                       q.dtype; rows >= query_start_loc[-1] are 0
 """
 
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 
 from dbo_compile.errors import AttentionOpError
-from dbo_compile.ops._triton import import_triton
+from dbo_compile.ops._triton import triton_kernels
 from dbo_compile.ops.registry import OpInfo, register_op
 
 log = logging.getLogger(__name__)
@@ -150,13 +149,9 @@ def _write_kv_torch(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         flat[i].index_put_((idx,), new)
 
 
-@functools.cache
-def _write_kv_kernel():
+@triton_kernels
+def _write_kv_kernel(triton, tl):
     """``(triton, kernel)`` of the KV-cache write, or None without Triton."""
-    mods = import_triton()
-    if mods is None:
-        return None
-    triton, tl = mods
 
     @triton.jit
     def write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
@@ -280,15 +275,11 @@ def _kernel_config(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtyp
     return _KernelConfig(block_m=max(1, rows // g_pad), tile_n=tile_n)
 
 
-@functools.cache
-def _triton_kernel():
+@triton_kernels
+def _triton_kernel(triton, tl):
     """``(triton, kernel, interpreted)``, or None without Triton. Built on first use, so that
     importing the package does not import Triton. ``interpreted``: the process runs Triton's
     interpreter (``TRITON_INTERPRET=1`` before triton was imported; kernels take CPU tensors)."""
-    mods = import_triton()
-    if mods is None:
-        return None
-    triton, tl = mods
 
     # num_reqs changes every step: one compiled variant for all values (no ==1 / %16 variants)
     @triton.jit(do_not_specialize=["num_reqs", "bt_width", "num_blocks"])

@@ -72,7 +72,6 @@ receive, :func:`comm_receive`). The scheduler honours the declaration or refuses
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import threading
 import weakref
@@ -85,7 +84,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dbo_compile.errors import CommBackendError, CommOpError, DboError
-from dbo_compile.ops._triton import import_triton
+from dbo_compile.ops._triton import triton_kernels
 from dbo_compile.ops.registry import (
     BackendRegistry,
     OpInfo,
@@ -514,12 +513,8 @@ def _send_buffers_torch(x, topk_ids, topk_weights, e_local, world_size):
     return payload
 
 
-@functools.cache
-def _pack_kernel():
-    mods = import_triton()
-    if mods is None:
-        return None
-    triton, tl = mods
+@triton_kernels
+def _pack_kernel(triton, tl):
 
     @triton.jit
     def pack_kernel(x_ptr, ids_ptr, w_ptr, out_ptr, meta_ptr, T, H, stride_x, row_cols,

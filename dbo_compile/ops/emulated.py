@@ -83,7 +83,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import threading
@@ -93,7 +92,7 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.errors import CommBackendError, CommOpError
-from dbo_compile.ops._triton import import_triton
+from dbo_compile.ops._triton import triton_kernels
 from dbo_compile.ops.comm import (
     CommBackend,
     ResultPool,
@@ -669,12 +668,8 @@ def _combine_torch(world: EmulatedWorld, y):
 # --------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _kernels():
-    mods = import_triton()
-    if mods is None:
-        return None
-    triton, tl = mods
+@triton_kernels
+def _kernels(triton, tl):
 
     @triton.jit
     def emulated_dispatch_route(ids_ptr, row_ptr, valid_ptr, T, E, EL, K: tl.constexpr,

@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 from dbo_compile.errors import ExpertsOpError
 from dbo_compile.ops import fused_moe
-from dbo_compile.ops._triton import import_triton
+from dbo_compile.ops._triton import triton_kernels
 from dbo_compile.ops.comm import ep_size_of_rows
 from dbo_compile.ops.registry import BackendRegistry, OpInfo, register_op
 
@@ -286,12 +286,8 @@ def _grouped_expert_major(x, counts, w13, w2, fn: ExpertFn = PLAIN) -> torch.Ten
     return y[: e * m].view(e, m, hidden)
 
 
-@functools.cache
-def _triton_kernel():
-    mods = import_triton()
-    if mods is None:
-        return None
-    triton, tl = mods
+@triton_kernels
+def _triton_kernel(triton, tl):
 
     @triton.jit
     def slot_key_kernel(ids_ptr, key_ptr, n, E, BLOCK: tl.constexpr):
