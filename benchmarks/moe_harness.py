@@ -42,18 +42,18 @@ _STATE: dict[str, Any] = {"attention": "ref"}
 
 # ----------------------------------------------------------------------------- experts
 def _experts_loop_kernel(x, ids, wts, w13, w2):
-    from dbo_compile.ops.experts import _check, experts_loop
+    from dbo_compile.ops.experts import check_experts_args, experts_loop
 
-    _check(x, ids, wts, w13, w2)
+    check_experts_args(x, ids, wts, w13, w2)
     return experts_loop(x, ids, wts, w13, w2)
 
 
 # ----------------------------------------------------------------------------- attention
 def _attention_proj(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
                     scale):
-    from dbo_compile.ops.attention import _write_kv
+    from dbo_compile.ops.attention import write_kv
 
-    _write_kv(kv_cache, k, v, slot_mapping)
+    write_kv(kv_cache, k, v, slot_mapping)
     return q.clone()
 
 
@@ -66,7 +66,8 @@ def install_kernels(device_type: str, experts: str = "grouped", attention: str =
     Raises:
         ValueError: ``attention`` is not one of :data:`ATTENTION_KINDS`.
     """
-    from dbo_compile.ops.attention import _attention_cuda, _check_args, _paged_attention, _write_kv
+    from dbo_compile.ops.attention import (attention_cuda, check_attention_args, paged_attention,
+                                           write_kv)
 
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_KINDS}")
@@ -76,14 +77,15 @@ def install_kernels(device_type: str, experts: str = "grouped", attention: str =
 
     def attn(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, scale):
         if _STATE["attention"] == "fused" and q.is_cuda:  # the package's CUDA kernel, unchanged
-            return _attention_cuda(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
-                                   block_table, scale)
-        _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
+            return attention_cuda(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
+                                  block_table, scale)
+        check_attention_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
+                             block_table)
         if _STATE["attention"] == "proj":
             return _attention_proj(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
                                    block_table, scale)
-        _write_kv(kv_cache, k, v, slot_mapping)
-        return _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
+        write_kv(kv_cache, k, v, slot_mapping)
+        return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
 
     torch.library.register_kernel("dbo::attention", device_type, attn)
     return {"experts": experts, "attention": attention}

@@ -467,7 +467,8 @@ def test_opcheck_attention():
 @pytest.mark.parametrize("bad", [dict(block_m=3, tile_n=64), dict(block_m=16, tile_n=8),
                                  dict(block_m=0, tile_n=64)])
 def test_attention_kernel_config_rejects_tiles_triton_cannot_take(bad):
-    from dbo_compile.ops.attention import AttentionOpError, _KernelConfig
+    from dbo_compile.ops.attention import AttentionOpError
+    from dbo_compile.ops.attention import KernelConfig as _KernelConfig
 
     with pytest.raises(AttentionOpError, match="power of two"):
         _KernelConfig(**bad)
