@@ -163,7 +163,7 @@ def comm_only_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int
                                     dtype=dtype))
 
     def run():
-        two_in_flight([functools.partial(E._LINK.send, b, world) for b in bufs],
+        two_in_flight([functools.partial(E.LINK.send, b, world) for b in bufs],
                       lambda transfer: transfer.finish())
     return run
 

@@ -29,6 +29,7 @@ import dbo_compile.ops  # noqa: F401
 from dbo_compile import DboConfig
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops import comm as _comm
+from dbo_compile.ops.comm import packing
 from dbo_compile.runtime import capture as cg_capture
 from dbo_compile.testing import measure
 
@@ -94,15 +95,15 @@ def install_kernels(device_type: str, experts: str = "grouped", attention: str =
 # ----------------------------------------------------------------------------- no comm
 def _nocomm_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
     w = _comm.ep_world_size(group_name)
-    e_local = _comm._check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
-    send = _comm._send_buffers(x, topk_ids, topk_weights, e_local, w)
+    e_local = packing.check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
+    send = packing.send_buffers(x, topk_ids, topk_weights, e_local, w)
     recv = send.view(-1, send.shape[-1]).clone()
-    return _comm._split_payload(recv, x.shape[1], topk_ids.shape[1])
+    return packing.split_payload(recv, x.shape[1], topk_ids.shape[1])
 
 
 def _nocomm_combine(y, group_name):
     w = _comm.ep_world_size(group_name)
-    return _comm._sum_sources(y.contiguous().clone(), w)
+    return packing.sum_sources(y.contiguous().clone(), w)
 
 
 @contextlib.contextmanager

@@ -87,7 +87,8 @@ from dbo_compile.ops.comm import (
     register_comm_backend,
     result_key,
 )
-from dbo_compile.ops.registry import backend_spec, import_optional, op_arg
+from dbo_compile.ops.backends import backend_spec, import_optional
+from dbo_compile.ops.registry import op_arg
 
 log = logging.getLogger(__name__)
 

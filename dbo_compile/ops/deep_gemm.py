@@ -56,7 +56,7 @@ from dbo_compile.ops.experts_kernels import (
     sorted_slots,
     weighted_gather_sum_torch,
 )
-from dbo_compile.ops.registry import import_optional
+from dbo_compile.ops.backends import import_optional
 
 log = logging.getLogger(__name__)
 

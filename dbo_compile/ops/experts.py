@@ -62,7 +62,8 @@ from dbo_compile.ops.experts_kernels import (
     grouped_reference,
     grouped_triton,
 )
-from dbo_compile.ops.registry import BackendRegistry, OpInfo, register_op
+from dbo_compile.ops.backends import BackendRegistry
+from dbo_compile.ops.registry import OpInfo, register_op
 
 __all__ = ["ACTIVATIONS", "EXPERTS_PATHS", "ExpertFn", "ExpertsBackend", "ExpertsOpError",
            "available_experts_backends", "check_experts_args", "experts_loop",
