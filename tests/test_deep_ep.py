@@ -182,7 +182,7 @@ def test_auto_picks_torch_on_cpu_and_says_so(monkeypatch, caplog):
         return torch.ops.dbo.moe_combine(rx, ids, w, rid, rw, h, "g")
 
     x, ids, w = _routing(h=64)
-    monkeypatch.setattr(comm, "ep_world_size", lambda name: 1)  # trace with the local shapes
+    monkeypatch.setattr(comm.ops, "ep_world_size", lambda name: 1)  # trace with the local shapes
     gm = make_fx(layer, tracing_mode="fake")(x, ids, w)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and comm_kind(n)]
     with caplog.at_level(logging.INFO, logger="dbo_compile"):

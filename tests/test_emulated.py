@@ -250,6 +250,24 @@ def test_compiled_emulated_world_equals_the_unsplit_reference():
             if comm_kind(n) is not None} == bound
 
 
+def test_comm_backend_options_configure_the_emulated_world():
+    """``comm_backend_options`` (not the deprecated ``emulate_*`` fields) bind the same world
+    and the same answer."""
+    model, ref, step = _world_model()
+    cm = torch.compile(model, backend="dbo", options={
+        "split": "always", "comm_backend": "emulated",
+        "comm_backend_options": {"world_size": 4, "link_gbps": 25.0}})
+    with torch.no_grad():
+        out = run_step(cm, step.input_ids, step.positions, step.attn_metadata,
+                       step.num_scheduled_tokens)
+        want = ref(step.input_ids, step.positions, step.attn_metadata)
+    art = last_artifact()
+    assert art.is_split
+    torch.testing.assert_close(out, want)
+    assert {bound_backend(n) for n in art.split_gm.graph.nodes if comm_kind(n) is not None
+            } == {E.EmulatedWorld(4, 8, 3, link_gbps=25.0).name}
+
+
 def test_split_program_sends_the_next_op_before_receiving_the_last():
     """The emulated ops' receives are units of their own (their transfer in flight while the
     comm stream packs the next op): the schedule issues a comm op before the previous one's
@@ -517,10 +535,11 @@ for W, Ex, K, T, H, dtype, cf in [(4, 8, 3, 37, 40, torch.float32, 1.1),
     for path in ("torch", "triton"):
         if E.LINK.counters:
             E.reset_stats()
-        d = getattr(E, "_dispatch_" + path)(world, x, ids, w)
+        paths = {"torch": E.routing, "triton": E.kernels}[path]
+        d = getattr(paths, "dispatch_" + path)(world, x, ids, w)
         y = torch.randn(d[0].shape, generator=torch.Generator().manual_seed(1)).abs().to(dtype)
         y = y * (d[1] >= 0).any(-1, keepdim=True)
-        c = getattr(E, "_combine_" + path)(world, y)
+        c = getattr(paths, "combine_" + path)(world, y)
         counts.append(E.stats()["cpu"])
         if path == "torch":
             a, ca = d, c

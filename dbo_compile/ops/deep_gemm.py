@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from dbo_compile.errors import ExpertsOpError
+from dbo_compile.ops.backends import AutoPreference, import_optional
+from dbo_compile.ops.comm import EXPERT_MAJOR
 from dbo_compile.ops.experts import ExpertsBackend, register_experts_backend
 from dbo_compile.ops.experts_kernels import (
     PLAIN,
@@ -56,7 +58,6 @@ from dbo_compile.ops.experts_kernels import (
     sorted_slots,
     weighted_gather_sum_torch,
 )
-from dbo_compile.ops.backends import import_optional
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +292,17 @@ def deep_gemm_backend() -> ExpertsBackend:
         raise ExpertsOpError("internal: the deep_gemm backend is used through its spec")
 
     return ExpertsBackend("deep_gemm", unconfigured, "DeepGEMM m-grouped GEMMs",
-                          configure=_configure, check_options=_check_options)
+                          configure=_configure, check_options=_check_options,
+                          auto=AutoPreference(0, only=_auto_where))
+
+
+def _auto_where(facts: dict[str, Any]) -> str | None:
+    """``experts_backend="auto"`` picks DeepGEMM for the expert-major rows (its masked grouped
+    GEMM); on the rank-major rows ``torch._grouped_mm`` is as good."""
+    if facts.get("layout") == EXPERT_MAJOR:
+        return None
+    return ("for the rank-major rows (torch._grouped_mm; experts_backend='deep_gemm' runs its "
+            "contiguous grouped GEMM there)")
 
 
 register_experts_backend(deep_gemm_backend())

@@ -62,12 +62,13 @@ from dbo_compile.ops.experts_kernels import (
     grouped_reference,
     grouped_triton,
 )
-from dbo_compile.ops.backends import BackendRegistry
+from dbo_compile.ops.backends import AutoPreference, BackendRegistry
 from dbo_compile.ops.registry import OpInfo, register_op
 
 __all__ = ["ACTIVATIONS", "EXPERTS_PATHS", "ExpertFn", "ExpertsBackend", "ExpertsOpError",
            "available_experts_backends", "check_experts_args", "experts_loop",
-           "experts_options_for", "experts_path_choices", "gather_sum", "get_experts_backend",
+           "auto_experts_choices", "experts_options_for", "experts_path_choices",
+           "experts_record", "gather_sum", "get_experts_backend",
            "grouped_experts", "grouped_fused", "grouped_reference", "grouped_triton",
            "register_experts_backend", "register_lazy_experts_backend"]
 
@@ -202,7 +203,7 @@ def _torch_backend(path: str = "auto") -> ExpertsBackend:
         "torch", functools.partial(_grouped_torch, path=path),
         "torch._grouped_mm or fused Triton grouped GEMMs on CUDA (bf16, sm90+), a loop elsewhere"
         + ("" if path == "auto" else f"; path={path}"), configure=_configure_torch,
-        check_options=_check_torch_options)
+        check_options=_check_torch_options, auto=AutoPreference(1, op_default=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +223,8 @@ class ExpertsBackend:
         check_options: ``check_options(**options)``: raises ``ExpertsOpError`` for a bad
             option value without importing the package the backend wraps; its keyword
             parameters are the options the backend takes (as ``CommBackend.check_options``).
+        auto: where ``experts_backend="auto"`` picks it
+            (:class:`~dbo_compile.ops.backends.AutoPreference`); ``None``: only by name.
     """
 
     name: str
@@ -230,6 +233,7 @@ class ExpertsBackend:
     configure: Callable[..., "ExpertsBackend"] | None = None
     supports: Callable[[dict], str | None] | None = None
     check_options: Callable[..., None] | None = None
+    auto: AutoPreference | None = None
 
 
 _REGISTRY: BackendRegistry[ExpertsBackend] = BackendRegistry("experts backend", ExpertsOpError,
@@ -271,6 +275,26 @@ def experts_options_for(names: Any, options: Any) -> dict[str, dict[str, Any]]:
         ExpertsOpError: an unknown backend, an option none of them takes, or a bad value.
     """
     return _REGISTRY.options_for(names, options)
+
+
+def experts_record(name: str) -> ExpertsBackend:
+    """The registered record of the experts backend ``name`` (not configured), importing its
+    module first if it is lazy.
+
+    Raises:
+        ExpertsOpError: ``name`` is unknown or its module cannot be imported.
+    """
+    return _REGISTRY.record(name)
+
+
+def auto_experts_choices() -> list[tuple[str, AutoPreference]]:
+    """``(name, AutoPreference)`` of the experts backends ``experts_backend="auto"`` may
+    choose, in the order it tries them.
+
+    Raises:
+        ExpertsOpError: a lazy backend's module cannot be imported.
+    """
+    return _REGISTRY.auto_choices()
 
 
 def clear_configured_experts_backends() -> None:

@@ -103,10 +103,10 @@ def _torch_supports(facts: dict) -> str | None:
 
 register_comm_backend(CommBackend(
     "local", _local_dispatch, _local_combine, "world size 1: no collective",
-    supports=_local_supports))
+    supports=_local_supports, auto=AutoPreference(1, op_default=True)))
 register_comm_backend(CommBackend(
     "torch", _torch_dispatch, _torch_combine,
     "static-capacity all_to_all_single over a torch.distributed process group (NCCL/Gloo)",
-    supports=_torch_supports))
+    supports=_torch_supports, auto=AutoPreference(1, op_default=True)))
 register_lazy_comm_backend("deep_ep", "dbo_compile.ops.deep_ep")
 

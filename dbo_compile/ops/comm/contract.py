@@ -188,7 +188,8 @@ class CommBackendProtocol(Protocol):
             break the in-flight rule); ``None``: nothing to do.
         supports: ``supports(facts) -> reason | None``: why it cannot serve a comm op with
             these facts, ``None`` if it can. Facts: ``op`` (``"moe"`` or ``"rank_major"``),
-            ``kind`` (``"dispatch"`` / ``"combine"``), ``node``, ``hidden``, ``dtype``,
+            ``kind`` (``"dispatch"`` / ``"combine"``), ``node`` (its name), ``fx`` (the FX
+            node of Dynamo's graph), ``hidden``, ``dtype``,
             ``top_k``, ``num_experts``, ``device``, and its group: ``group_name``,
             ``world_size`` (the group rules: ``local`` serves one rank, ``torch`` needs a
             group); a combine's are its dispatch's. The compiler asks before binding it
@@ -201,9 +202,12 @@ class CommBackendProtocol(Protocol):
             (DeepEP ``mode="auto"``: the EP group's size picks the mode; the emulated world:
             the graph's expert count and top-k), the spec the compiler binds instead, given
             the facts of every comm op it binds (``supports``'s, and ``model_backend``: the
-            spec the model named in the op, ``experts``: for a dispatch, the ``(node, experts
-            held)`` of the expert ops on its rows); raises ``CommBackendError`` for a graph
-            it cannot serve. ``None``: this backend's own spec.
+            spec the model named in the op, ``""`` if none); raises ``CommBackendError`` for
+            a graph it cannot serve. ``None``: this backend's own spec.
+        rebind: the compiler binds this backend (named by the config) also over the comm ops
+            whose model named an instance of it (the emulated world: a model built for it
+            names its instance with the default link figures; the config's options win).
+            ``False``: a model's choice is kept.
         configure: ``configure(**options) -> backend``: the backend with a spec's options, its
             package checked (raises ``CommBackendError`` naming what is missing and the
             fallback); ``None``: no options.
@@ -227,6 +231,7 @@ class CommBackendProtocol(Protocol):
     supports: Callable[[dict[str, Any]], str | None] | None
     moved_bytes: MovedBytes | None
     bind: Callable[[list[dict[str, Any]]], str] | None
+    rebind: bool
     configure: Callable[..., CommBackendProtocol] | None
     check_options: Callable[..., None] | None
 
@@ -295,6 +300,7 @@ class CommBackend:
     check_options: Callable[..., None] | None = None
     recv_rows_per_token: int | None = None
     auto: AutoPreference | None = None
+    rebind: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in (RANK_MAJOR, EXPERT_MAJOR):

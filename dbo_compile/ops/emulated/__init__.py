@@ -68,7 +68,7 @@ fabric), stragglers and rank-to-rank skew (every rank runs the same batch, so no
 a slower one), skewed routing *across* ranks (rank 0's load is every rank's), NVLink-forwarded
 internode traffic (DeepEP's normal kernels send a token once per node over RDMA and fan out over
 NVLink: one flat link here), and SM-holding comm kernels (copy engines hold no SM; emulate the
-cost with ``DboConfig.emulate_comm_sms``, an SM carve-out of compute while the split program
+cost with the option ``comm_sms``, an SM carve-out of compute while the split program
 runs, as DeepEP reserves 20–24 SMs).
 
 The package: :mod:`.world` (the world's parameters), :mod:`.link` (the link), :mod:`.routing`
@@ -79,7 +79,11 @@ Usage (the bench and tests build the model with ``emulated_world_size=W``, see
 :class:`~dbo_compile.models.DeepseekMoEModel`)::
 
     compiled = torch.compile(model, backend="dbo", options={
-        "comm_backend": "emulated", "emulate_world_size": 8, "emulate_link_gbps": 50.0})
+        "comm_backend": "emulated",
+        "comm_backend_options": {"world_size": 8, "link_gbps": 50.0}})
+
+(the options: :func:`~dbo_compile.ops.emulated.binding.check_options`; the ``DboConfig``
+fields ``emulate_world_size``, ``emulate_link_gbps``, ... are their deprecated spelling.)
 """
 
 from __future__ import annotations
@@ -91,7 +95,13 @@ from dbo_compile.ops.emulated.backend import (
     is_emulated,
     register_emulated,
 )
-from dbo_compile.ops.emulated.binding import bind_name, check_built_for, world_of_config
+from dbo_compile.ops.emulated.binding import (
+    OPTIONS,
+    bind_name,
+    check_built_for,
+    check_options,
+    world_of_options,
+)
 from dbo_compile.ops.emulated.link import (
     LINK,
     Transfer,
@@ -104,7 +114,7 @@ from dbo_compile.ops.emulated.link import (
 from dbo_compile.ops.emulated.routing import slot_rows
 from dbo_compile.ops.emulated.world import NAME, EmulatedWorld, payload_cols
 
-__all__ = ["LINK", "NAME", "EmulatedBackend", "EmulatedWorld", "Transfer", "bind_name",
-           "check_built_for", "emulated_backend", "is_emulated", "link_figures",
+__all__ = ["LINK", "NAME", "OPTIONS", "EmulatedBackend", "EmulatedWorld", "Transfer", "bind_name",
+           "check_built_for", "check_options", "emulated_backend", "is_emulated", "link_figures",
            "payload_cols", "register_emulated", "reset_stats", "serial_link", "slot_rows",
-           "stats", "without_link", "world_of_config"]
+           "stats", "without_link", "world_of_options"]

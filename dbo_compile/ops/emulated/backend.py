@@ -18,7 +18,6 @@ from dbo_compile.ops.comm import (
     CommBackend,
     ResultPool,
     get_comm_backend,
-    register_comm_backend,
     result_key,
 )
 from dbo_compile.ops.comm.packing import check_dispatch_args
@@ -29,35 +28,26 @@ from dbo_compile.ops.emulated.kernels import (
 )
 from dbo_compile.ops.emulated.link import SLOTS
 from dbo_compile.ops.emulated.routing import Issued, combine_torch_issue, dispatch_torch_issue
-from dbo_compile.ops.emulated.world import (
-    DEFAULT_CAPACITY_FACTOR,
-    DEFAULT_LINK_GBPS,
-    NAME,
-    EmulatedWorld,
-)
+from dbo_compile.ops.emulated.world import NAME, EmulatedWorld
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EmulatedBackend", "emulated_backend", "is_emulated", "register_emulated"]
-
+__all__ = ["EmulatedBackend", "emulated_backend", "is_emulated", "make_backend",
+           "register_emulated"]
 
 
 @dataclasses.dataclass(frozen=True)
 class EmulatedBackend(CommBackend):
     """A registered instance of the emulated backend (:class:`CommBackend` plus its world).
 
+    Its ``recv_rows_per_token`` is the world's ``G`` (the expert op's FLOP formula divides
+    its rows by it, :func:`dbo_compile.ops.comm.ep_size_of_rows`).
+
     Attributes:
         world: the :class:`EmulatedWorld` it emulates.
     """
 
     world: EmulatedWorld | None = None
-
-    @property
-    def recv_rows_per_token(self) -> int:
-        """Dispatch receive rows per token (``G``): the expert op's FLOP formula divides its
-        rows by it (:func:`dbo_compile.ops.comm.ep_size_of_rows`)."""
-        return self.world.rows_per_token
-
 
 
 def _check_world(world: EmulatedWorld, x, topk_ids, num_experts) -> None:
@@ -81,7 +71,9 @@ def _moved_bytes(world: EmulatedWorld):
     return moved_bytes
 
 
-def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
+def make_backend(world: EmulatedWorld) -> EmulatedBackend:
+    """The backend instance of ``world`` (the registry configures it from the spec
+    :attr:`EmulatedWorld.name`: :func:`dbo_compile.ops.emulated.binding.configure`)."""
     #: the calls issued with defer_receive and not yet received: (result key, finish)
     pending: collections.deque = collections.deque()
 
@@ -158,39 +150,8 @@ def _make_backend(world: EmulatedWorld) -> EmulatedBackend:
         f"emulated EP-{world.world_size} world on one device (rank 0; {world.link_gbps:g} GB/s "
         f"link through pinned host memory)", dispatch_fake, combine_fake,
         pools=(ResultPool("link", in_flight=SLOTS),), receive=receive, abort=abort,
-        moved_bytes=_moved_bytes(world), world=world)
-
-
-def _configure(world_size: int | None = None, num_experts: int | None = None,
-               top_k: int | None = None, link_gbps: float = DEFAULT_LINK_GBPS,
-               latency_us: float = 0.0, copy_gbps: Any = "auto",
-               capacity_factor: float = DEFAULT_CAPACITY_FACTOR) -> CommBackend:
-    """The backend of one emulated world, from the options of its spec
-    (:attr:`EmulatedWorld.name`); without a world (the plain name ``"emulated"``), the
-    backend that says how to get one.
-
-    Raises:
-        CommBackendError: a bad option (see :class:`EmulatedWorld`).
-    """
-    if world_size is None and num_experts is None and top_k is None:
-        return _PLAIN
-    return _make_backend(EmulatedWorld(
-        world_size=world_size, num_experts=num_experts, top_k=top_k,
-        link_gbps=float(link_gbps), latency_us=float(latency_us),
-        copy_gbps=None if copy_gbps == "auto" else float(copy_gbps),
-        capacity_factor=float(capacity_factor)))
-
-
-def _unconfigured(*args: Any, **kwargs: Any) -> Any:
-    raise CommBackendError(
-        "the plain 'emulated' backend has no world: compile with comm_backend='emulated' and "
-        "emulate_world_size=W (the compiler binds an instance), or build the model with "
-        "emulated_world_size=W")
-
-
-_PLAIN = CommBackend(NAME, _unconfigured, _unconfigured,
-                     "emulated EP-W world on one device (bound per config)")
-register_comm_backend(dataclasses.replace(_PLAIN, configure=_configure))
+        moved_bytes=_moved_bytes(world), recv_rows_per_token=world.rows_per_token,
+        world=world)
 
 
 def _check_combine(world: EmulatedWorld, y) -> None:
