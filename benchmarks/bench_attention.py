@@ -9,8 +9,8 @@ Cases (DeepSeek-V2-Lite attention: Hq = Hkv = 16, D = 128, bf16, block_size 16; 
 GQA): ``decode`` = 1024 requests of 1 token after a context drawn uniformly from [128, 2048]
 (seeded), ``prefill`` = 2048 tokens as 4 fresh prompts of 512. Block tables are shuffled (real
 indirection). The cache already holds the step's K/V: what is timed is the attention alone
-(``_paged_attention_triton`` vs ``_paged_attention``), the part that differs; the KV write
-(``_write_kv``, shared by both) is timed on its own.
+(``paged_attention_triton`` vs ``paged_attention``), the part that differs; the KV write
+(``write_kv``, shared by both) is timed on its own.
 
 Per case, median of ``--iters`` CUDA-event-timed calls (the reference: ``--ref-iters``), in µs:
 each implementation called eagerly and replayed from a CUDA graph; ratio = reference / fused
@@ -101,7 +101,7 @@ def build_case(args, phase: str, device: str = "cuda") -> dict:
     v = torch.randn(t, args.hkv, d, device=dev, dtype=dtype, generator=gen)
     cache = torch.randn(2, step.num_blocks, args.block_size, args.hkv, d, device=dev,
                         dtype=dtype, generator=gen)
-    A._write_kv(cache, k, v, md.slot_mapping)
+    A.write_kv(cache, k, v, md.slot_mapping)
     seq = step.attn_metadata.seq_lens.long()
     qlen = torch.tensor(step.num_scheduled_tokens, dtype=torch.int64)
     # keys visible to all queries: query j of request i sees seq_i - q_i + j + 1 positions
@@ -148,13 +148,13 @@ def bench_case(args, c: dict) -> dict:
     row["errors"] = []
 
     def fused():
-        return A._paged_attention_triton(q, cache, *meta, scale)
+        return A.paged_attention_triton(q, cache, *meta, scale)
 
     def ref():
-        return A._paged_attention(q, cache, *meta, scale)
+        return A.paged_attention(q, cache, *meta, scale)
 
     def write():
-        A._write_kv(cache, c["k"], c["v"], c["slots"])
+        A.write_kv(cache, c["k"], c["v"], c["slots"])
 
     outs = {}
     for name, fn, iters in (("fused", fused, args.iters), ("ref", ref, args.ref_iters)):
@@ -190,15 +190,15 @@ def sweep(args, c: dict) -> list[dict]:
 
     q, cache, meta, scale = c["q"], c["cache"], c["meta"], c["scale"]
     g_pad = triton.next_power_of_2(args.hq // args.hkv)
-    ref = A._paged_attention_triton(q, cache, *meta, scale)  # the default config
+    ref = A.paged_attention_triton(q, cache, *meta, scale)  # the default config
     res = []
     for rows, tile_n, warps, stages in SWEEP:
-        cfg = A._KernelConfig(max(1, rows // g_pad), tile_n, warps, stages)
+        cfg = A.KernelConfig(max(1, rows // g_pad), tile_n, warps, stages)
         r = {"rows": rows, "block_m": cfg.block_m, "tile_n": tile_n, "num_warps": warps,
              "num_stages": stages}
         try:
             r["graph_us"], out, graph = graph_us(
-                lambda cfg=cfg: A._paged_attention_triton(q, cache, *meta, scale, config=cfg),
+                lambda cfg=cfg: A.paged_attention_triton(q, cache, *meta, scale, config=cfg),
                 args.iters, args.warmup)
             r["max_abs_diff_vs_default"] = float((out.float() - ref.float()).abs().max())
             del graph
@@ -231,8 +231,8 @@ def main(argv=None) -> int:
     rows = []
     for phase in args.cases.split(","):
         c = build_case(args, phase)
-        cfg = A._kernel_config(c["tokens"], c["reqs"],
-                               triton.next_power_of_2(args.hq // args.hkv), c["q"].dtype)
+        cfg = A.kernel_config(c["tokens"], c["reqs"],
+                              triton.next_power_of_2(args.hq // args.hkv), c["q"].dtype)
         row = bench_case(args, c)
         row["default_config"] = dataclasses.asdict(cfg)
         rows.append(row)

@@ -163,7 +163,7 @@ def comm_only_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int
                                     dtype=dtype))
 
     def run():
-        two_in_flight([functools.partial(E._LINK.send, b, world) for b in bufs],
+        two_in_flight([functools.partial(E.LINK.send, b, world) for b in bufs],
                       lambda transfer: transfer.finish())
     return run
 
@@ -225,7 +225,8 @@ def world_options(args, w: int, gbps: float) -> dict:
     ``--comm-sms``: the split program's SM carve-out, as the emulated comm kernels would hold
     them; ``--compute-backend``, ``--carveout-candidates``, ``--candidates``,
     ``--calibration``, ``--latency-us``)."""
-    options = {"comm_backend": "emulated", "emulate_world_size": w, "emulate_link_gbps": gbps,
+    emulated = {"world_size": w, "link_gbps": gbps}
+    options = {"comm_backend": "emulated", "comm_backend_options": emulated,
                "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
                "scheduler": args.scheduler, "compute_backend": args.compute_backend,
                "sm_carveout_candidates": args.carveouts,
@@ -233,7 +234,7 @@ def world_options(args, w: int, gbps: float) -> dict:
     if args.comm_sms is not None:
         options["comm_sms"] = args.comm_sms
     if args.latency_us:
-        options["emulate_latency_us"] = args.latency_us
+        emulated["latency_us"] = args.latency_us
     if args.calibration:
         options["calibration"] = args.calibration
     return options

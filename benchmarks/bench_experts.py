@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_harness as H  # noqa: E402
 
 from dbo_compile.ops import fused_moe  # noqa: E402
-from dbo_compile.ops.experts import _grouped_fused, _grouped_triton  # noqa: E402
+from dbo_compile.ops.experts import grouped_fused, grouped_triton  # noqa: E402
 
 # (name, H, I, local experts, K, fan-out F: rows per token 1 + F; 0 = EP 1)
 SHAPES = {"v2lite-ep8": (2048, 1408, 8, 6, 6), "v2lite-ep1": (2048, 1408, 64, 6, 0),
@@ -86,17 +86,17 @@ def main(argv=None) -> int:
             x, ids, w, w13, w2 = make_call(shape, tokens, device)
             row = {"shape": shape, "tokens": tokens, "slots": ids.numel(),
                    "local_slots": int((ids >= 0).sum())}
-            ref = _grouped_triton(x, ids, w, w13, w2).float()
-            row["sorted_us"] = H.time_graph(lambda: _grouped_triton(x, ids, w, w13, w2),
+            ref = grouped_triton(x, ids, w, w13, w2).float()
+            row["sorted_us"] = H.time_graph(lambda: grouped_triton(x, ids, w, w13, w2),
                                             args.iters, args.reps)[0]
             if ids.numel() <= fused_moe.MAX_SLOTS:
                 cands = [None] + configs(args.sweep)
                 best = None
                 for cfg in cands:
                     try:
-                        got = _grouped_fused(x, ids, w, w13, w2, cfg).float()
+                        got = grouped_fused(x, ids, w, w13, w2, cfg).float()
                         err = float((got - ref).abs().max() / ref.abs().max())
-                        t = H.time_graph(lambda: _grouped_fused(x, ids, w, w13, w2, cfg),
+                        t = H.time_graph(lambda: grouped_fused(x, ids, w, w13, w2, cfg),
                                          args.iters, args.reps)[0]
                     except Exception as e:  # noqa: BLE001
                         print(f"  {shape} T={tokens} {cfg}: {type(e).__name__}: {e}"[:300])

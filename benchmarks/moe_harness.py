@@ -29,6 +29,7 @@ import dbo_compile.ops  # noqa: F401
 from dbo_compile import DboConfig
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops import comm as _comm
+from dbo_compile.ops.comm import packing
 from dbo_compile.runtime import capture as cg_capture
 from dbo_compile.testing import measure
 
@@ -42,18 +43,18 @@ _STATE: dict[str, Any] = {"attention": "ref"}
 
 # ----------------------------------------------------------------------------- experts
 def _experts_loop_kernel(x, ids, wts, w13, w2):
-    from dbo_compile.ops.experts import _check, experts_loop
+    from dbo_compile.ops.experts import check_experts_args, experts_loop
 
-    _check(x, ids, wts, w13, w2)
+    check_experts_args(x, ids, wts, w13, w2)
     return experts_loop(x, ids, wts, w13, w2)
 
 
 # ----------------------------------------------------------------------------- attention
 def _attention_proj(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
                     scale):
-    from dbo_compile.ops.attention import _write_kv
+    from dbo_compile.ops.attention import write_kv
 
-    _write_kv(kv_cache, k, v, slot_mapping)
+    write_kv(kv_cache, k, v, slot_mapping)
     return q.clone()
 
 
@@ -66,7 +67,8 @@ def install_kernels(device_type: str, experts: str = "grouped", attention: str =
     Raises:
         ValueError: ``attention`` is not one of :data:`ATTENTION_KINDS`.
     """
-    from dbo_compile.ops.attention import _attention_cuda, _check_args, _paged_attention, _write_kv
+    from dbo_compile.ops.attention import (attention_cuda, check_attention_args, paged_attention,
+                                           write_kv)
 
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_KINDS}")
@@ -76,14 +78,15 @@ def install_kernels(device_type: str, experts: str = "grouped", attention: str =
 
     def attn(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, scale):
         if _STATE["attention"] == "fused" and q.is_cuda:  # the package's CUDA kernel, unchanged
-            return _attention_cuda(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
-                                   block_table, scale)
-        _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
+            return attention_cuda(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
+                                  block_table, scale)
+        check_attention_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
+                             block_table)
         if _STATE["attention"] == "proj":
             return _attention_proj(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
                                    block_table, scale)
-        _write_kv(kv_cache, k, v, slot_mapping)
-        return _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
+        write_kv(kv_cache, k, v, slot_mapping)
+        return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
 
     torch.library.register_kernel("dbo::attention", device_type, attn)
     return {"experts": experts, "attention": attention}
@@ -92,15 +95,15 @@ def install_kernels(device_type: str, experts: str = "grouped", attention: str =
 # ----------------------------------------------------------------------------- no comm
 def _nocomm_dispatch(x, topk_ids, topk_weights, num_experts, group_name):
     w = _comm.ep_world_size(group_name)
-    e_local = _comm._check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
-    send = _comm._send_buffers(x, topk_ids, topk_weights, e_local, w)
+    e_local = packing.check_dispatch_args(x, topk_ids, topk_weights, num_experts, w)
+    send = packing.send_buffers(x, topk_ids, topk_weights, e_local, w)
     recv = send.view(-1, send.shape[-1]).clone()
-    return _comm._split_payload(recv, x.shape[1], topk_ids.shape[1])
+    return packing.split_payload(recv, x.shape[1], topk_ids.shape[1])
 
 
 def _nocomm_combine(y, group_name):
     w = _comm.ep_world_size(group_name)
-    return _comm._sum_sources(y.contiguous().clone(), w)
+    return packing.sum_sources(y.contiguous().clone(), w)
 
 
 @contextlib.contextmanager

@@ -105,8 +105,9 @@ def meta_artifact(world: int, layers: int, cfg_over: dict):
     md = dataclasses.replace(step.attn_metadata, **{k: v.to("meta") for k, v in
                                                     step.attn_metadata.tensors().items()})
     cm = torch.compile(model, backend="dbo", options={
-        "split": "always", "comm_backend": "emulated", "emulate_world_size": world,
-        "compute_backend": "aten", "sm_carveout_candidates": ()})
+        "split": "always", "comm_backend": "emulated",
+        "comm_backend_options": {"world_size": world}, "compute_backend": "aten",
+        "sm_carveout_candidates": ()})
     with torch.no_grad():
         try:  # compiles; the step itself cannot run on meta tensors (no data to vote on:
             run_step(cm, step.input_ids.to("meta"), step.positions.to("meta"), md,

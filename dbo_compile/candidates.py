@@ -159,8 +159,9 @@ def candidate_programs(programs: dict[str, Any], alias: dict[str, str],
 
 
 def carveout_sms(config: DboConfig) -> int | None:
-    """SMs the split programs carve out of compute: ``comm_sms``, else the emulated world's
-    ``emulate_comm_sms`` (the SMs its comm kernels would hold), else none."""
+    """SMs the split programs carve out of compute: ``comm_sms``, else the comm backend's
+    option ``comm_sms`` (the emulated world's: the SMs its comm kernels would hold), else
+    none."""
     if config.comm_sms is not None:
         return config.comm_sms
-    return config.emulate_comm_sms or None
+    return dict(config.comm_backend_options).get("comm_sms") or None

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -28,6 +29,12 @@ _NOT_FINGERPRINTED = ("dump_dir", "check_host_mirrors", "cache_dir")
 #: the token thresholds' defaults (vLLM's); ``None`` in a field resolves to
 #: ``max(default, num_ubatches)``
 _THRESHOLD_DEFAULTS = {"decode_token_threshold": 32, "prefill_token_threshold": 512}
+
+
+#: the deprecated fields of the emulated backend's options (``comm_backend_options`` without
+#: the prefix)
+_EMULATE_FIELDS = ("emulate_world_size", "emulate_link_gbps", "emulate_latency_us",
+                   "emulate_copy_gbps", "emulate_capacity_factor", "emulate_comm_sms")
 
 
 def _canonical_options(value: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
@@ -183,8 +190,9 @@ class DboConfig:
             with its name; an unknown option or a bad value raises ``CommBackendError`` at
             compile time, under ``"auto"`` too (checked by the backend among those ``"auto"``
             may choose that takes it, whether its package imports or not); options of a
-            backend ``"auto"`` did not choose are not used, with a WARNING. Refused with
-            ``"emulated"`` (its ``emulate_*`` fields are its options).
+            backend ``"auto"`` did not choose are not used, with a WARNING. ``"emulated"``:
+            ``world_size`` (required), ``link_gbps``, ``latency_us``, ``copy_gbps``,
+            ``capacity_factor``, ``comm_sms`` (the ``emulate_*`` fields below, deprecated).
         experts_backend: the backend of ``dbo.grouped_experts``: ``"auto"`` (default):
             DeepGEMM (``"deep_gemm"``) for the calls it serves best where it imports (the
             expert-major layout of DeepEP low-latency: its masked grouped GEMM), else the op's
@@ -199,8 +207,11 @@ class DboConfig:
             (``query_start_loc_cpu``, ...; see :mod:`dbo_compile.metadata`) with their
             device tensors every step: a device read per mirrored field, for debugging an
             engine's mirrors. Default ``False``: mirrors are trusted (checked on the host only).
-        emulate_world_size: with ``comm_backend="emulated"`` (required there, refused
-            elsewhere): this device is rank 0 of an emulated EP world of that many ranks
+        emulate_world_size: deprecated (a ``DeprecationWarning``): the emulated backend's
+            options are ``comm_backend_options`` (``world_size``, ``link_gbps``, ... without
+            the ``emulate_`` prefix), into which these fields are moved (then ``None``), so
+            that both spellings make the same config and fingerprint. With
+            ``comm_backend="emulated"`` (required there, refused elsewhere): this device is rank 0 of an emulated EP world of that many ranks
             (:mod:`dbo_compile.ops.emulated`: identical batches, expert weights repeating every
             ``E / W`` experts, the remote share of every dispatch / combine through pinned host
             memory and back). The model must hold ``E / W`` experts (``DeepseekMoEModel(...,
@@ -369,23 +380,20 @@ class DboConfig:
             object.__setattr__(self, "_calibration", cal)
 
     def _check_emulated(self, bad) -> None:
-        """The ``emulate_*`` options: only with ``comm_backend="emulated"``, which needs
-        ``emulate_world_size`` and takes no ``comm_backend_options``."""
-        names = ("emulate_world_size", "emulate_link_gbps", "emulate_latency_us",
-                 "emulate_copy_gbps", "emulate_capacity_factor", "emulate_comm_sms")
-        given = [n for n in names if getattr(self, n) is not None]
+        """The deprecated ``emulate_*`` fields: only with ``comm_backend="emulated"``, checked
+        and moved into ``comm_backend_options`` (the emulated backend's options, checked by
+        it: :func:`dbo_compile.ops.emulated.check_options`) with a ``DeprecationWarning``;
+        ``"emulated"`` needs the world size, in one spelling or the other."""
+        given = [n for n in _EMULATE_FIELDS if getattr(self, n) is not None]
         if self.comm_backend != "emulated":
             if given:
                 raise bad(given[0], "applies only with comm_backend='emulated' (the emulated "
                           f"EP world on one device); comm_backend is {self.comm_backend!r}")
             return
-        if self.emulate_world_size is None:
-            raise bad("emulate_world_size", "comm_backend='emulated' needs the emulated EP "
-                      "world size (an int >= 1, e.g. 8)")
-        if self.comm_backend_options:
-            raise bad("comm_backend_options", "does not apply with comm_backend='emulated', "
-                      "which takes its options from the emulate_* fields (emulate_world_size, "
-                      "emulate_link_gbps, ...)")
+        options = dict(self.comm_backend_options)
+        if self.emulate_world_size is None and "world_size" not in options:
+            raise bad("comm_backend_options", "comm_backend='emulated' needs the emulated EP "
+                      "world size: comm_backend_options={'world_size': W} (an int >= 1, e.g. 8)")
         for name in ("emulate_world_size", "emulate_comm_sms"):
             v = getattr(self, name)
             low = 1 if name == "emulate_world_size" else 0
@@ -402,6 +410,21 @@ class DboConfig:
                 raise bad(name, "must be a finite number")
             if (v <= low) if strict else (v < low):
                 raise bad(name, f"must be {'>' if strict else '>='} {low:g}")
+        if not given:
+            return
+        moved = {n[len("emulate_"):]: getattr(self, n) for n in given}
+        clash = sorted(k for k in moved if k in options and options[k] != moved[k])
+        if clash:
+            raise bad("comm_backend_options", f"gives {clash} and so do the deprecated "
+                      f"emulate_* fields, differently; give them in comm_backend_options alone")
+        warnings.warn(f"DboConfig {', '.join(given)} are deprecated: give the emulated backend's "
+                      f"options in comm_backend_options={moved}", DeprecationWarning,
+                      stacklevel=4)
+        object.__setattr__(self, "comm_backend_options",
+                           _canonical_options({**options, **moved}, lambda why: bad(
+                               "comm_backend_options", why)))
+        for name in given:
+            object.__setattr__(self, name, None)
 
     def calibration_data(self) -> dict[str, Any] | None:
         """The calibration file's content (read once, when the config was made)."""

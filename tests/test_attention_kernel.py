@@ -1,4 +1,4 @@
-"""The Triton kernel of ``dbo.attention`` against the reference ``_paged_attention``.
+"""The Triton kernel of ``dbo.attention`` against the reference ``paged_attention``.
 
 - Interpreter tests (CPU): Triton's interpreter runs the kernel on CPU tensors; small cases,
   several tile shapes. ``TRITON_INTERPRET=1`` must be set before triton is imported, so a
@@ -42,7 +42,7 @@ class _Inputs:
     """One step's attention inputs: metadata from ``make_step`` (shuffled, non-contiguous block
     tables in a pool with spare blocks), random q/k/v and cache.
 
-    ``cache`` already holds this step's k/v (written by ``_write_kv``, as the op does before
+    ``cache`` already holds this step's k/v (written by ``write_kv``, as the op does before
     attending), so ``kernel(...)`` and ``reference()`` read the same cache.
     """
 
@@ -69,7 +69,7 @@ class _Inputs:
         self.q, self.k, self.v = randn(t, hq, d), randn(t, hkv, d), randn(t, hkv, d)
         self.cache0 = randn(2, nb, block_size, hkv, d)
         self.cache = self.cache0.clone()
-        attention_mod._write_kv(self.cache, self.k, self.v, self.slot_mapping)
+        attention_mod.write_kv(self.cache, self.k, self.v, self.slot_mapping)
         self.scale = d ** -0.5
         self.num_actual = step.num_actual_tokens
 
@@ -77,11 +77,11 @@ class _Inputs:
         return self.qsl, self.seq_lens, self.block_table
 
     def kernel(self, config=None):
-        return attention_mod._paged_attention_triton(self.q, self.cache, *self.meta(), self.scale,
-                                                     config=config)
+        return attention_mod.paged_attention_triton(self.q, self.cache, *self.meta(), self.scale,
+                                                    config=config)
 
     def reference(self):
-        return attention_mod._paged_attention(self.q, self.cache, *self.meta(), self.scale)
+        return attention_mod.paged_attention(self.q, self.cache, *self.meta(), self.scale)
 
 
 def _check(inp: _Inputs, out: torch.Tensor, atol: float, rtol: float) -> None:
@@ -117,7 +117,7 @@ CONFIGS = {"auto": None, "m1_n16": (1, 16, 4, 1), "m8_n32": (8, 32, 4, 1)}
 
 def _config(name):
     c = CONFIGS[name]
-    return None if c is None else attention_mod._KernelConfig(*c)
+    return None if c is None else attention_mod.KernelConfig(*c)
 
 
 def _record(inp: _Inputs, out: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
@@ -146,8 +146,8 @@ def _case_no_requests(tokens):
     q, cache = torch.randn(tokens, 4, 16), torch.randn(2, 3, 4, 2, 16)
     meta = (torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
             torch.zeros(0, 1, dtype=torch.int32))
-    out = attention_mod._paged_attention_triton(q, cache, *meta, 0.25)
-    ref = attention_mod._paged_attention(q, cache, *meta, 0.25)
+    out = attention_mod.paged_attention_triton(q, cache, *meta, 0.25)
+    ref = attention_mod.paged_attention(q, cache, *meta, 0.25)
     return {"out": out, "ref": ref, "num_actual": 0, "tol": 0.0}
 
 
@@ -315,11 +315,11 @@ def test_gpu_op_runs_kernel_and_writes_cache(monkeypatch):
     def no_reference(*a, **k):
         raise AssertionError("the CUDA op fell back to the reference")
 
-    monkeypatch.setattr(attention_mod, "_paged_attention", no_reference)
+    monkeypatch.setattr(attention_mod, "paged_attention", no_reference)
     cache = inp.cache0.clone()
     out = torch.ops.dbo.attention(inp.q, inp.k, inp.v, cache, inp.slot_mapping, *inp.meta(),
                                   inp.scale)
-    assert torch.equal(cache, inp.cache), "KV write differs from _write_kv"
+    assert torch.equal(cache, inp.cache), "KV write differs from write_kv"
     assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

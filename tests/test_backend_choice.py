@@ -266,9 +266,38 @@ def test_auto_applies_the_options_of_the_backend_it_chose(caplog):
     assert "not used" not in caplog.text
 
 
-def test_emulated_takes_no_comm_backend_options():
+def test_emulated_takes_its_options_in_comm_backend_options():
+    """Issue 30 reverses issue 29's refusal: the emulated backend is configured through
+    ``comm_backend_options`` like every backend; its old ``emulate_*`` fields still work, with
+    a DeprecationWarning, and make the same config (the same fingerprint, the same cache
+    entry); a key given both ways, differently, is refused."""
     from dbo_compile import DboConfig, DboConfigError
 
-    with pytest.raises(DboConfigError, match="comm_backend_options.*emulate_"):
+    new = DboConfig(comm_backend="emulated",
+                    comm_backend_options={"world_size": 4, "link_gbps": 25.0})
+    with pytest.warns(DeprecationWarning, match="emulate_world_size.*comm_backend_options"):
+        old = DboConfig(comm_backend="emulated", emulate_world_size=4, emulate_link_gbps=25.0)
+    assert old == new and old.fingerprint() == new.fingerprint()
+    assert dict(new.comm_backend_options) == {"world_size": 4, "link_gbps": 25.0}
+    assert new.fingerprint() != DboConfig(comm_backend="emulated",
+                                          comm_backend_options={"world_size": 8}).fingerprint()
+    with pytest.raises(DboConfigError, match="world_size.*emulate_"):
         DboConfig(comm_backend="emulated", emulate_world_size=4,
-                  comm_backend_options={"mode": "low_latency"})
+                  comm_backend_options={"world_size": 8})
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"world_size": 4, "mode": "low_latency"}, r"\['mode'\].*emulated: world_size, link_gbps"),
+    ({"world_size": 0}, "world_size=0 must be an int >= 1"),
+    ({"world_size": 4, "link_gbps": 0}, "link_gbps=0 must be > 0"),
+    ({"world_size": 4, "capacity_factor": 0.5}, "capacity_factor=0.5 must be >= 1"),
+])
+def test_emulated_options_are_checked_by_the_emulated_backend(options, match):
+    """Unknown keys and bad values of ``comm_backend_options`` are refused by the backend that
+    owns them (at compile time, ``CommBackendError``), as for DeepEP's."""
+    from dbo_compile import DboConfig
+    from dbo_compile.ops.comm import comm_options_for
+
+    config = DboConfig(comm_backend="emulated", comm_backend_options=options)
+    with pytest.raises(CommBackendError, match=match):
+        comm_options_for((config.comm_backend,), dict(config.comm_backend_options))

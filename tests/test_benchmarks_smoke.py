@@ -152,13 +152,13 @@ def test_comm_ops_alone_run_whole_ops_in_the_dbo_order(monkeypatch):
     world = B.E.EmulatedWorld(4, cfg.num_experts, cfg.top_k)
     fn = B.comm_ops_fn(world, cfg, torch.bfloat16, [5, 7], torch.device("cpu"))
     sent = []
-    real = B.E._LINK.send
+    real = B.E.LINK.send
 
     def spy(src, wld):
         sent.append(tuple(src.shape))
         return real(src, wld)
 
-    monkeypatch.setattr(B.E._LINK, "send", spy)
+    monkeypatch.setattr(B.E.LINK, "send", spy)
     fn()
     _, cols = B.payload_layout(cfg.hidden_size, torch.bfloat16, cfg.top_k)
     one_layer = [(world.capacity(5), cols), (world.capacity(7), cols),

@@ -317,7 +317,7 @@ def test_the_key_sees_what_the_programs_bake_in(monkeypatch):
     from dbo_compile.ops import comm
 
     sizes = {"ep": 2}
-    monkeypatch.setattr(comm, "_resolve_group", lambda name: SimpleNamespace(
+    monkeypatch.setattr(comm.groups, "resolve_group", lambda name: SimpleNamespace(
         size=lambda: sizes[name]))
 
     def key(name="x", scale=0.5):

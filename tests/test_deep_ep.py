@@ -22,6 +22,7 @@ from dbo_compile.errors import CommBackendError, CommOpError
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
 from dbo_compile.ops import comm
+from dbo_compile.ops.registry import comm_kind
 from dbo_compile.testing import fake_deep_ep, run_multirank
 
 LL = "deep_ep:max_tokens=64,mode=low_latency"
@@ -181,9 +182,9 @@ def test_auto_picks_torch_on_cpu_and_says_so(monkeypatch, caplog):
         return torch.ops.dbo.moe_combine(rx, ids, w, rid, rw, h, "g")
 
     x, ids, w = _routing(h=64)
-    monkeypatch.setattr(comm, "ep_world_size", lambda name: 1)  # trace with the local shapes
+    monkeypatch.setattr(comm.ops, "ep_world_size", lambda name: 1)  # trace with the local shapes
     gm = make_fx(layer, tracing_mode="fake")(x, ids, w)
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and comm.comm_kind(n)]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and comm_kind(n)]
     with caplog.at_level(logging.INFO, logger="dbo_compile"):
         assert bind._choose_comm(gm, DboConfig(), nodes) is None
     assert "comm_backend=auto -> torch" in caplog.text and "deep_ep" in caplog.text

@@ -246,7 +246,7 @@ def test_auto_experts_keeps_torch_for_rank_major_rows_and_says_so(fake, caplog):
 _MASKED_SILU_CHECK = """
 import torch
 import torch.nn.functional as F
-from dbo_compile.ops.experts import _triton_kernel
+from dbo_compile.ops.experts_kernels import expert_kernels as _triton_kernel
 triton, kern = _triton_kernel()
 e, m, inter = 3, 8, 48
 h = torch.randn(e, m, 2 * inter)

@@ -72,14 +72,14 @@ def test_the_remote_share_crosses_the_link(monkeypatch):
     ids, w = _routing()
     x = torch.randn(40, 16)
     sent = []
-    real = E._LINK.send
+    real = E.LINK.send
 
     def corrupting(src, wld):
         sent.append(src.shape[0])
-        return E._Transfer(real(src, wld).finish() + 1)
+        return E.Transfer(real(src, wld).finish() + 1)
 
     good = backend.dispatch(x, ids, w, 8, "")
-    monkeypatch.setattr(E._LINK, "send", corrupting)
+    monkeypatch.setattr(E.LINK, "send", corrupting)
     bad = backend.dispatch(x, ids, w, 8, "")
     assert sent == [world.capacity(40)]  # one transfer of the capacity
     local = torch.arange(40) * world.rows_per_token
@@ -103,14 +103,14 @@ def test_deferred_calls_fill_their_results_at_the_receive():
     y = torch.randn_like(want[0]) * (want[1] >= 0).any(-1, keepdim=True)
     want_out = backend.combine(y, "")
     sent = []
-    real = E._LINK.send
+    real = E.LINK.send
 
     def spy(src, wld):
         sent.append("send")
         return real(src, wld)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(E._LINK, "send", spy)
+        mp.setattr(E.LINK, "send", spy)
         d = backend.dispatch(x, ids, w, 8, "", defer_receive=True)
         c = backend.combine(y, "", defer_receive=True)
         assert sent == ["send", "send"]  # both on the link before either is received
@@ -131,11 +131,11 @@ def test_deferred_calls_fill_their_results_at_the_receive():
 def test_the_link_holds_two_transfers_at_most():
     world = E.EmulatedWorld(4, 8, 3)
     src = torch.randn(8, 4)
-    a, b = E._LINK.send(src, world), E._LINK.send(src + 1, world)
+    a, b = E.LINK.send(src, world), E.LINK.send(src + 1, world)
     with pytest.raises(CommOpError, match="2 transfers are in flight"):
-        E._LINK.send(src, world)
+        E.LINK.send(src, world)
     assert torch.equal(a.finish(), src) and torch.equal(b.finish(), src + 1)
-    E._LINK.send(src, world).finish()  # the slots are free again
+    E.LINK.send(src, world).finish()  # the slots are free again
 
 
 def test_capacity_is_the_routed_volume_not_the_fixed_one():
@@ -248,6 +248,24 @@ def test_compiled_emulated_world_equals_the_unsplit_reference():
     # the unsplit program (the baseline) runs the same world
     assert {bound_backend(n) for n in art.lowered_gm.graph.nodes
             if comm_kind(n) is not None} == bound
+
+
+def test_comm_backend_options_configure_the_emulated_world():
+    """``comm_backend_options`` (not the deprecated ``emulate_*`` fields) bind the same world
+    and the same answer."""
+    model, ref, step = _world_model()
+    cm = torch.compile(model, backend="dbo", options={
+        "split": "always", "comm_backend": "emulated",
+        "comm_backend_options": {"world_size": 4, "link_gbps": 25.0}})
+    with torch.no_grad():
+        out = run_step(cm, step.input_ids, step.positions, step.attn_metadata,
+                       step.num_scheduled_tokens)
+        want = ref(step.input_ids, step.positions, step.attn_metadata)
+    art = last_artifact()
+    assert art.is_split
+    torch.testing.assert_close(out, want)
+    assert {bound_backend(n) for n in art.split_gm.graph.nodes if comm_kind(n) is not None
+            } == {E.EmulatedWorld(4, 8, 3, link_gbps=25.0).name}
 
 
 def test_split_program_sends_the_next_op_before_receiving_the_last():
@@ -515,18 +533,19 @@ for W, Ex, K, T, H, dtype, cf in [(4, 8, 3, 37, 40, torch.float32, 1.1),
     w = torch.rand(T, K)
     counts = []
     for path in ("torch", "triton"):
-        if E._LINK.counters:
+        if E.LINK.counters:
             E.reset_stats()
-        d = getattr(E, "_dispatch_" + path)(world, x, ids, w)
+        paths = {"torch": E.routing, "triton": E.kernels}[path]
+        d = getattr(paths, "dispatch_" + path)(world, x, ids, w)
         y = torch.randn(d[0].shape, generator=torch.Generator().manual_seed(1)).abs().to(dtype)
         y = y * (d[1] >= 0).any(-1, keepdim=True)
-        c = getattr(E, "_combine_" + path)(world, y)
+        c = getattr(paths, "combine_" + path)(world, y)
         counts.append(E.stats()["cpu"])
         if path == "torch":
             a, ca = d, c
     # issued both, then received in the other order: the same bits
-    (d2, fin_d), (c2, fin_c) = (E._dispatch_triton_issue(world, x, ids, w),
-                                E._combine_triton_issue(world, y))
+    (d2, fin_d), (c2, fin_c) = (E.kernels.dispatch_triton_issue(world, x, ids, w),
+                                E.kernels.combine_triton_issue(world, y))
     fin_c()
     fin_d()
     assert all(torch.equal(u, v) for u, v in zip(d, d2)) and torch.equal(c, c2), W

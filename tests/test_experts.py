@@ -37,7 +37,7 @@ def test_grouped_algorithm_equals_loop(seed):
 def test_grouped_algorithm_ignores_garbage_of_uncomputed_rows(monkeypatch):
     """Rows past the last expert's offset are not computed by the grouped GEMM; poison them
     with NaN: the weighted gather-sum must never read them."""
-    import dbo_compile.ops.experts as ex
+    import dbo_compile.ops.experts_kernels as ex
 
     real = ex._expert_outputs
 
@@ -98,7 +98,7 @@ def test_cost_model_counts_the_routed_swiglu_flops():
 def test_expert_offsets_count_slots_up_to_each_expert():
     """Experts with no slot repeat the previous offset; slots not on this rank (key E) are
     after the last offset."""
-    from dbo_compile.ops.experts import _expert_offsets
+    from dbo_compile.ops.experts_kernels import expert_offsets as _expert_offsets
 
     keys = torch.tensor([0, 0, 2, 2, 2, 5, 6, 6], dtype=torch.int16)  # E = 6: key 6 = elsewhere
     assert _expert_offsets(keys, 6).tolist() == [2, 2, 5, 5, 5, 6]
@@ -109,7 +109,7 @@ def test_expert_offsets_count_slots_up_to_each_expert():
 _TRITON_CHECK = """
 import torch
 from test_experts import _case
-from dbo_compile.ops.experts import _grouped_triton, experts_loop
+from dbo_compile.ops.experts import experts_loop, grouped_triton as _grouped_triton
 for seed, dtype, n in ((0, torch.float32, 40), (1, torch.float32, 1), (2, torch.bfloat16, 40)):
     x, ids, w, w13, w2 = _case(n=max(n, 5), seed=seed, dtype=dtype)
     x, ids, w = x[:n], ids[:n], w[:n]

@@ -12,7 +12,7 @@ _FUSED_CHECK = """
 import torch
 from test_experts import _case
 from dbo_compile.ops.experts import experts_loop
-from dbo_compile.ops.experts import _grouped_fused as fused_experts
+from dbo_compile.ops.experts import grouped_fused as fused_experts
 from dbo_compile.ops.fused_moe import FusedConfig
 cases = (  # seed, dtype, rows, H, I, experts, K, tile shape
     (0, torch.float32, 40, 32, 16, 4, 3, FusedConfig(16, 16, 16)),
@@ -86,7 +86,7 @@ def poisoned(*args, **kwargs):  # every buffer the kernels leave undefined reads
 
 torch.empty = poisoned
 from dbo_compile.ops.experts import experts_loop
-from dbo_compile.ops.experts import _grouped_fused as fused_experts
+from dbo_compile.ops.experts import grouped_fused as fused_experts
 from dbo_compile.ops.fused_moe import FusedConfig, align
 C = FusedConfig(16, 16, 16)
 
@@ -143,8 +143,9 @@ def poisoned(*args, **kwargs):  # every buffer the kernels leave undefined reads
 
 
 torch.empty = poisoned
-from dbo_compile.ops.experts import (_grouped_fused, _grouped_triton, experts_loop,
-                                     grouped_reference)
+from dbo_compile.ops.experts import experts_loop, grouped_reference
+from dbo_compile.ops.experts import grouped_fused as _grouped_fused
+from dbo_compile.ops.experts import grouped_triton as _grouped_triton
 from dbo_compile.ops.fused_moe import FusedConfig
 
 paths = {"loop": experts_loop, "reference": grouped_reference, "sorted": _grouped_triton,

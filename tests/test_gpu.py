@@ -427,15 +427,15 @@ def test_experts_path_is_measured_once_and_captures(monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 1000])
 def test_dispatch_pack_kernel_matches_torch_ops(tokens):
     """The dispatch's Triton packing kernel against the torch ops it replaces, bit for bit."""
-    from dbo_compile.ops.comm import _send_buffers_torch, _send_buffers_triton
+    from dbo_compile.ops.comm.packing import send_buffers_torch, send_buffers_triton
 
     g = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, 2048, device="cuda", generator=g).to(torch.bfloat16)
     ids = torch.randint(-1, 64, (tokens, 6), device="cuda", generator=g)
     w = torch.rand(tokens, 6, device="cuda", generator=g)
     for world in (2, 4):
-        got = _send_buffers_triton(x, ids, w, 64 // world, world)
-        ref = _send_buffers_torch(x, ids, w, 64 // world, world)
+        got = send_buffers_triton(x, ids, w, 64 // world, world)
+        ref = send_buffers_torch(x, ids, w, 64 // world, world)
         # bitwise: halves of the float32 metadata can be NaN patterns in bf16
         assert got.shape == ref.shape and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
 

@@ -171,7 +171,7 @@ def test_a_failed_replay_leaves_no_deferred_call_in_flight():
                        step.num_scheduled_tokens)
         finally:
             faults.disarm()
-        assert not any(any(b) for b in E._LINK.busy.values())
+        assert not any(any(b) for b in E.LINK.busy.values())
         for _ in range(2):
             fill_kv_cache(ref, step, seed=0)
             want = ref(step.input_ids, step.positions, step.attn_metadata)

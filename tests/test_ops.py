@@ -125,7 +125,7 @@ def test_dispatch_payload_carries_routing_bits(dtype, hidden):
     """One payload row per (rank, token) holds x and the routing metadata's float32 bits at a
     4-byte aligned column; unpacking gives back exactly what the reference sends, including
     weights whose bits are unusual in x's dtype (NaN patterns, -0.0, subnormals)."""
-    from dbo_compile.ops.comm import _send_buffers_torch, _split_payload, payload_layout
+    from dbo_compile.ops.comm.packing import payload_layout, send_buffers_torch, split_payload
 
     world, num_experts, k = 2, 8, 3
     x, ids, w = _routing(5, hidden, k, num_experts, seed=3, dtype=dtype)
@@ -136,11 +136,11 @@ def test_dispatch_payload_carries_routing_bits(dtype, hidden):
     size = x.element_size()
     assert meta_col >= hidden and (meta_col * size) % 4 == 0 and (cols * size) % 4 == 0
     assert (cols - meta_col) * size == 8 * k
-    payload = _send_buffers_torch(x, ids, w, num_experts // world, world)
+    payload = send_buffers_torch(x, ids, w, num_experts // world, world)
     assert payload.shape == (world, 5, cols) and payload.dtype == dtype
     # what each destination rank receives from this one source rank
     for r in range(world):
-        rx, rid, rw = _split_payload(payload[r].clone(), hidden, k)
+        rx, rid, rw = split_payload(payload[r].clone(), hidden, k)
         ex, eid, ew = _reference_dispatch([(x, ids, w)], r, world, num_experts)
         assert rx.is_contiguous() and rid.is_contiguous() and rw.is_contiguous()
         assert torch.equal(rx, ex) and torch.equal(rid, eid)
@@ -203,7 +203,7 @@ def _multirank_comm(rank, world_size, cases):
 
 _PACK_CHECK = """
 import torch
-from dbo_compile.ops.comm import _send_buffers_torch, _send_buffers_triton
+from dbo_compile.ops.comm.packing import send_buffers_torch, send_buffers_triton
 g = torch.Generator().manual_seed(0)
 for world, t, h, k, e_local in ((2, 7, 48, 6, 4), (4, 5, 64, 3, 2), (1, 3, 16, 1, 8), (2, 1, 8, 2, 3),
                                 (2, 4, 7, 2, 3)):  # odd hidden: a padding column before the ids
@@ -211,9 +211,9 @@ for world, t, h, k, e_local in ((2, 7, 48, 6, 4), (4, 5, 64, 3, 2), (1, 3, 16, 1
     ids = torch.randint(-1, world * e_local, (t, k), generator=g)
     ids[0] = -1  # a token routed nowhere
     w = torch.rand(t, k, generator=g)
-    ref = _send_buffers_torch(x, ids, w, e_local, world)
+    ref = send_buffers_torch(x, ids, w, e_local, world)
     for xs in (x, x.t().contiguous().t()):  # the kernel reads rows through their stride
-        got = _send_buffers_triton(xs, ids, w, e_local, world)
+        got = send_buffers_triton(xs, ids, w, e_local, world)
         # bitwise: halves of the float32 metadata can be NaN patterns in bf16
         assert got.shape == ref.shape and got.dtype == ref.dtype, (world, t, h, k)
         assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), (world, t, h, k)
@@ -467,7 +467,8 @@ def test_opcheck_attention():
 @pytest.mark.parametrize("bad", [dict(block_m=3, tile_n=64), dict(block_m=16, tile_n=8),
                                  dict(block_m=0, tile_n=64)])
 def test_attention_kernel_config_rejects_tiles_triton_cannot_take(bad):
-    from dbo_compile.ops.attention import AttentionOpError, _KernelConfig
+    from dbo_compile.ops.attention import AttentionOpError
+    from dbo_compile.ops.attention import KernelConfig as _KernelConfig
 
     with pytest.raises(AttentionOpError, match="power of two"):
         _KernelConfig(**bad)

@@ -17,7 +17,7 @@ import torch
 import dbo_compile.ops  # noqa: F401
 from conftest import last_artifact
 from dbo_compile.errors import CommBackendError, ScheduleError, UBatchExecutionError
-from dbo_compile.ops import comm
+from dbo_compile.ops.comm import watch
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
 from dbo_compile.ops.comm import (
@@ -167,10 +167,10 @@ def test_the_watch_checks_a_programs_first_call_only():
     with pytest.raises(CommBackendError, match="result 0 of dbo.dispatch call #3 of backend "
                        "'rotating' lies in the storage of result 0 of dbo.dispatch call #1"):
         run_watched(program, "rotating")
-    assert program not in comm._WATCHED
-    assert comm._WATCH.depth == 0 and not comm._WATCH.seen
+    assert program not in watch._WATCHED
+    assert watch._WATCH.depth == 0 and not watch._WATCH.seen
     run_watched(program, "local")  # results of their own: checked, passes
-    assert program in comm._WATCHED
+    assert program in watch._WATCHED
     run_watched(program, "rotating")  # checked already: not watched again
     _register(live=2)
     with watching_results():  # declared: call 3 overwrites call 1, two calls of the pool before

@@ -2,8 +2,8 @@
 
 Implementations (same semantics, see :func:`attention`):
 
-- **CUDA** (:func:`_attention_cuda`, registered for the ``cuda`` device type): the KV write, then
-  a fused Triton kernel (:func:`_paged_attention_triton`, in the style of vLLM's unified
+- **CUDA** (:func:`attention_cuda`, registered for the ``cuda`` device type): the KV write, then
+  a fused Triton kernel (:func:`paged_attention_triton`, in the style of vLLM's unified
   attention). Its grid depends on shapes only: axis 0 has ``T // BLOCK_M + R`` query-block
   programs (``BLOCK_M`` tokens each; program ``b`` finds its request by binary search over
   ``query_start_loc[i] // BLOCK_M + i`` and exits if it has no tokens), axis 1 the ``Hkv`` KV
@@ -13,7 +13,7 @@ Implementations (same semantics, see :func:`attention`):
   capturable, and a captured graph serves new metadata of the same shapes. It runs where Triton
   imports, the head dim is a power of two in [16, 256] and q / cache are bf16, fp16 or fp32
   (:func:`_kernel_supports`); elsewhere the CUDA op runs the reference.
-- **Reference** (:func:`_paged_attention`, every other device, and the CUDA fallback): dense
+- **Reference** (:func:`paged_attention`, every other device, and the CUDA fallback): dense
   gather of each query's context through the block table, softmax in fp32. Tensor ops only (no
   ``.item()``, no branch on tensor values), so it is capturable too, but it materialises
   ``[chunk, max_blocks * block_size, Hkv, D]`` per chunk of queries in a Python loop.
@@ -28,7 +28,6 @@ Shapes (``T`` = token dim, ``R`` = requests, ``Hq``/``Hkv`` query/KV heads, ``D`
     out          [T, Hq, D]                       q.dtype; rows >= query_start_loc[-1] are 0
 """
 
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -37,18 +36,27 @@ from typing import Any
 import torch
 
 from dbo_compile.errors import AttentionOpError
-from dbo_compile.ops._triton import import_triton
+from dbo_compile.ops._triton import triton_kernels
 from dbo_compile.ops.registry import OpInfo, register_op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttentionOpError", "attention"]
+__all__ = ["AttentionOpError", "KernelConfig", "attention", "attention_cuda",
+           "check_attention_args", "kernel_config", "paged_attention", "paged_attention_triton",
+           "write_kv"]
 
 #: Upper bound on elements of one gathered context chunk ``[chunk, L, Hkv, D]`` (memory cap).
 _GATHER_ELEMS = 1 << 24
 
 
-def _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table) -> None:
+def check_attention_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
+                         block_table) -> None:
+    """The shapes and dtypes of a ``dbo.attention`` call (:func:`attention`'s arguments).
+    Reads shapes only (fake-tensor safe).
+
+    Raises:
+        AttentionOpError: what does not match, with the shapes found.
+    """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise AttentionOpError(
             f"dbo.attention: q/k/v must be [num_tokens, heads, head_dim], got {tuple(q.shape)}, "
@@ -105,8 +113,8 @@ def check_metadata_shapes(num_tokens: Any, slot_mapping: torch.Tensor,
             raise AttentionOpError(f"dbo.attention: {name} must be int32, got {x.dtype}")
 
 
-def _write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """Write k/v rows ``[T, Hkv, D]`` to their cache slots without a host sync; slot -1 rows
     (padding) are not written.
 
@@ -128,7 +136,7 @@ def _write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _write_kv_torch(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    """:func:`_write_kv` in torch ops (an index_put cannot skip rows without a host sync).
+    """:func:`write_kv` in torch ops (an index_put cannot skip rows without a host sync).
 
     Padding rows are redirected to the slot of the last real row and write that row's values
     (duplicate indices then carry identical values, so the result is deterministic); if no row
@@ -150,13 +158,9 @@ def _write_kv_torch(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         flat[i].index_put_((idx,), new)
 
 
-@functools.cache
-def _write_kv_kernel():
+@triton_kernels
+def _write_kv_kernel(triton, tl):
     """``(triton, kernel)`` of the KV-cache write, or None without Triton."""
-    mods = import_triton()
-    if mods is None:
-        return None
-    triton, tl = mods
 
     @triton.jit
     def write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
@@ -183,7 +187,7 @@ def _write_kv_kernel():
 
 def _write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
-    """:func:`_write_kv` as one Triton kernel: one program per token row and column block;
+    """:func:`write_kv` as one Triton kernel: one program per token row and column block;
     k / v may be strided views (a fused qkv projection's slices) with unit stride in ``D``."""
     triton, kernel = _write_kv_kernel()
     t, hkv, d = k.shape
@@ -196,7 +200,9 @@ def _write_kv_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v.stride(1), kv_cache[0].numel(), D=d, ROW=row, BLOCK=block)
 
 
-def _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale) -> torch.Tensor:
+def paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale) -> torch.Tensor:
+    """The reference attention over the paged cache (module docstring): ``out [T, Hq, D]``
+    of ``q.dtype``, softmax in fp32, rows past ``query_start_loc[-1]`` zero."""
     t, hq, d = q.shape
     r = seq_lens.shape[0]
     if t == 0 or r == 0:
@@ -246,8 +252,8 @@ _LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
-class _KernelConfig:
-    """Tile shape and launch options of :func:`_paged_attention_triton`.
+class KernelConfig:
+    """Tile shape and launch options of :func:`paged_attention_triton`.
 
     Attributes:
         block_m: query tokens per program (its tile has ``block_m * next_pow2(G)`` rows; at
@@ -270,25 +276,21 @@ class _KernelConfig:
                     f"{low} (Triton's tl.arange and tl.dot need it)")
 
 
-def _kernel_config(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype) -> _KernelConfig:
+def kernel_config(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype) -> KernelConfig:
     """The launch config, from shapes only (capturable). Steps with about one token per request
     (decode) get 16-row tiles, the others 64 rows (prefill); fp32 gets narrower key tiles (the
     tiles double in bytes)."""
     decode = num_tokens <= 2 * num_reqs
     rows = 16 if decode else 64
     tile_n = 32 if dtype == torch.float32 else 64
-    return _KernelConfig(block_m=max(1, rows // g_pad), tile_n=tile_n)
+    return KernelConfig(block_m=max(1, rows // g_pad), tile_n=tile_n)
 
 
-@functools.cache
-def _triton_kernel():
+@triton_kernels
+def _triton_kernel(triton, tl):
     """``(triton, kernel, interpreted)``, or None without Triton. Built on first use, so that
     importing the package does not import Triton. ``interpreted``: the process runs Triton's
     interpreter (``TRITON_INTERPRET=1`` before triton was imported; kernels take CPU tensors)."""
-    mods = import_triton()
-    if mods is None:
-        return None
-    triton, tl = mods
 
     # num_reqs changes every step: one compiled variant for all values (no ==1 / %16 variants)
     @triton.jit(do_not_specialize=["num_reqs", "bt_width", "num_blocks"])
@@ -395,8 +397,8 @@ def _fused_ok(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and _triton_kernel() is not None)
 
 
-def _paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, scale, *,
-                            config: _KernelConfig | None = None) -> torch.Tensor:
+def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, scale, *,
+                           config: KernelConfig | None = None) -> torch.Tensor:
     """The attention of :func:`attention` (no KV write) by the Triton kernel.
 
     Args:
@@ -410,7 +412,7 @@ def _paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table,
             pool are clamped into it (as in the reference: bad metadata gives a wrong answer for
             that request, never an out-of-bounds read).
         scale: softmax scale.
-        config: tile shape (default :func:`_kernel_config`, chosen from shapes).
+        config: tile shape (default :func:`kernel_config`, chosen from shapes).
 
     Returns:
         ``[T, Hq, D]`` of ``q.dtype``, softmax and accumulation in fp32; rows
@@ -435,7 +437,7 @@ def _paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table,
     hkv, bs = kv_cache.shape[3], kv_cache.shape[2]
     g = hq // hkv
     g_pad = triton.next_power_of_2(g)
-    cfg = config or _kernel_config(t, r, g_pad, kv_cache.dtype)
+    cfg = config or kernel_config(t, r, g_pad, kv_cache.dtype)
     if kv_cache.stride(-1) != 1:
         raise AttentionOpError("dbo.attention: kv_cache must be contiguous in the head dim")
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -491,27 +493,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
     Raises:
         AttentionOpError: inconsistent shapes or dtypes.
     """
-    _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
-    _write_kv(kv_cache, k, v, slot_mapping)
-    return _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
+    check_attention_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
+    write_kv(kv_cache, k, v, slot_mapping)
+    return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
 
 
 @attention.register_kernel("cuda")
-def _attention_cuda(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
-                    scale):
+def attention_cuda(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
+                   scale):
     """``dbo.attention`` on CUDA: the KV write, then the Triton kernel where :func:`_fused_ok`
     (else the reference)."""
-    _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
-    _write_kv(kv_cache, k, v, slot_mapping)
+    check_attention_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
+    write_kv(kv_cache, k, v, slot_mapping)
     if _fused_ok(q, kv_cache):
-        return _paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
-    return _paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
+        return paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
+    return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale)
 
 
 @attention.register_fake
 def _attention_fake(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
                     scale):
-    _check_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
+    check_attention_args(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table)
     return torch.empty_like(q)
 
 

@@ -87,7 +87,8 @@ from dbo_compile.ops.comm import (
     register_comm_backend,
     result_key,
 )
-from dbo_compile.ops.registry import backend_spec, import_optional, op_arg
+from dbo_compile.ops.backends import AutoPreference, backend_spec, import_optional
+from dbo_compile.ops.registry import op_arg
 
 log = logging.getLogger(__name__)
 
@@ -468,7 +469,13 @@ def _unbound(*args: Any, **kwargs: Any) -> Any:
 def deep_ep_backend() -> CommBackend:
     """The registry entry (options: :func:`_configure`)."""
     return CommBackend("deep_ep", _unbound, _unbound, "DeepEP low-latency / normal mode",
-                       configure=_configure, check_options=_check_options)
+                       configure=_configure, check_options=_check_options,
+                       auto=AutoPreference(0, only=_auto_where))
+
+
+def _auto_where(facts: dict[str, Any]) -> str | None:
+    """``comm_backend="auto"`` tries DeepEP for an op over an EP group of several ranks."""
+    return None if facts.get("world_size", 1) > 1 else "for one EP rank (no all-to-all)"
 
 
 register_comm_backend(deep_ep_backend())

@@ -47,16 +47,16 @@ import torch
 import torch.nn.functional as F
 
 from dbo_compile.errors import ExpertsOpError
-from dbo_compile.ops.registry import import_optional
-from dbo_compile.ops.experts import (
+from dbo_compile.ops.backends import AutoPreference, import_optional
+from dbo_compile.ops.comm import EXPERT_MAJOR
+from dbo_compile.ops.experts import ExpertsBackend, register_experts_backend
+from dbo_compile.ops.experts_kernels import (
     PLAIN,
     ExpertFn,
-    ExpertsBackend,
-    _sorted_slots,
-    _triton_kernel,
-    _weighted_gather_sum_torch,
+    expert_kernels,
     gather_sum,
-    register_experts_backend,
+    sorted_slots,
+    weighted_gather_sum_torch,
 )
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _silu_mul_masked(h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     e, m, two_i = h.shape
     inter = two_i // 2
     a = torch.empty((e, m, inter), dtype=h.dtype, device=h.device)
-    built = _triton_kernel() if h.is_cuda else None
+    built = expert_kernels() if h.is_cuda else None
     if built is None:  # CPU (the reference DeepGEMM): every row
         a.copy_(F.silu(h[..., :inter]) * h[..., inter:])
         return a
@@ -132,7 +132,7 @@ def _silu_mul_rows(h: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
     """``h [M, 2I]`` -> ``[M, I]``, the rows below ``n_valid`` (a one-element tensor)."""
     rows, two_i = h.shape
     inter = two_i // 2
-    built = _triton_kernel() if h.is_cuda else None
+    built = expert_kernels() if h.is_cuda else None
     if built is None:
         return F.silu(h[:, :inter]) * h[:, inter:]
     triton, kern = built
@@ -207,7 +207,7 @@ class _DeepGemm:
         if n == 0:
             return torch.zeros_like(x)
         align = int(self.dg.get_mk_alignment_for_contiguous_layout())
-        order, rows, offs, valid, keys = _sorted_slots(ids, e, with_keys=True)
+        order, rows, offs, valid, keys = sorted_slots(ids, e, with_keys=True)
         counts = torch.diff(offs, prepend=offs.new_zeros(1))
         aligned = (counts + align - 1) // align * align
         starts = torch.cumsum(aligned, 0, dtype=torch.int32) - aligned
@@ -235,10 +235,10 @@ class _DeepGemm:
                     expected_m_for_psum_layout=expected)
         pos = torch.empty_like(order)
         pos.scatter_(0, order, dst)  # each slot's row in the segments
-        if x.is_cuda and _triton_kernel() is not None:
+        if x.is_cuda and expert_kernels() is not None:
             return gather_sum(o, pos, ids, weights, x, e)  # reads the local slots only
         w = torch.where(valid, weights.reshape(-1), 0.0)
-        return _weighted_gather_sum_torch(o, pos.view(n, k).clamp(max=m_pad - 1),
+        return weighted_gather_sum_torch(o, pos.view(n, k).clamp(max=m_pad - 1),
                                           w.view(n, k), valid, x.dtype)
 
     def run(self, x, ids, weights, w13, w2, fn: ExpertFn = PLAIN) -> torch.Tensor:
@@ -292,7 +292,17 @@ def deep_gemm_backend() -> ExpertsBackend:
         raise ExpertsOpError("internal: the deep_gemm backend is used through its spec")
 
     return ExpertsBackend("deep_gemm", unconfigured, "DeepGEMM m-grouped GEMMs",
-                          configure=_configure, check_options=_check_options)
+                          configure=_configure, check_options=_check_options,
+                          auto=AutoPreference(0, only=_auto_where))
+
+
+def _auto_where(facts: dict[str, Any]) -> str | None:
+    """``experts_backend="auto"`` picks DeepGEMM for the expert-major rows (its masked grouped
+    GEMM); on the rank-major rows ``torch._grouped_mm`` is as good."""
+    if facts.get("layout") == EXPERT_MAJOR:
+        return None
+    return ("for the rank-major rows (torch._grouped_mm; experts_backend='deep_gemm' runs its "
+            "contiguous grouped GEMM there)")
 
 
 register_experts_backend(deep_gemm_backend())

@@ -37,12 +37,11 @@ into SiLU unrounded (the sorted path rounds them to bf16 first).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 from dbo_compile.errors import ExpertsOpError
-from dbo_compile.ops._triton import import_triton
+from dbo_compile.ops._triton import triton_kernels
 
 __all__ = ["DEFAULT_CONFIG", "FusedConfig", "MAX_SLOTS", "align", "expert_outputs", "supports"]
 
@@ -91,12 +90,8 @@ def supports(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Te
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-@functools.cache
-def _kernels():
-    mods = import_triton()
-    if mods is None:
-        return None
-    triton, tl = mods
+@triton_kernels
+def _kernels(triton, tl):
 
     @triton.jit
     def moe_align_kernel(ids_ptr, sorted_ptr, pos_ptr, tile_expert_ptr, nk, E, num_tiles,

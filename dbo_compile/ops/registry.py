@@ -34,20 +34,27 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
-import inspect
 import operator
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable
 
 import sympy
 import torch
 import torch.fx as fx
 
+from dbo_compile.ops.backends import (
+    AutoPreference,
+    BackendRecord,
+    BackendRegistry,
+    backend_spec,
+    import_optional,
+    parse_backend_spec,
+)
 from dbo_compile.schedule import COMM, CommCall, CommPlan, NullArg, Schedule
 
-__all__ = ["BackendRegistry", "OpInfo", "backend_spec", "bound_backend", "collective_facts",
+__all__ = ["AutoPreference", "BackendRecord", "BackendRegistry", "OpInfo", "backend_spec",
+           "bound_backend", "collective_facts",
            "comm_call", "comm_fingerprint", "comm_group_name", "comm_kind", "comm_nodes",
-           "comm_plan", "comm_wait",
+           "comm_plan", "comm_wait", "expert_ops_on",
            "import_optional", "is_c10d_wait", "is_getitem", "is_receive", "is_wait",
            "joinable_ops", "kv_block_sizes", "node_op_info", "op_arg", "op_has_arg", "op_info",
            "parse_backend_spec", "register_op", "register_paged_kv_op", "register_row_local",
@@ -444,181 +451,19 @@ register_op(OpInfo(torch.ops._c10d_functional.all_to_all_single.default, comm="a
 register_op(OpInfo(torch.ops._c10d_functional.wait_tensor.default, wait=True))
 
 
-B = TypeVar("B")
-
-
-def import_optional(module: str, error: type[Exception], what: str, install: str,
-                    option: str) -> Any:
-    """Import the optional package ``module`` a backend wraps (``deep_ep``, ``deep_gemm``).
-
-    Raises:
-        ``error``: it failed to import (any exception: without CUDA these packages raise
-            ``OSError`` or ``AssertionError``, not only ``ImportError``), naming the package,
-            how to install it (``install``) and the fallback (``option='torch'``).
-    """
-    try:
-        return importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 - an optional package can fail in many ways
-        raise error(
-            f"{what} needs the package {module}, which failed to import ({type(e).__name__}: "
-            f"{e}); install it with {install}, or use {option}='torch' ({option}='auto' falls "
-            "back to it)") from e
-
-
-def parse_backend_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"name"`` or ``"name:key=value,key=value"`` -> ``(name, {key: value})``; values that
-    read as ints, floats or ``true``/``false`` become those (the form the compiler binds into
-    an op's ``backend`` argument: :func:`backend_spec`)."""
-    name, _, rest = spec.partition(":")
-    options: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        options[key.strip()] = _parse_value(value.strip())
-    return name, options
-
-
-def _parse_value(value: str) -> Any:
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
-
-
-def backend_spec(name: str, options: Any = ()) -> str:
-    """The canonical spec of backend ``name`` with ``options`` (a mapping or ``(key, value)``
-    pairs): ``"name"`` or ``"name:k1=v1,k2=v2"``, keys sorted, so that every rank binds the same
-    string (it enters the fingerprint)."""
-    items = sorted(dict(options).items())
-    if not items:
-        return name
-    def text(v: Any) -> str:
-        return str(v).lower() if isinstance(v, bool) else str(v)
-    return name + ":" + ",".join(f"{k}={text(v)}" for k, v in items)
-
-
-class BackendRegistry(Generic[B]):
-    """Named implementations of an op (its comm or experts backends), some imported lazily.
-
-    A backend may take options: it is asked for by its spec (:func:`backend_spec`,
-    ``"deep_ep:max_tokens=256,mode=low_latency"``) and, when it has a ``configure`` attribute
-    (``configure(**options) -> backend``: checks the options and the package the backend wraps,
-    and returns the configured backend), the configured backend is built once per spec and
-    kept. A backend without ``configure`` takes no options. Its ``check_options`` attribute
-    (``check_options(**options)``, ``None``: none declared) checks option values without
-    importing the package (which may be absent), and its keyword parameters are the options
-    the backend takes (:meth:`options_for`).
-
-    Args:
-        kind: what they are, for errors (``"comm backend"``).
-        error: the exception type raised for an unknown or unloadable backend.
-        fallback: the backend to name in the error as the one that always works.
-    """
-
-    def __init__(self, kind: str, error: type[Exception], fallback: str):
-        self.kind, self.error, self.fallback = kind, error, fallback
-        self._loaded: dict[str, B] = {}
-        #: name -> module path; imported on first use, it must register the backend
-        self._lazy: dict[str, str] = {}
-        #: spec -> the configured backend
-        self._configured: dict[str, B] = {}
-
-    def register(self, name: str, backend: B) -> None:
-        """Register (or replace) ``backend`` under ``name``."""
-        self._loaded[name] = backend
-        self._lazy.pop(name, None)
-        self._configured = {k: v for k, v in self._configured.items()
-                            if parse_backend_spec(k)[0] != name}
-
-    def register_lazy(self, name: str, module: str) -> None:
-        """``name`` is registered by importing ``module``, done when it is first asked for."""
-        if name not in self._loaded:
-            self._lazy[name] = module
-
-    def names(self) -> list[str]:
-        """Every registered name (loaded or lazy), sorted."""
-        return sorted(set(self._loaded) | set(self._lazy))
-
-    def instances(self) -> list[B]:
-        """Every backend built so far: the loaded ones and the configured ones."""
-        return list(self._loaded.values()) + list(self._configured.values())
-
-    def clear_configured(self) -> None:
-        """Forget the configured backends (they are rebuilt, and their packages checked again,
-        when next asked for); tests that swap a wrapped package use it."""
-        self._configured.clear()
-
-    def get(self, spec: str) -> B:
-        """The backend of ``spec`` (``"name"`` or ``"name:options"``), importing its module
-        first if it is lazy, configured with the spec's options.
-
-        Raises:
-            ``self.error``: the name is unknown, importing its module (or the package it
-                wraps) failed, or an option is unknown or bad; the message says why and names
-                the fallback.
-        """
-        if spec in self._configured:
-            return self._configured[spec]
-        name, options = parse_backend_spec(spec)
-        backend = self._load(name)
-        configure = getattr(backend, "configure", None)
-        if configure is None:
-            if options:
-                raise self.error(f"{self.kind} {name!r} takes no options, got {options}")
-            return backend
-        configured = configure(**options)
-        self._configured[spec] = configured
-        return configured
-
-    def options_for(self, names: Sequence[str], options: Any) -> dict[str, dict[str, Any]]:
-        """``options`` (a mapping) dealt to the backends ``names``: each gets those it takes
-        (the keyword parameters of its ``check_options``; a backend with ``configure`` and no
-        ``check_options`` takes them all and checks them when it is configured), their values
-        checked by its ``check_options``, which imports nothing: the options of a backend are
-        checked whether its package is present or not.
-
-        Raises:
-            ``self.error``: a name is unknown, an option none of them takes (saying what each
-                takes), or a bad value (the taker's message).
-        """
-        options = dict(options)
-        takes: dict[str, tuple[str, ...] | None] = {}
-        for name in names:
-            backend = self._load(name)
-            check = getattr(backend, "check_options", None)
-            if check is not None:
-                takes[name] = tuple(p.name for p in inspect.signature(check).parameters.values()
-                                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-            else:
-                takes[name] = None if getattr(backend, "configure", None) is not None else ()
-        dealt = {name: {k: v for k, v in options.items() if t is None or k in t}
-                 for name, t in takes.items()}
-        unknown = sorted(k for k in options if not any(k in d for d in dealt.values()))
-        if unknown:
-            said = "; ".join(f"{n}: {', '.join(t) if t else 'no options'}"
-                             for n, t in takes.items())
-            raise self.error(f"unknown {self.kind} option(s) {unknown} ({said})")
-        for name, given in dealt.items():
-            check = getattr(self._load(name), "check_options", None)
-            if check is not None and given:
-                check(**given)
-        return dealt
-
-    def _load(self, name: str) -> B:
-        if name in self._loaded:
-            return self._loaded[name]
-        if name not in self._lazy:
-            raise self.error(f"unknown {self.kind} {name!r}; registered: {self.names()}")
-        module = self._lazy[name]
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # noqa: BLE001 - an optional package can fail in many ways
-            raise self.error(
-                f"{self.kind} {name!r} cannot be loaded: importing {module!r} failed "
-                f"({type(e).__name__}: {e}); use {self.fallback!r}") from e
-        if name not in self._loaded:
-            raise self.error(f"module {module!r} did not register {self.kind} {name!r}")
-        return self._loaded[name]
+def expert_ops_on(dispatch: fx.Node) -> list[fx.Node]:
+    """The expert ops (ops whose record names the ``experts`` backend registry:
+    ``dbo.grouped_experts``) that compute on the rows the comm node ``dispatch`` receives:
+    reached from it through its users, up to the next comm op; sorted by name."""
+    found, todo, seen = [], list(dispatch.users), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or comm_kind(n) is not None:
+            continue
+        seen.add(n)
+        info = op_info(n.target) if n.op == "call_function" else None
+        if info is not None and info.backend == "experts":
+            found.append(n)
+        else:
+            todo.extend(n.users)
+    return sorted(found, key=lambda n: n.name)

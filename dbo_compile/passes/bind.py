@@ -9,6 +9,7 @@ raises. On every rank the choice is the same (the packages, shapes and options a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -18,29 +19,27 @@ import torch.fx as fx
 import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.* and their records)
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import CommBackendError, ExpertsOpError
-from dbo_compile.ops import emulated
+from dbo_compile.ops.backends import AutoPreference, backend_spec, parse_backend_spec
 from dbo_compile.ops.comm import (
-    EXPERT_MAJOR,
     RANK_MAJOR,
+    auto_comm_choices,
     backend_for_group,
+    comm_backend_name,
     comm_options_for,
+    comm_record,
     ep_world_size,
     get_comm_backend,
 )
-from dbo_compile.ops.experts import experts_options_for, get_experts_backend
-from dbo_compile.ops.registry import (
-    backend_spec,
-    bound_backend,
-    comm_kind,
-    op_arg,
-    op_info,
-    parse_backend_spec,
-    set_op_arg,
+from dbo_compile.ops.experts import (
+    auto_experts_choices,
+    experts_options_for,
+    get_experts_backend,
 )
+from dbo_compile.ops.registry import bound_backend, comm_kind, op_arg, op_info, set_op_arg
 
 log = logging.getLogger(__name__)
 
-__all__ = ["bind_backends"]
+__all__ = ["BackendKind", "bind_backends", "choose"]
 
 #: the MoE-layer comm ops (their backends may have a layout and a handle of their own)
 _MOE_OPS = (torch.ops.dbo.moe_dispatch.default, torch.ops.dbo.moe_combine.default)
@@ -60,6 +59,7 @@ def _comm_facts(node: fx.Node, dispatch_of: dict[fx.Node, fx.Node]) -> dict[str,
     group = op_arg(src, "group_name", "")
     target = node.target.default if hasattr(node.target, "default") else node.target
     facts = {"op": "moe" if target in _MOE_OPS else "rank_major", "node": node.name,
+             "fx": node, "kind": comm_kind(node), "model_backend": bound_backend(node),
              "num_experts": op_arg(src, "num_experts"), "world_size": ep_world_size(group),
              "group_name": group}
     if isinstance(x, torch.Tensor) and x.dim() == 2:
@@ -90,34 +90,53 @@ def _dispatch_of(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return out
 
 
-#: the backends ``comm_backend="auto"`` chooses from: DeepEP, else each op's own
-_AUTO_COMM = ("deep_ep", "torch", "local")
-#: the backends ``experts_backend="auto"`` chooses from
-_AUTO_EXPERTS = ("deep_gemm", "torch")
+@dataclasses.dataclass(frozen=True)
+class BackendKind:
+    """One kind of backend the compiler binds (comm, experts): its registry's functions and
+    the config's fields.
+
+    Attributes:
+        kind: ``"comm"`` / ``"experts"`` (the config's ``{kind}_backend`` and
+            ``{kind}_backend_options``).
+        error: the registry's exception type.
+        get: the backend of a spec, configured.
+        deal: ``comm_options_for`` / ``experts_options_for``.
+        auto: the ``(name, AutoPreference)`` ``"auto"`` tries, in order.
+    """
+
+    kind: str
+    error: type[Exception]
+    get: Callable[[str], Any]
+    deal: Callable[[Any, Any], dict[str, dict[str, Any]]]
+    auto: Callable[[], list[tuple[str, AutoPreference]]]
 
 
-def _backend_options(kind: str, name: str, options: Any) -> dict[str, dict[str, Any]]:
-    """``{kind}_backend_options`` (``kind``: ``"comm"`` / ``"experts"``) dealt to the backends
-    they may configure: the named backend, or every backend ``"auto"`` may choose
-    (:data:`_AUTO_COMM`, :data:`_AUTO_EXPERTS`), each value checked by the backend that takes
-    it whatever is chosen, without importing its package.
+COMM = BackendKind("comm", CommBackendError, get_comm_backend, comm_options_for,
+                   auto_comm_choices)
+EXPERTS = BackendKind("experts", ExpertsOpError, get_experts_backend, experts_options_for,
+                      auto_experts_choices)
+
+
+def _backend_options(kind: BackendKind, name: str, options: Any) -> dict[str, dict[str, Any]]:
+    """``{kind}_backend_options`` dealt to the backends they may configure: the named
+    backend, or every backend ``"auto"`` may choose (those whose record declares an
+    :class:`~dbo_compile.ops.backends.AutoPreference`), each value checked by the backend
+    that takes it whatever is chosen, without importing its package.
 
     Raises:
         CommBackendError / ExpertsOpError: an unknown backend, an option none of them takes,
             or a bad value.
     """
-    deal, auto = ((comm_options_for, _AUTO_COMM) if kind == "comm"
-                  else (experts_options_for, _AUTO_EXPERTS))
     # the values a backend's configure gets: through its spec, as the ops carry it
-    options = parse_backend_spec(backend_spec(kind, options))[1]
+    options = parse_backend_spec(backend_spec(kind.kind, options))[1]
     if name != "auto":
-        return deal((name,), options)
+        return kind.deal((name,), options)
     try:
-        return deal(auto, options)
-    except (CommBackendError, ExpertsOpError) as e:
-        raise type(e)(f"{kind}_backend='auto' checks {kind}_backend_options against every "
-                      f"backend it may choose: {e}; name the backend they are for "
-                      f"({kind}_backend=...), or drop them") from None
+        return kind.deal([n for n, _ in kind.auto()], options)
+    except kind.error as e:
+        raise kind.error(f"{kind.kind}_backend='auto' checks {kind.kind}_backend_options "
+                         f"against every backend it may choose: {e}; name the backend they "
+                         f"are for ({kind.kind}_backend=...), or drop them") from None
 
 
 def _unused_options(kind: str, chosen: str, dealt: dict[str, dict[str, Any]],
@@ -134,65 +153,75 @@ def _unused_options(kind: str, chosen: str, dealt: dict[str, dict[str, Any]],
             f"{owners[0]!r} to require it, or drop them)")
 
 
-def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) -> str | None:
-    """The comm backend spec to bind to every comm op (``None``: leave each op's own), and log
-    the choice of ``comm_backend="auto"`` and why (a WARNING for ``comm_backend_options`` it
-    leaves unused).
-
-    Raises:
-        CommBackendError: an explicit backend is unknown, cannot be loaded, or cannot serve one
-            of the graph's comm ops (the reason and the fallback); a bad or unknown option
-            (``"auto"``: of every backend it may choose, :func:`_backend_options`).
-    """
-    dealt = _backend_options("comm", config.comm_backend, config.comm_backend_options)
-    dispatch_of = _dispatch_of(gm)
-    facts = [_comm_facts(n, dispatch_of) for n in nodes]
-    if config.comm_backend != "auto":
-        spec = backend_spec(config.comm_backend, config.comm_backend_options)
-        backend = get_comm_backend(spec)  # loads it, or says why not
-        if backend.bind is not None:
-            spec = backend.bind(facts)
-            backend = get_comm_backend(spec)
-        for f in facts:
-            why = _comm_unsupported(backend, f)
-            if why is not None:
-                raise CommBackendError(
-                    f"comm_backend={config.comm_backend!r} cannot serve {f['node']}: {why}; "
-                    "comm_backend='auto' chooses one that serves it")
-        return spec
-    if not facts:
-        return None
-    if all(f["world_size"] == 1 for f in facts):
-        log.info("dbo: comm_backend=auto -> local: one EP rank, no all-to-all")
-        _unused_options("comm", "local", dealt)
-        return None
-    spec = backend_spec("deep_ep", dealt["deep_ep"])
-    try:
-        backend = get_comm_backend(spec)
-        if backend.bind is not None:
-            spec = backend.bind(facts)
-            backend = get_comm_backend(spec)
-    except CommBackendError as e:
-        log.info("dbo: comm_backend=auto -> torch: %s", e)
-        _unused_options("comm", "torch", dealt)
-        return None
-    for f in facts:
-        why = _comm_unsupported(backend, f)
-        if why is not None:
-            log.info("dbo: comm_backend=auto -> torch: deep_ep cannot serve %s: %s",
-                     f["node"], why)
-            _unused_options("comm", "torch", dealt)
-            return None
-    log.info("dbo: comm_backend=auto -> %s (%s)", spec, backend.description)
-    return spec
-
-
-def _comm_unsupported(backend: Any, facts: dict[str, Any]) -> str | None:
-    if backend.handle and facts["op"] != "moe":
+def _unsupported(kind: BackendKind, backend: Any, facts: dict[str, Any]) -> str | None:
+    if kind is COMM and backend.handle and facts["op"] != "moe":
         return (f"it has the {backend.layout} layout with a dispatch handle, which "
                 "dbo.dispatch / dbo.combine cannot carry (write the layer with dbo.moe_dispatch "
                 "/ dbo.grouped_experts / dbo.moe_combine)")
     return backend.supports(facts) if backend.supports is not None else None
+
+
+def _bound(kind: BackendKind, spec: str, facts: list[dict[str, Any]]) -> tuple[str, Any]:
+    """The spec to bind for ``spec`` (its backend's ``bind`` hook where it has one) and that
+    backend. Raises ``kind.error`` where it cannot be loaded or configured."""
+    backend = kind.get(spec)
+    if getattr(backend, "bind", None) is not None:
+        spec = backend.bind(facts)
+        backend = kind.get(spec)
+    return spec, backend
+
+
+def choose(kind: BackendKind, name: str, options: Any, facts: list[dict[str, Any]],
+           say: Callable[..., None] = log.log) -> str | None:
+    """The spec of the ``kind`` backend to bind to the ops of ``facts`` (``None``: leave each
+    op's own): the named backend with its options, or, for ``"auto"``, the first of the
+    backends whose record declares an :class:`~dbo_compile.ops.backends.AutoPreference` (in
+    its ``rank`` order) that is in place for the ops (its ``only``), loads (its package
+    imports), binds and serves every op (its ``supports``); logged with why (``say(level,
+    msg)``), with a WARNING for options left unused.
+
+    Raises:
+        CommBackendError / ExpertsOpError (``kind.error``): a named backend is unknown,
+            cannot be loaded or cannot serve an op (the reason and the fallback); a bad or
+            unknown option (``"auto"``: of every backend it may choose); no backend ``"auto"``
+            tries serves the ops.
+    """
+    dealt = _backend_options(kind, name, options)
+    if name != "auto":
+        spec, backend = _bound(kind, backend_spec(name, options), facts)
+        for f in facts:
+            why = _unsupported(kind, backend, f)
+            if why is not None:
+                raise kind.error(f"{kind.kind}_backend={name!r} cannot serve {f['node']}: "
+                                 f"{why}; {kind.kind}_backend='auto' chooses one that serves "
+                                 "it")
+        return spec
+    first_why = None  # why the most preferred backend was passed over
+    for cand, pref in kind.auto():
+        if pref.only is not None:
+            where = [pref.only(f) for f in facts]
+            if all(w is not None for w in where):
+                first_why = first_why or f" {where[0]}"
+                continue
+        try:
+            spec, backend = _bound(kind, backend_spec(cand, dealt.get(cand, {})), facts)
+        except kind.error as e:
+            first_why = first_why or f": {e}"
+            continue
+        why = next(((f["node"], w) for f in facts
+                    if (w := _unsupported(kind, backend, f)) is not None), None)
+        if why is not None:
+            first_why = first_why or f": {cand} cannot serve {why[0]}: {why[1]}"
+            continue
+        _unused_options(kind.kind, cand, dealt, lambda m: say(logging.WARNING, m))
+        if pref.op_default and not dealt.get(cand):
+            say(logging.INFO, f"dbo: {kind.kind}_backend=auto -> {cand}{first_why or ''}")
+            return None
+        say(logging.INFO, f"dbo: {kind.kind}_backend=auto -> {spec}{first_why or ''} "
+            f"({backend.description})")
+        return spec
+    raise kind.error(f"{kind.kind}_backend='auto': no backend it tries serves the graph"
+                     f"{first_why or ''}; name one ({kind.kind}_backend=...)")
 
 
 def _experts_facts(node: fx.Node, layout: str) -> dict[str, Any]:
@@ -218,62 +247,19 @@ def _experts_layout(node: fx.Node, comm_spec: str | None) -> str:
     return RANK_MAJOR
 
 
-def _choose_experts(node: fx.Node, config: DboConfig, comm_spec: str | None,
-                    said: set[str]) -> str | None:
-    """The experts backend spec for one ``dbo.grouped_experts`` call (``None``: the op's own),
-    logging the choice of ``experts_backend="auto"`` once per reason (a WARNING for
-    ``experts_backend_options`` it leaves unused).
-
-    Raises:
-        ExpertsOpError: an explicit backend is unknown, cannot be loaded or cannot serve it; a
-            bad or unknown option (``"auto"``: of every backend it may choose).
-    """
-    dealt = _backend_options("experts", config.experts_backend, config.experts_backend_options)
-    facts = _experts_facts(node, _experts_layout(node, comm_spec))
-    if config.experts_backend != "auto":
-        spec = backend_spec(config.experts_backend, config.experts_backend_options)
-        backend = get_experts_backend(spec)
-        why = backend.supports(facts) if backend.supports is not None else None
-        if why is not None:
-            raise ExpertsOpError(f"experts_backend={config.experts_backend!r} cannot serve "
-                                 f"{node.name}: {why}; use experts_backend='auto' or 'torch'")
-        return spec
-
-    def say(msg: str, *args: Any, level: int = logging.INFO) -> None:
-        text = msg % args if args else msg
-        if text not in said:
-            said.add(text)
-            log.log(level, text)
-
-    def torch_spec() -> str | None:  # the op's own, or torch with its options
-        _unused_options("experts", "torch", dealt, lambda m: say(m, level=logging.WARNING))
-        return backend_spec("torch", dealt["torch"]) if dealt["torch"] else None
-
-    if facts["layout"] != EXPERT_MAJOR:
-        say("dbo: experts_backend=auto -> torch for the rank-major rows (torch._grouped_mm; "
-            "experts_backend='deep_gemm' runs its contiguous grouped GEMM there)")
-        return torch_spec()
-    spec = backend_spec("deep_gemm", dealt["deep_gemm"])
-    try:
-        backend = get_experts_backend(spec)
-    except ExpertsOpError as e:
-        say("dbo: experts_backend=auto -> torch: %s", e)
-        return torch_spec()
-    why = backend.supports(facts) if backend.supports is not None else None
-    if why is not None:
-        say("dbo: experts_backend=auto -> torch: deep_gemm cannot serve the experts: %s", why)
-        return torch_spec()
-    say("dbo: experts_backend=auto -> %s for the expert-major rows (masked grouped GEMM)", spec)
-    _unused_options("experts", "deep_gemm", dealt, lambda m: say(m, level=logging.WARNING))
-    return spec
+def _choose_comm(gm: fx.GraphModule, config: DboConfig, nodes: list[fx.Node]) -> str | None:
+    """The comm backend spec to bind to the comm ops ``nodes`` of ``gm`` (:func:`choose`)."""
+    dispatch_of = _dispatch_of(gm)
+    return choose(COMM, config.comm_backend, config.comm_backend_options,
+                  [_comm_facts(n, dispatch_of) for n in nodes])
 
 
 def bind_backends(gm: fx.GraphModule, config: DboConfig) -> None:
     """Bind the config's comm and experts backends into the ``backend`` argument of every op
     whose record names a backend registry (a model that names a backend keeps it), before
     lowering, so that the fake shapes are the backend's. ``"auto"`` chooses and logs why
-    (:func:`_choose_comm`, :func:`_choose_experts`); on every rank the same (the packages,
-    shapes and options are).
+    (:func:`choose`: the comm backend once for the graph, the experts backend per call); on
+    every rank the same (the packages, shapes and options are).
 
     Every comm op is checked against the backend it will run with, the model's choice too
     (:func:`_check_model_comm`): its process group must be one of this process, of a size
@@ -285,31 +271,34 @@ def bind_backends(gm: fx.GraphModule, config: DboConfig) -> None:
             takes it (checked whether the graph has ops of its kind or not); a comm op names
             a process group this process does not hold.
     """
-    _backend_options("comm", config.comm_backend, config.comm_backend_options)
-    _backend_options("experts", config.experts_backend, config.experts_backend_options)
+    _backend_options(COMM, config.comm_backend, config.comm_backend_options)
+    _backend_options(EXPERTS, config.experts_backend, config.experts_backend_options)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"
              and getattr(op_info(n.target), "backend", None) is not None]
-    # comm_backend="emulated" binds the instance of the config's emulate_* options, also over
-    # the one a model built for the emulated world names (:func:`emulated.bind_name`)
-    emulate = emulated.is_emulated(config.comm_backend)
+    # a backend whose record says ``rebind`` (the emulated world) is bound also over the ops
+    # whose model named an instance of it
+    rebind = config.comm_backend != "auto" and comm_record(config.comm_backend).rebind
     comm = [n for n in calls if op_info(n.target).backend == "comm"
-            and (not bound_backend(n) or (emulate and emulated.is_emulated(bound_backend(n))))]
+            and (not bound_backend(n) or (
+                rebind and comm_backend_name(bound_backend(n)) == config.comm_backend))]
     _check_model_comm(gm, [n for n in calls if op_info(n.target).backend == "comm"
                            and n not in comm], len(comm), config)
-    if not comm:
-        comm_spec = None
-    elif emulate:
-        comm_spec = emulated.bind_name(gm.graph, config)
-    else:
-        comm_spec = _choose_comm(gm, config, comm)
+    comm_spec = _choose_comm(gm, config, comm) if comm else None
     for node in comm:
         if comm_spec is not None:
             set_op_arg(node, "backend", comm_spec)
     said: set[str] = set()
+
+    def say_once(level: int, msg: str) -> None:  # one line per reason, not per layer
+        if msg not in said:
+            said.add(msg)
+            log.log(level, msg)
+
     for node in calls:
         if op_info(node.target).backend != "experts" or bound_backend(node):
             continue
-        spec = _choose_experts(node, config, comm_spec, said)
+        spec = choose(EXPERTS, config.experts_backend, config.experts_backend_options,
+                      [_experts_facts(node, _experts_layout(node, comm_spec))], say_once)
         if spec is not None:
             set_op_arg(node, "backend", spec)
 
@@ -328,7 +317,7 @@ def _check_model_comm(gm: fx.GraphModule, nodes: list[fx.Node], bound: int,
     dispatch_of = _dispatch_of(gm)
     for node in nodes:
         spec = backend_for_group(op_arg(node, "group_name", ""), bound_backend(node))
-        why = _comm_unsupported(get_comm_backend(spec), _comm_facts(node, dispatch_of))
+        why = _unsupported(COMM, get_comm_backend(spec), _comm_facts(node, dispatch_of))
         if why is not None:
             raise CommBackendError(f"the model's comm op {node.name} names the comm backend "
                                    f"{spec!r} (its backend argument), which cannot serve it: "

@@ -183,8 +183,8 @@ class GraphSoak:
         faults.count_expert_load(self.ref, record_margins=True)
         self.slots_per_token = cfg.top_k * cfg.num_moe_layers
         compiled = torch.compile(model, backend="dbo", options={
-            "split": "always", "comm_backend": "emulated", "emulate_world_size": w,
-            "compute_backend": compute_backend})
+            "split": "always", "comm_backend": "emulated",
+            "comm_backend_options": {"world_size": w}, "compute_backend": compute_backend})
         self.runner = CudaGraphRunner(compiled, self.buckets, max_blocks_per_req=_MAX_BLOCKS,
                                       block_size=_BLOCK, vocab_size=cfg.vocab_size,
                                       timing_iters=3 if self.cuda else 1, device=self.device)
