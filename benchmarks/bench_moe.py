@@ -18,7 +18,7 @@ without CUDA.
 
 Per bucket (phase, tokens/rank), every figure the median of ``--iters`` timed calls (CUDA events),
 the max over ranks. The model is compiled with the default options (``split="auto"``, schedule
-candidates on) and run by ``dbo_compile.runtime.graphs.CudaGraphRunner`` with the bucket as its
+candidates on) and run by ``dbo_compile.runtime.cudagraph_runner.CudaGraphRunner`` with the bucket as its
 only bucket: the runner captures the unsplit program and every split schedule candidate as CUDA
 graphs, times them at warm-up and decides. Then, on the benchmark's own step:
 

@@ -2,7 +2,7 @@
 
 Every error says what was found, where (node name, op, shape, rank) and what the user can do.
 Each class is also importable from the module that raises it (``dbo_compile.ops``,
-``dbo_compile.runtime.graphs``, ...), where users have imported it so far.
+``dbo_compile.runtime.cudagraph_runner``, ...), where users have imported it so far.
 """
 
 

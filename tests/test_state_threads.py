@@ -140,7 +140,7 @@ def test_padding_rows_are_not_counted(rows):
 
 
 def test_runner_bucket_padding_is_not_counted():
-    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
 
     cfg, model, state = _build("counter")
     step = _step(cfg, 12)

@@ -142,7 +142,7 @@ class DboCompiledModule(CompiledArtifact):
         config: options.
         candidates: every compiled schedule candidate of the split program by name (the
             primary, ``split_program``, first; ``config.schedule_candidates``). The eager path
-            runs the primary; :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` picks one
+            runs the primary; :class:`~dbo_compile.runtime.cudagraph_runner.CudaGraphRunner` picks one
             per bucket by measurement.
         compile_times: seconds per compile pass (:mod:`dbo_compile.passes.pipeline`).
         kv_block_sizes: the KV block sizes of the graph's paged-KV ops
