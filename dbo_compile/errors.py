@@ -109,6 +109,11 @@ class VizInputError(DboError, ValueError):
     """A schedule or profile file given to the viz tools is missing or malformed."""
 
 
+class TimingError(DboError, ValueError):
+    """A timer of :mod:`dbo_compile.timing` was asked for no samples (``iters`` or ``reps``
+    below 1, ``warmup`` below 0)."""
+
+
 class MultirankError(DboError, RuntimeError):
     """A spawned rank raised, or the ranks did not finish within the timeout."""
 
