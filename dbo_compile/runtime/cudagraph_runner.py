@@ -105,6 +105,7 @@ from dbo_compile.runtime.engine import run_step
 from dbo_compile.runtime.numbers import InputNumbers
 from dbo_compile.runtime.padding import join_ubatch_outputs, pad_args
 from dbo_compile.runtime.vote import min_split_tokens, vote_device
+from dbo_compile.timing import samples_us
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,8 @@ log = logging.getLogger(__name__)
 #: slower (``benchmarks/results/emulated_v2lite_worlds_pipelined_h200_2026-12-01.json``).
 MIN_GAIN = 0.03
 
-__all__ = ["BucketGraphs", "CudaGraphRunner", "GraphRunnerError", "OutputMap",
-           "WARMUP_PARTS"]
+__all__ = ["BucketGraphs", "CudaGraphRunner", "EagerGraph", "GraphRunnerError", "OutputMap",
+           "WARMUP_PARTS", "split_program_fn"]
 
 #: the parts of a bucket's warm-up time (:attr:`BucketGraphs.warmup_s`), in order
 WARMUP_PARTS = ("record", "probe", "warmup_runs", "capture", "timing", "total")
@@ -252,9 +253,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-class _EagerGraph:
+class EagerGraph:
     """CPU stand-in for a CUDA graph: ``replay()`` re-runs the function on the same static
-    inputs and copies its outputs into the static outputs (tests the buffer plumbing)."""
+    inputs and copies its outputs into the static outputs (``out``; tests the buffer
+    plumbing). The runner captures with it where there is no CUDA; so do the benchmarks'
+    CPU smoke runs."""
 
     def __init__(self, fn: Callable[[], Any]):
         self.fn = fn
@@ -498,7 +501,7 @@ class CudaGraphRunner:
         if art.is_split and not never:
             b.split_args = art.split_args(b.args, [1] * b.tokens)
             for name, program in art.candidates.items():
-                self._graph(b, name, _split_fn(program, b.split_args, art, b.tokens), cuda)
+                self._graph(b, name, split_program_fn(program, b.split_args, art, b.tokens), cuda)
         t0 = time.perf_counter()
         b.times_us = self._time(b, _timed(b, art.config.split))
         b.warmup_s["timing"] = time.perf_counter() - t0
@@ -509,7 +512,7 @@ class CudaGraphRunner:
         if cuda:
             b.graphs[name], b.outs[name] = capture(fn, warmup=2, pool=self.pool, times=times)
         else:
-            g = _EagerGraph(fn)
+            g = EagerGraph(fn)
             b.graphs[name], b.outs[name] = g, g.out
             times["capture_s"] = time.perf_counter() - t0
         b.graph_s[name] = time.perf_counter() - t0
@@ -525,23 +528,8 @@ class CudaGraphRunner:
         samples: dict[str, list[float]] = {n: [] for n in names}
         for _round in range(3):
             for name in names:
-                g = b.graphs[name]
-                g.replay()
-                if cuda:
-                    torch.cuda.synchronize()
-                    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                          for _ in range(self.timing_iters)]
-                    for s, e in ev:
-                        s.record()
-                        g.replay()
-                        e.record()
-                    torch.cuda.synchronize()
-                    samples[name] += [s.elapsed_time(e) * 1e3 for s, e in ev]
-                else:
-                    for _ in range(self.timing_iters):
-                        t0 = time.perf_counter()
-                        g.replay()
-                        samples[name].append((time.perf_counter() - t0) * 1e6)
+                samples[name] += samples_us(b.graphs[name].replay, self.timing_iters, warmup=1,
+                                            cuda=cuda)
         med = _max_over_ranks([statistics.median(samples[n]) for n in names])
         return dict(zip(names, med))
 
@@ -798,9 +786,12 @@ def _timed(b: BucketGraphs, mode: str) -> list[str]:
     return names if len(names) > 1 else []
 
 
-def _split_fn(program: Any, split_args: list[Any], art: CompiledArtifact, tokens: int):
-    """The split program over static per-ubatch inputs; outputs concatenated in ubatch order
-    (sizes at the bucket's ``tokens``)."""
+def split_program_fn(program: Any, split_args: list[Any], art: CompiledArtifact,
+                     tokens: int) -> Callable[[], Any]:
+    """``program`` (a split schedule candidate of ``art``) as a zero-argument callable over the
+    static per-ubatch inputs ``split_args`` (a bucket's ``BucketGraphs.split_args``); its
+    outputs concatenated in ubatch order, token-indexed ones at the bucket's ``tokens`` rows:
+    what the runner captures per candidate, and what the benchmarks time beside it."""
     outputs, specs = art.signature.outputs, art.output_specs
     return lambda: join_ubatch_outputs(program(*split_args), outputs, specs, tokens)
 
