@@ -63,7 +63,7 @@ from dbo_compile.ops.registry import bound_backend, comm_kind  # noqa: E402
 from dbo_compile.passes.calibrate import step_features  # noqa: E402
 from dbo_compile.runtime import capture as cg_capture  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
-from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, _split_fn  # noqa: E402
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, split_program_fn  # noqa: E402
 from dbo_compile.runtime.padding import join_ubatch_outputs  # noqa: E402
 
 
@@ -312,7 +312,7 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
         runner.load_step(n, ids, pos, md, qlens, split=True)
         program = art.candidates[b.best_candidate]
         serial, nocomm = H.serial_and_nocomm(
-            program, _split_fn(program, b.split_args, art, b.tokens))
+            program, split_program_fn(program, b.split_args, art, b.tokens))
         if args.eager:
             t["unsplit_eager"] = timer(lambda: art.unsplit(*b.args), iters=3)
             t["dbo_eager"] = timer(lambda: run_step(cmodel, ids, pos, md, qlens, block_size=16),

@@ -87,7 +87,7 @@ from dbo_compile.ops import comm as _comm  # noqa: E402
 from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
 from dbo_compile.runtime import capture as cg_capture  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
-from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, _split_fn  # noqa: E402
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, split_program_fn  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -332,7 +332,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
                 torch.cuda.synchronize()
             row[f"num_{name}_vs_unsplit"] = H.rel_err(b.outs[name][0][:tokens], ref)
         program = art.candidates[b.best_candidate]
-        split_fn = _split_fn(program, b.split_args, art, b.tokens)
+        split_fn = split_program_fn(program, b.split_args, art, b.tokens)
         serial, nocomm = H.serial_and_nocomm(program, split_fn)
 
         def nocomm_streams():
