@@ -27,7 +27,6 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import traceback
 
@@ -36,9 +35,10 @@ import torch
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+import harness  # noqa: E402
+
 from dbo_compile.models.batch import make_step  # noqa: E402
 from dbo_compile.ops import attention as A  # noqa: E402
-from dbo_compile.runtime.capture import capture  # noqa: E402
 
 #: (rows per program, context positions per iteration, warps, stages) timed by --sweep
 SWEEP = [(16, 16, 4, 2), (16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2),
@@ -120,26 +120,14 @@ def build_case(args, phase: str, device: str = "cuda") -> dict:
 
 
 def time_us(fn, iters: int, warmup: int) -> float:
-    """Median µs of ``iters`` calls, each between two CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    """Median µs of ``iters`` calls, each between two CUDA events (the harness's timer)."""
+    return harness.median_us(fn, iters, warmup=warmup, cuda=True)
 
 
 def graph_us(fn, iters: int, warmup: int) -> tuple[float, torch.Tensor, torch.cuda.CUDAGraph]:
     """``fn`` captured in a CUDA graph: median µs of a replay, the graph's output, the graph."""
-    graph, out = capture(fn, warmup=2)
-    t = time_us(graph.replay, iters, warmup)
-    return t, out, graph
+    graph, out = harness.capture(fn, warmup=2)
+    return time_us(graph.replay, iters, warmup), out, graph
 
 
 def bench_case(args, c: dict) -> dict:
@@ -221,7 +209,7 @@ def main(argv=None) -> int:
     import triton
 
     torch.cuda.set_device(0)
-    dev_name = torch.cuda.get_device_name(0)
+    dev_name = harness.machine(1, 0)
     setup = (f"Hq={args.hq}, Hkv={args.hkv}, D={args.head_dim}, {args.dtype}, "
              f"block_size={args.block_size}, decode {args.decode_reqs} reqs ctx "
              f"[{args.decode_ctx}], prefill {args.prefill_tokens} tokens in {args.prompt}-token "

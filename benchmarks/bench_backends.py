@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import harness  # noqa: E402
 import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
@@ -270,7 +271,7 @@ def _hf_row(args, results, write):
 def main(argv=None) -> int:
     args = parse(argv)
     t_start = time.perf_counter()
-    results = {"machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(),
+    results = {"machine": {"gpu": harness.machine(), "host": platform.node(),
                            "torch": torch.__version__, "cuda": torch.version.cuda,
                            **_versions()},
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -43,8 +43,6 @@ import datetime
 import functools
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 import traceback
@@ -53,6 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import harness  # noqa: E402
 import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
@@ -61,31 +60,13 @@ from dbo_compile.ops.comm import get_comm_backend, payload_layout  # noqa: E402
 from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
 from dbo_compile.ops.registry import bound_backend, comm_kind  # noqa: E402
 from dbo_compile.passes.calibrate import step_features  # noqa: E402
-from dbo_compile.runtime import capture as cg_capture  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
-from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, _split_fn  # noqa: E402
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, split_program_fn  # noqa: E402
 from dbo_compile.runtime.padding import join_ubatch_outputs  # noqa: E402
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-class _Eager:
-    """CPU stand-in for a captured graph (the CPU smoke run): ``replay()`` calls ``fn``."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self):
-        self.fn()
-
-
-def capture(fn, warmup: int = 2):
-    """``(graph, static_out)``: a CUDA graph of ``fn`` (on CPU, an eager stand-in)."""
-    if torch.cuda.is_available():
-        return cg_capture.capture(fn, warmup=warmup)
-    return _Eager(fn), fn()
 
 
 def _sync():
@@ -100,24 +81,7 @@ class Timer:
         self.iters, self.warmup = iters, warmup
 
     def __call__(self, fn, iters: int | None = None) -> float:
-        for _ in range(self.warmup):
-            fn()
-        if not torch.cuda.is_available():
-            ts = []
-            for _ in range(iters or self.iters):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(ts)
-        torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(iters or self.iters)]
-        for s, e in ev:
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
+        return harness.median_us(fn, iters or self.iters, warmup=self.warmup)
 
 
 def parse_worlds(spec: str, default_gbps: float) -> list[tuple[int, float]]:
@@ -209,7 +173,7 @@ def time_units(program, split_args, outputs, timer: Timer, reps: int) -> dict[in
             return r
 
         try:
-            g, o = capture(fn, warmup=1)
+            g, o = harness.capture(fn, warmup=1)
             out[i] = timer(g.replay, iters=max(5, timer.iters // 2)) / reps
             del g, o
         except Exception as e:  # noqa: BLE001 - a unit that will not capture alone
@@ -313,7 +277,7 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
         runner.load_step(n, ids, pos, md, qlens, split=True)
         program = art.candidates[b.best_candidate]
         serial, nocomm = H.serial_and_nocomm(
-            program, _split_fn(program, b.split_args, art, b.tokens))
+            program, split_program_fn(program, b.split_args, art, b.tokens))
         if args.eager:
             t["unsplit_eager"] = timer(lambda: art.unsplit(*b.args), iters=3)
             t["dbo_eager"] = timer(lambda: run_step(cmodel, ids, pos, md, qlens, block_size=16),
@@ -328,7 +292,7 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
         for name, fn in (("split_serial", serial), ("split_nocomm", nocomm), ("comm", comm),
                          ("comm_ops", comm_ops)):
             try:
-                extra[name] = capture(fn, warmup=2)
+                extra[name] = harness.capture(fn, warmup=2)
             except Exception as e:  # noqa: BLE001
                 row["errors"].append(f"capture {name}: {type(e).__name__}: {e}"[:400])
                 log(traceback.format_exc()[-2000:])
@@ -456,37 +420,33 @@ def comm_ops_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int]
     return run
 
 
-def fmt(v, nd=0):
-    if v is None:
-        return "–"
-    return f"{v:,.{nd}f}" if isinstance(v, float) else str(v)
-
-
 def markdown(doc: dict) -> str:
-    lines = [f"Machine: {doc['machine']}; torch {doc['torch']}; {doc['date']}; {doc['setup']}", "",
-             "| preset | W | GB/s | phase | tok/rank | unsplit eager | **baseline** | split serial "
-             "| split no comm | comm M | comm ops | DBO eager | **DBO graph** (schedule) | "
-             "runtime picks | speedup | bound | η | η vs ops | pick / baseline | "
-             "routed / cap rows | max rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = harness.fmt
+    rows = []
     for r in doc["rows"]:
-        head = f"| {r.get('preset')} | {r.get('world_size')} | {fmt(r.get('link_gbps'))} | {r['phase']} | {r['tokens_per_rank']} "
+        head = [r.get("preset"), r.get("world_size"), fmt(r.get("link_gbps")), r["phase"],
+                r["tokens_per_rank"]]
         if r.get("t_dbo_graph_us") is None:
-            lines.append(head + f"| failed: {'; '.join(r.get('errors', []))[:200]} |")
+            rows.append(head + [f"failed: {'; '.join(r.get('errors', []))[:200]}"])
             continue
         errs = [v["max_rel"] for k, v in r.items() if k.startswith("num_") and isinstance(v, dict)]
         rt = r.get("routed", {})
         routed = (f"{rt['dispatch_rows'] / max(rt['capacity_rows'], 1):.2f}"
                   if rt.get("capacity_rows") else "–")
-        lines.append(
-            head + f"| {fmt(r['t_unsplit_eager_us'])} | {fmt(r['t_baseline_us'])} | "
-            f"{fmt(r['t_split_serial_us'])} | {fmt(r['t_split_nocomm_us'])} | {fmt(r['t_comm_us'])} | "
-            f"{fmt(r.get('t_comm_ops_us'))} | "
-            f"{fmt(r['t_dbo_eager_us'])} | {fmt(r['t_dbo_graph_us'])} ({r['dbo_variant']}) | "
-            f"{'split' if r['chosen'] != 'unsplit' else 'unsplit'} {fmt(r['t_chosen_us'])} | "
-            f"{fmt(r['speedup'], 3)}× | {fmt(r['bound'], 2)}× | {fmt(r['eta'], 2)} | "
-            f"{fmt(r.get('eta_vs_comm_ops'), 2)} | "
-            f"{fmt(r['chosen_vs_baseline'], 3)}× | {routed} | {fmt(max(errs) if errs else None, 4)} |")
+        rows.append(head + [
+            fmt(r["t_unsplit_eager_us"]), fmt(r["t_baseline_us"]), fmt(r["t_split_serial_us"]),
+            fmt(r["t_split_nocomm_us"]), fmt(r["t_comm_us"]), fmt(r.get("t_comm_ops_us")),
+            fmt(r["t_dbo_eager_us"]), f"{fmt(r['t_dbo_graph_us'])} ({r['dbo_variant']})",
+            f"{'split' if r['chosen'] != 'unsplit' else 'unsplit'} {fmt(r['t_chosen_us'])}",
+            f"{fmt(r['speedup'], 3)}×", f"{fmt(r['bound'], 2)}×", fmt(r["eta"], 2),
+            fmt(r.get("eta_vs_comm_ops"), 2), f"{fmt(r['chosen_vs_baseline'], 3)}×", routed,
+            fmt(max(errs) if errs else None, 4)])
+    head = ["preset", "W", "GB/s", "phase", "tok/rank", "unsplit eager", "**baseline**",
+            "split serial", "split no comm", "comm M", "comm ops", "DBO eager",
+            "**DBO graph** (schedule)", "runtime picks", "speedup", "bound", "η", "η vs ops",
+            "pick / baseline", "routed / cap rows", "max rel err"]
+    lines = [f"Machine: {doc['machine']}; torch {doc['torch']}; {doc['date']}; {doc['setup']}", "",
+             *harness.table(head, rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -511,7 +471,7 @@ def main(args) -> int:
     args.out_dir = os.path.dirname(os.path.abspath(args.json))
     os.makedirs(args.out_dir, exist_ok=True)
     timer = Timer(args.iters, args.warmup)
-    machine = (f"1x {torch.cuda.get_device_name(device)}" if cuda else "CPU") + f" ({platform.machine()})"
+    machine = harness.machine(1, device)
     setup = (f"{preset}, {args.layers} layers ({args.dense_layers} dense), vocab {args.vocab}, "
              f"bf16, emulated EP world (comm_backend=emulated), experts={kernels['experts']}, "
              f"attention={kernels['attention']}, scheduler={args.scheduler}, "

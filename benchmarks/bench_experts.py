@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import harness  # noqa: E402
 import moe_harness as H  # noqa: E402
 
 from dbo_compile.ops import fused_moe  # noqa: E402
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
               f"{r.get('best_us', 0):8.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            json.dump({"device": harness.machine(), "torch": torch.__version__,
                        "rows": rows}, f, indent=1)
     return 0
 

@@ -18,7 +18,7 @@ without CUDA.
 
 Per bucket (phase, tokens/rank), every figure the median of ``--iters`` timed calls (CUDA events),
 the max over ranks. The model is compiled with the default options (``split="auto"``, schedule
-candidates on) and run by ``dbo_compile.runtime.graphs.CudaGraphRunner`` with the bucket as its
+candidates on) and run by ``dbo_compile.runtime.cudagraph_runner.CudaGraphRunner`` with the bucket as its
 only bucket: the runner captures the unsplit program and every split schedule candidate as CUDA
 graphs, times them at warm-up and decides. Then, on the benchmark's own step:
 
@@ -67,8 +67,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 import traceback
@@ -78,6 +76,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import harness  # noqa: E402
 import moe_harness as H  # noqa: E402
 from flags import given_flags, refuse_unread  # noqa: E402
 
@@ -85,9 +84,8 @@ from dbo_compile import DboConfig, DboConfigError  # noqa: E402
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import comm as _comm  # noqa: E402
 from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
-from dbo_compile.runtime import capture as cg_capture  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
-from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, _split_fn  # noqa: E402
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, split_program_fn  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -220,22 +218,7 @@ class Timer:
             fn()
         self.sync()
         dist.barrier()
-        self.sync()
-        if not self.cuda:
-            ts = []
-            for _ in range(self.iters):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(ts)
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(self.iters)]
-        for s, e in ev:
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
+        return harness.median_us(fn, self.iters, cuda=self.cuda)
 
     def sync(self):
         if self.cuda:
@@ -332,7 +315,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
                 torch.cuda.synchronize()
             row[f"num_{name}_vs_unsplit"] = H.rel_err(b.outs[name][0][:tokens], ref)
         program = art.candidates[b.best_candidate]
-        split_fn = _split_fn(program, b.split_args, art, b.tokens)
+        split_fn = split_program_fn(program, b.split_args, art, b.tokens)
         serial, nocomm = H.serial_and_nocomm(program, split_fn)
 
         def nocomm_streams():
@@ -357,7 +340,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
                 makers.append(("inductor", lambda: ind(ids, pos, md)))
             for name, fn in makers:
                 try:
-                    extra[name] = cg_capture.capture(fn, warmup=2)
+                    extra[name] = harness.capture(fn, warmup=2)
                 except Exception as e:  # noqa: BLE001
                     row["errors"].append(f"capture {name}: {type(e).__name__}: {e}"[:400])
                     log(f"  capture {name} FAILED: {traceback.format_exc()[-1500:]}")
@@ -401,32 +384,29 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     return row
 
 
-def fmt(v, nd=0):
-    if v is None:
-        return "–"
-    return f"{v:,.{nd}f}" if isinstance(v, float) else str(v)
+fmt = harness.fmt
 
 
 def markdown(doc: dict) -> str:
-    lines = [f"Machine: {doc['machine']}; torch {doc['torch']}, NCCL {doc['nccl']}; {doc['date']}; "
-             f"{doc.get('setup', '')}", "",
-             "| link | phase | tok/rank | unsplit eager | **baseline** (unsplit graph) | split serial "
-             "| split no comm | comm M | DBO eager | **DBO graph** (schedule) | runtime picks | speedup | η "
-             "| pick / baseline | max rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for r in doc["rows"]:
+        head = [r.get("link"), r["phase"], r["tokens_per_rank"]]
         if r.get("t_dbo_graph_us") is None:
-            lines.append(f"| {r.get('link')} | {r['phase']} | {r['tokens_per_rank']} | failed: "
-                         f"{'; '.join(r.get('errors', []))[:200]} |")
+            rows.append(head + [f"failed: {'; '.join(r.get('errors', []))[:200]}"])
             continue
         err = max((v["max_rel"] for k, v in r.items() if k.startswith("num_") and isinstance(v, dict)),
                   default=None)
-        lines.append(
-            f"| {r['link']} | {r['phase']} | {r['tokens_per_rank']} | {fmt(r['t_unsplit_eager_us'])} | "
-            f"{fmt(r['t_baseline_us'])} | {fmt(r['t_split_serial_us'])} | {fmt(r['t_split_nocomm_us'])} | "
-            f"{fmt(r['t_comm_us'])} | {fmt(r['t_dbo_eager_us'])} | {fmt(r['t_dbo_graph_us'])} ({r['dbo_variant']}) | "
-            f"{r['chosen']} {fmt(r['t_chosen_us'])} | {fmt(r['speedup'], 3)}× | {fmt(r['eta'], 2)} | "
-            f"{fmt(r['chosen_vs_baseline'], 3)}× | {fmt(err, 4)} |")
+        rows.append(head + [
+            fmt(r["t_unsplit_eager_us"]), fmt(r["t_baseline_us"]), fmt(r["t_split_serial_us"]),
+            fmt(r["t_split_nocomm_us"]), fmt(r["t_comm_us"]), fmt(r["t_dbo_eager_us"]),
+            f"{fmt(r['t_dbo_graph_us'])} ({r['dbo_variant']})", f"{r['chosen']} {fmt(r['t_chosen_us'])}",
+            f"{fmt(r['speedup'], 3)}×", fmt(r["eta"], 2), f"{fmt(r['chosen_vs_baseline'], 3)}×",
+            fmt(err, 4)])
+    head = ["link", "phase", "tok/rank", "unsplit eager", "**baseline** (unsplit graph)",
+            "split serial", "split no comm", "comm M", "DBO eager", "**DBO graph** (schedule)",
+            "runtime picks", "speedup", "η", "pick / baseline", "max rel err"]
+    lines = [f"Machine: {doc['machine']}; torch {doc['torch']}, NCCL {doc['nccl']}; {doc['date']}; "
+             f"{doc.get('setup', '')}", "", *harness.table(head, rows)]
     lines.append("")
     lines.append("µs per step, median of CUDA-event-timed graph replays on the benchmark's step, max "
                  "over ranks. baseline = unsplit program in one CUDA graph; DBO graph = the split "
@@ -463,8 +443,7 @@ def main(argv=None) -> int:
     model = H.build_model(preset, args.layers, group, str(device), **overrides)
     timer = Timer(cuda, args.iters, args.warmup)
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "n/a (gloo)"
-    machine = (f"{dist.get_world_size()}x {torch.cuda.get_device_name(device)}" if cuda
-               else f"{dist.get_world_size()} CPU ranks ({platform.machine()})")
+    machine = harness.machine(dist.get_world_size(), device)
     mc = model.config
     setup = (f"{preset}, {args.layers} layers ({mc.num_moe_layers} MoE), vocab {mc.vocab_size}, bf16, "
              f"EP={dist.get_world_size()}, experts={kernels['experts']}, "

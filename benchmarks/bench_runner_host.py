@@ -32,7 +32,7 @@ in µs:
 
 Columns: ``device`` = metadata as device tensors only (every count read from the "device");
 ``mirrors`` = the same step with its host mirrors attached
-(:meth:`~dbo_compile.runtime.metadata.AttentionMetadata.with_host_mirrors`), when the package
+(:meth:`~dbo_compile.metadata.AttentionMetadata.with_host_mirrors`), when the package
 has them. ``--against DIR`` runs this same script with ``PYTHONPATH=DIR`` (e.g. an export of
 another commit: ``git archive HEAD | tar -x -C /tmp/base``) in a subprocess and prints its
 columns first, so that before/after come from one invocation on one machine.
@@ -58,25 +58,26 @@ from typing import Any
 import torch
 
 #: (label, "module:Class" or "module", attribute) of each timed function; absent ones are
-#: skipped; "a|b": the first that exists (the serving path calls internal forms that skip the
+#: skipped; "a|b" (of modules or attributes): the first that exists (older trees: the runner in
+#: ``runtime/graphs.py``, the metadata in ``runtime/metadata.py``) (the serving path calls internal forms that skip the
 #: checks the vote made: ``_load``, ``_check_vetoes``, ...).
 PHASES = [
-    ("vote", "dbo_compile.runtime.graphs:CudaGraphRunner", "_vote"),
-    ("load_step", "dbo_compile.runtime.graphs:CudaGraphRunner", "_load|load_step"),
+    ("vote", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner", "_vote"),
+    ("load_step", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner", "_load|load_step"),
 ]
 INSIDE = [
-    ("host_counts", "dbo_compile.runtime.metadata:AttentionMetadata", "host_counts"),
-    ("host_fields", "dbo_compile.runtime.metadata:AttentionMetadata", "host_fields"),
-    ("validate", "dbo_compile.runtime.metadata:AttentionMetadata", "validate"),
+    ("host_counts", "dbo_compile.metadata|dbo_compile.runtime.metadata:AttentionMetadata", "host_counts"),
+    ("host_fields", "dbo_compile.metadata|dbo_compile.runtime.metadata:AttentionMetadata", "host_fields"),
+    ("validate", "dbo_compile.metadata|dbo_compile.runtime.metadata:AttentionMetadata", "validate"),
     ("check_vetoes", "dbo_compile.runtime.vetoes", "_check_vetoes|check_vetoes"),
     ("coordinate_across_dp", "dbo_compile.runtime.vote", "coordinate_across_dp"),
-    ("_pad_args", "dbo_compile.runtime.graphs", "_pad_args"),
+    ("_pad_args", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs", "_pad_args"),
     ("split_args", "dbo_compile.runtime.program:DboCompiledModule", "split_args"),
     ("make_ubatch_slices", "dbo_compile.runtime.ubatch", "_slices_at_offsets|make_ubatch_slices"),
     ("split_attn_metadata", "dbo_compile.runtime.ubatch", "_split_validated|split_attn_metadata"),
-    ("_copy_into", "dbo_compile.runtime.graphs", "_copy_into"),
-    ("_token_outputs", "dbo_compile.runtime.graphs", "_token_outputs"),
-    ("_real_rows", "dbo_compile.runtime.graphs", "_real_rows"),
+    ("_copy_into", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs", "_copy_into"),
+    ("_token_outputs", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs", "_token_outputs"),
+    ("_real_rows", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs", "_real_rows"),
 ]
 
 
@@ -109,8 +110,8 @@ class _Clock:
 
     def install(self) -> None:
         for label, where, attr in PHASES + INSIDE:
-            mod, _, cls = where.partition(":")
-            owner = importlib.import_module(mod)
+            mods, _, cls = where.partition(":")
+            owner = _first_module(mods.split("|"))
             if cls:
                 owner = getattr(owner, cls, None)
             attr = next((a for a in attr.split("|") if hasattr(owner, a)), None)
@@ -139,6 +140,16 @@ class _Clock:
         return timed
 
 
+def _first_module(names: list[str]):
+    """The first of the modules ``names`` that this tree has (``None``: none of them)."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    return None
+
+
 def _count_host_reads():
     """``count_host_reads`` of this script's tree (works on any version of the package)."""
     import importlib.util
@@ -165,8 +176,8 @@ def _step(cfg, phase: str, tokens: int, requests: int | None):
 def run_case(case: str, graphs: list[str], layers: int, iters: int, warmup: int) -> dict:
     from dbo_compile.backend import register
     from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
-    from dbo_compile.runtime.graphs import CudaGraphRunner
-
+    CudaGraphRunner = _first_module(["dbo_compile.runtime.cudagraph_runner",
+                                     "dbo_compile.runtime.graphs"]).CudaGraphRunner
     register()
     torch._dynamo.reset()
     phase, _, size = case.partition(":")

@@ -13,7 +13,7 @@ The script launches ``torchrun --nproc-per-node 2`` once per tree (with ``--comp
 first REV's package, from ``git archive`` in a temporary folder, then this tree's, one after the other
 in the same run), builds the benchmark's model (``moe_harness``: tiny preset on CPU,
 DeepSeek-V2-Lite shapes on CUDA; 4 MoE layers, vocab 4096), compiles it with
-``backend="dbo"`` and lets one :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` capture
+``backend="dbo"`` and lets one :class:`~dbo_compile.runtime.cudagraph_runner.CudaGraphRunner` capture
 every bucket, as a serving job's warm-up does (``bench_moe.py``'s ``capture_s`` instead
 resets Dynamo for each bucket). Each part's time is **exclusive** (a part nested in another
 is not counted twice), so the parts add up to the whole ``capture()``; the figure of a part
@@ -63,9 +63,10 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 
-#: (part, "module:qualname") in table order; a target a tree does not have is skipped
+#: (part, "module:qualname") in table order; a target a tree does not have is skipped; "a|b":
+#: the first of the modules that the tree has (before 3f21f21 the runner was runtime/graphs.py)
 PARTS = [
-    ("Dynamo (trace, guards)", "dbo_compile.runtime.graphs:CudaGraphRunner._record"),
+    ("Dynamo (trace, guards)", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner._record"),
     ("lowering (AOT)", "dbo_compile.lowering:lower_to_aten"),
     ("token dims", "dbo_compile.passes.token_dim:annotate_token_dims"),
     ("split + yields", "dbo_compile.passes.split_ubatch:split_ubatch"),
@@ -78,9 +79,9 @@ PARTS = [
     ("Inductor compile", "dbo_compile.codegen.inductor:InductorStage._compile"),
     ("warm-up step runs", "dbo_compile.runtime.program:DboCompiledModule.__call__"),
     ("warm-up step runs", "dbo_compile.runtime.program:UnsplitProgram.__call__"),
-    ("graph capture", "dbo_compile.runtime.graphs:CudaGraphRunner._graph"),
-    ("timing", "dbo_compile.runtime.graphs:CudaGraphRunner._time"),
-    ("capture() other", "dbo_compile.runtime.graphs:CudaGraphRunner.capture"),
+    ("graph capture", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner._graph"),
+    ("timing", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner._time"),
+    ("capture() other", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner.capture"),
 ]
 #: parts whose call count is worth printing
 COUNTED = ("schedules", "codegen", "graph capture")  # Inductor: compiled callables, below
@@ -117,14 +118,24 @@ class ExclusiveTimer:
 
     def install(self) -> None:
         for part, target in PARTS:
-            mod_name, qual = target.split(":")
-            owner = importlib.import_module(mod_name)
+            mod_names, qual = target.split(":")
+            owner = _first_module(mod_names.split("|"))
             *path, attr = qual.split(".")
             for p in path:
                 owner = getattr(owner, p, None)
             if owner is None or not hasattr(owner, attr):
                 continue
             setattr(owner, attr, self.wrap(part, getattr(owner, attr)))
+
+
+def _first_module(names: list[str]):
+    """The first of the modules ``names`` that the measured tree has (``None``: none)."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    return None
 
 
 # ------------------------------------------------------------------------------ one rank
@@ -137,8 +148,8 @@ def measure(args) -> None:
     import moe_harness as H
 
     from dbo_compile import backend as dbo_backend
-    from dbo_compile.runtime.graphs import CudaGraphRunner
-
+    CudaGraphRunner = _first_module(["dbo_compile.runtime.cudagraph_runner",
+                                     "dbo_compile.runtime.graphs"]).CudaGraphRunner
     device = H.init_distributed()
     cuda = device.type == "cuda"
     dbo_backend.register()

@@ -41,6 +41,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import harness  # noqa: E402
+
 
 def _comm_ops(gm) -> int:
     targets = (torch.ops.dbo.dispatch.default, torch.ops.dbo.combine.default,
@@ -49,7 +51,7 @@ def _comm_ops(gm) -> int:
 
 
 def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Gloo)"
+    return harness.machine(1, device) if device.type == "cuda" else "CPU (Gloo)"
 
 
 def _sync(device: torch.device) -> None:

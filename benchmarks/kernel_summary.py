@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
-from dbo_compile.runtime.graphs import CudaGraphRunner  # noqa: E402
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner  # noqa: E402
 
 
 def _short(name: str) -> str:
@@ -134,12 +134,12 @@ def main(argv=None) -> int:
     tables = {"unsplit": kernel_table(b.graphs["unsplit"], args.reps),
               "split": kernel_table(b.graphs[b.best_candidate], args.reps)}
     if args.ops:
-        from dbo_compile.runtime.graphs import _split_fn
+        from dbo_compile.runtime.cudagraph_runner import split_program_fn
 
         art = b.artifact
         with torch.no_grad():
             op_tables = {"unsplit": op_table(lambda: art.unsplit(*b.args), args.reps),
-                         "split": op_table(_split_fn(art.candidates[b.best_candidate], b.split_args,
+                         "split": op_table(split_program_fn(art.candidates[b.best_candidate], b.split_args,
                                                      art, b.tokens), args.reps)}
     if dist.get_rank() == 0:
         print_tables(tables, args.top,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 from typing import Any
 
 import torch
@@ -30,8 +29,8 @@ from dbo_compile import DboConfig
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops import comm as _comm
 from dbo_compile.ops.comm import packing
-from dbo_compile.runtime import capture as cg_capture
 from dbo_compile.testing import measure
+from harness import graph_us
 
 try:  # (the harness also measures trees before the emulated backend: the split price's "before")
     from dbo_compile.ops import emulated as _emulated
@@ -230,23 +229,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def time_graph(fn, iters: int, reps: int = 1) -> tuple[float, Any]:
     """Capture ``reps`` calls of ``fn`` as one CUDA graph (after warm-up calls); the median of
-    ``iters`` CUDA-event-timed replays in µs per call, and the last call's output."""
-    def calls():
-        out = None
-        for _ in range(reps):
-            out = fn()
-        return out
-
-    graph, out = cg_capture.capture(calls, warmup=2)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    del graph
-    return statistics.median(times), out
+    ``iters`` CUDA-event-timed replays in µs per call, and the last call's output
+    (:func:`harness.graph_us`)."""
+    return graph_us(fn, iters, reps=reps)

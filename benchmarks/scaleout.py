@@ -41,6 +41,8 @@ import sys
 
 import torch
 
+import harness
+
 from dbo_compile.backend import compiled_artifacts, reset_artifacts
 from dbo_compile.errors import DpVoteError
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
@@ -326,26 +328,24 @@ def main(argv=None) -> int:
 
 
 def markdown(doc: dict) -> str:
-    lines = [f"Compute figures: {doc['source']}.", "",
-             "| EP | phase | tok/device | DeepEP kernel (link) | unsplit ms | DBO ms (schedule) "
-             "| M/C | **DBO gain** | runtime pick | torch backend: DBO ms (× DeepEP's) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in doc["rows"]:
-        lines.append(
-            f"| {r['world_size']} | {r['phase']} | {r['tokens_per_device']} | {r['kernel']} "
-            f"({r['link']}) | {r['unsplit_ms']:.2f} | {r['dbo_ms']:.2f} ({r['candidate']}) | "
-            f"{r['m_over_c']:.2f} | **{r['gain']:+.1%}** | {r['runtime_pick_gain']:+.1%} | "
-            f"{r['torch_backend_dbo_ms']:.1f} ({r['torch_backend_dbo_ms'] / r['dbo_ms']:.2f}×) |")
-    lines += ["", "Anchors (SGLang two-batch overlap, DeepSeek-V3, 96 H100):", "",
-              "| phase | EP | tok/device | anchor | predicted | outside the anchor by "
-              "| relative to the anchor's gain | > 20 % |",
-              "|---|---|---|---|---|---|---|---|"]
+    rows = [[r["world_size"], r["phase"], r["tokens_per_device"], f"{r['kernel']} ({r['link']})",
+             f"{r['unsplit_ms']:.2f}", f"{r['dbo_ms']:.2f} ({r['candidate']})",
+             f"{r['m_over_c']:.2f}", f"**{r['gain']:+.1%}**", f"{r['runtime_pick_gain']:+.1%}",
+             f"{r['torch_backend_dbo_ms']:.1f} ({r['torch_backend_dbo_ms'] / r['dbo_ms']:.2f}×)"]
+            for r in doc["rows"]]
+    anchors = []
     for c in doc["anchors"]:
         lo, hi = c["anchor"]
         a = f"{lo:+.1%}" if lo == hi else f"{lo:+.0%} … {hi:+.0%}"
-        lines.append(f"| {c['phase']} | {c['world_size']} | {c['tokens_per_device']} | {a} | "
-                     f"{c['predicted']:+.1%} | {c['off_pp']:.1f} pp | "
-                     f"{c['relative_deviation']:.0%} | {'yes' if c['beyond_20pct'] else 'no'} |")
+        anchors.append([c["phase"], c["world_size"], c["tokens_per_device"], a,
+                        f"{c['predicted']:+.1%}", f"{c['off_pp']:.1f} pp",
+                        f"{c['relative_deviation']:.0%}", "yes" if c["beyond_20pct"] else "no"])
+    lines = [f"Compute figures: {doc['source']}.", "", *harness.table(
+        ["EP", "phase", "tok/device", "DeepEP kernel (link)", "unsplit ms", "DBO ms (schedule)",
+         "M/C", "**DBO gain**", "runtime pick", "torch backend: DBO ms (× DeepEP's)"], rows)]
+    lines += ["", "Anchors (SGLang two-batch overlap, DeepSeek-V3, 96 H100):", "", *harness.table(
+        ["phase", "EP", "tok/device", "anchor", "predicted", "outside the anchor by",
+         "relative to the anchor's gain", "> 20 %"], anchors)]
     lines += ["", "Assumptions:", ""] + [f"- **{k}**: {v}" for k, v in doc["assumptions"].items()]
     return "\n".join(lines) + "\n"
 

@@ -82,7 +82,7 @@ class DboConfig:
             (per layer: every ubatch's stage in turn, the order of hand-written schedules without
             cross-layer interleaving; kept for benchmarks and visual comparison).
         schedule_candidates: also compile alternative schedules of the split program, which
-            :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` times per bucket at warm-up,
+            :class:`~dbo_compile.runtime.cudagraph_runner.CudaGraphRunner` times per bucket at warm-up,
             keeping the fastest (identical on every rank: timings are maxed over the DP group):
             the list scheduler assuming a 4x and a 16x slower link (``link_gbps / 4``, ``/ 16``:
             comm-heavy networks), the other scheduler and the joined schedules (see

@@ -2,7 +2,7 @@
 
 Every error says what was found, where (node name, op, shape, rank) and what the user can do.
 Each class is also importable from the module that raises it (``dbo_compile.ops``,
-``dbo_compile.runtime.graphs``, ...), where users have imported it so far.
+``dbo_compile.runtime.cudagraph_runner``, ...), where users have imported it so far.
 """
 
 
@@ -113,6 +113,11 @@ class UnsupportedModelError(DboError, ValueError):
 
 class VizInputError(DboError, ValueError):
     """A schedule or profile file given to the viz tools is missing or malformed."""
+
+
+class TimingError(DboError, ValueError):
+    """A timer of :mod:`dbo_compile.timing` was asked for no samples (``iters`` or ``reps``
+    below 1, ``warmup`` below 0)."""
 
 
 class MultirankError(DboError, RuntimeError):

@@ -237,7 +237,7 @@ def _served(eps, cache_dir=None, runner=True):
     from dbo_compile.models.batch import fill_kv_cache, make_step
     from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
     from dbo_compile.runtime.engine import run_step
-    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
     from moe_cases import capture_then_serve
 
     torch._dynamo.reset()  # a fresh process, as far as Dynamo and the backend can tell

@@ -474,7 +474,7 @@ def test_one_dynamo_graph_serves_every_step_shape(through):
     from dbo_compile.models.batch import fill_kv_cache, make_step
     from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
     from dbo_compile.runtime.engine import run_step
-    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
     from moe_cases import eager_then_restore
 
     cfg = get_config("tiny", num_layers=1)

@@ -573,7 +573,7 @@ def test_gpu_emulated_world_equals_reference_eager_and_replayed():
         __file__))), "benchmarks"))
     import moe_harness as H
 
-    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
 
     dev = "cuda"
     H.install_kernels("cuda", experts="grouped", attention="fused")

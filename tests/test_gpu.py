@@ -145,7 +145,7 @@ def _runner_checks(rank, world, dev, dist, H, B, preset="deepseek-v2-lite",
     on both ranks; each against the unsplit eager model on the same step (KV restored). The
     eager reference pads every rank to the group's max (static-capacity all-to-all)."""
     from dbo_compile.runtime.engine import _pad_rows
-    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
 
     res: dict = {}
     cuda = dev.type == "cuda"
@@ -482,7 +482,7 @@ def test_capture_leaves_the_models_state_as_it_was(compute_backend):
     ``tests/test_graph_runner.py``)."""
     from dbo_compile.models.batch import fill_kv_cache, make_step
     from dbo_compile.models.deepseek import get_config
-    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
     from moe_cases import CountingModel, model_state
 
     cfg = get_config("tiny", num_layers=2)

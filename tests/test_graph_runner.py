@@ -17,7 +17,7 @@ import torch
 
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
-from dbo_compile.runtime.graphs import CudaGraphRunner, GraphRunnerError
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, GraphRunnerError
 from dbo_compile.testing import run_multirank
 from moe_cases import CountingModel, eager_then_restore, model_state
 
@@ -273,7 +273,7 @@ def test_wide_block_table_runs_eagerly_with_a_warning(dense, caplog):
     step = make_step(cfg, decode_context_lens=[60, 3], prefills=[], block_size=16,
                      num_blocks=NUM_BLOCKS)
     assert step.attn_metadata.block_table.shape[1] > 2
-    with torch.no_grad(), caplog.at_level("WARNING", logger="dbo_compile.runtime.graphs"):
+    with torch.no_grad(), caplog.at_level("WARNING", logger="dbo_compile.runtime.cudagraph_runner"):
         ref = model(step.input_ids, step.positions, step.attn_metadata)
         out = runner(step.input_ids, step.positions, step.attn_metadata, [1, 1])
     assert runner.eager_steps == 1 and "block table width" in caplog.text

@@ -91,7 +91,7 @@ def test_kv_cache_required():
 
 
 def _forward_flat(model, ids, pos, qsl, seq_lens, ctx, block_table, slot_mapping):
-    from dbo_compile.runtime.metadata import AttentionMetadata
+    from dbo_compile.metadata import AttentionMetadata
 
     # the int fields are deliberately bogus: forward must not read them
     md = AttentionMetadata(qsl, seq_lens, ctx, block_table, slot_mapping, -1, -1)

@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
 from dbo_compile.runtime.engine import run_step
-from dbo_compile.runtime.graphs import CudaGraphRunner
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
 from dbo_compile.testing import run_multirank
 from moe_cases import capture_then_serve
 

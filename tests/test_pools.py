@@ -136,7 +136,7 @@ def test_undeclared_reuse_is_refused_by_the_unsplit_program(model_and_step):
 def test_undeclared_reuse_is_refused_at_the_graph_runners_warm_up(model_and_step):
     """CudaGraphRunner's warm-up runs each program eagerly before capturing it: the refusal
     comes there, before any graph is captured or served."""
-    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
 
     _register(live=None)
     model = model_and_step[0]

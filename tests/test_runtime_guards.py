@@ -12,7 +12,7 @@ from conftest import last_artifact
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
 from dbo_compile.runtime.engine import run_step
-from dbo_compile.runtime.metadata import AttentionMetadata
+from dbo_compile.metadata import AttentionMetadata
 from dbo_compile.testing import run_multirank
 from moe_cases import eager_then_restore
 
@@ -359,7 +359,7 @@ def test_prefix_read_veto_takes_the_block_size_from_the_kv_cache(entry):
     """Without ``block_size`` the veto used not to run at all (run_step's default, the
     README's direct call, CudaGraphRunner's default): the step split and the reader's rows
     were wrong. The block size is dim 2 of the graph's KV cache."""
-    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
     from dbo_compile.runtime.program import last_called
 
     cfg, model = _model(layers=2)
@@ -471,7 +471,7 @@ def test_runner_refuses_a_model_with_graph_breaks():
     """Under run_step each graph of a broken model votes and runs on its own (above); a FULL
     CUDA graph needs the whole step in one graph, so capture refuses it with the way out,
     before capturing anything (not a replay that serves part of the step)."""
-    from dbo_compile.runtime.graphs import CudaGraphRunner, GraphRunnerError
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, GraphRunnerError
 
     cfg = get_config("tiny", num_layers=2)
     model = _BreakingModel(cfg, seed=0)

@@ -140,7 +140,7 @@ def test_padding_rows_are_not_counted(rows):
 
 
 def test_runner_bucket_padding_is_not_counted():
-    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
 
     cfg, model, state = _build("counter")
     step = _step(cfg, 12)
@@ -269,7 +269,7 @@ def test_runner_refuses_an_unsplit_graph_that_would_count_bucket_padding():
     whose expert-load counter folds token rows counted the bucket's padding rows: after a
     12-token step in bucket 16 the counter read 64 against eager's 48, nothing said. Refused at
     capture, naming the buffer; capture leaves the model's state as it was."""
-    from dbo_compile.runtime.graphs import CudaGraphRunner, GraphRunnerError
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, GraphRunnerError
 
     cfg, model, ref = _counting(NoCommCountingModel)
     step = _step(cfg, 12)

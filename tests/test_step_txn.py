@@ -128,7 +128,7 @@ def _runner_body(rank, world_size):
     from dbo_compile.errors import UBatchExecutionError
     from dbo_compile.models.batch import fill_kv_cache, make_step
     from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
-    from dbo_compile.runtime.graphs import CudaGraphRunner
+    from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
 
     register()
     cfg = get_config("tiny", num_layers=1)

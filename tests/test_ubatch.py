@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dbo_compile.errors import MetadataError
-from dbo_compile.runtime.metadata import AttentionMetadata
+from dbo_compile.metadata import AttentionMetadata
 from dbo_compile.runtime.ubatch import (
     UBatchSlice,
     make_ubatch_slices,

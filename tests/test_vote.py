@@ -9,7 +9,7 @@ import torch
 
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import DpVoteError, MetadataError
-from dbo_compile.runtime.metadata import AttentionMetadata
+from dbo_compile.metadata import AttentionMetadata
 from dbo_compile.runtime.ubatch import make_ubatch_slices
 from dbo_compile.runtime.vetoes import VetoRegistry, check_vetoes, prefix_read_veto
 from dbo_compile.runtime.vote import VoteResult, coordinate_across_dp, fingerprint_to_int64

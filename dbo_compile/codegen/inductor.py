@@ -21,7 +21,7 @@ generated wrapper.
 Compiling inside CUDA-graph capture would launch (autotuning) and allocate outside the graph's
 pool, so a signature first seen while the current stream is capturing raises
 :class:`~dbo_compile.errors.UBatchExecutionError`: warm the bucket up before capturing it
-(:class:`~dbo_compile.runtime.graphs.CudaGraphRunner` does). Within
+(:class:`~dbo_compile.runtime.cudagraph_runner.CudaGraphRunner` does). Within
 :func:`~dbo_compile.runtime.context.traced_only` (the runner's layout probe) a stage compiles
 nothing and runs its traced ATen ops.
 """

@@ -64,6 +64,7 @@ from dbo_compile.ops.experts_kernels import (
 )
 from dbo_compile.ops.backends import AutoPreference, BackendRegistry
 from dbo_compile.ops.registry import OpInfo, register_op
+from dbo_compile.timing import graph_median_us
 
 __all__ = ["ACTIVATIONS", "EXPERTS_PATHS", "ExpertFn", "ExpertsBackend", "ExpertsOpError",
            "available_experts_backends", "check_experts_args", "experts_loop",
@@ -118,31 +119,12 @@ def _prefer_fused(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 def _path_times(x, ids, weights, w13, w2, reps: int = 5) -> dict[str, float]:
     """``{"fused_us", "sorted_us"}``: both paths timed as the step runs them, in a CUDA graph
-    (``reps`` calls captured, the median of 3 replays): eager timing would charge the sorted
-    path's 14 host launches, which a graph replay does not pay."""
+    (``reps`` calls captured, the median of 3 replays; the first call, outside the capture,
+    compiles the Triton kernels): eager timing would charge the sorted path's 14 host
+    launches, which a graph replay does not pay."""
 
     def timed(fn) -> float:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # compiles the Triton kernels outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(3):
-            start, end = (torch.cuda.Event(enable_timing=True),
-                          torch.cuda.Event(enable_timing=True))
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / reps)
-        del graph
-        return sorted(times)[1]
+        return graph_median_us(fn, 3, reps=reps)[0]
 
     return {"fused_us": timed(lambda: _grouped_fused(x, ids, weights, w13, w2)),
             "sorted_us": timed(lambda: _grouped_triton(x, ids, weights, w13, w2))}

@@ -156,7 +156,7 @@ def traced_only() -> Iterator[None]:
     """Within the block, a compiled stage called with an input signature it has not compiled
     runs its traced ATen ops instead of compiling (and records nothing, so a later call
     compiles as usual); signatures compiled before keep their compiled code. For calls whose
-    results are thrown away, such as :class:`~dbo_compile.runtime.graphs.CudaGraphRunner`'s
+    results are thrown away, such as :class:`~dbo_compile.runtime.cudagraph_runner.CudaGraphRunner`'s
     layout probe."""
     _THREAD.traced_only += 1
     try:

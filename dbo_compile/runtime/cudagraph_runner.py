@@ -119,15 +119,15 @@ log = logging.getLogger(__name__)
 #: slower (``benchmarks/results/emulated_v2lite_worlds_pipelined_h200_2026-12-01.json``).
 MIN_GAIN = 0.03
 
-__all__ = ["BucketGraphs", "CudaGraphRunner", "GraphRunnerError", "OutputMap",
-           "WARMUP_PARTS"]
+__all__ = ["BucketGraphs", "CudaGraphRunner", "EagerGraph", "GraphRunnerError", "OutputMap",
+           "WARMUP_PARTS", "split_program_fn"]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-class _EagerGraph:
+class EagerGraph:
     """CPU stand-in for a CUDA graph: ``replay()`` re-runs the function on the same static
     inputs and copies its outputs into the static outputs (tests the buffer plumbing)."""
 
@@ -345,7 +345,7 @@ class CudaGraphRunner:
         if art.is_split and not never:
             b.split_args = art.split_args(b.args, [1] * b.tokens)
             for name, program in art.candidates.items():
-                self._graph(b, name, _split_fn(program, b.split_args, art, b.tokens), cuda)
+                self._graph(b, name, split_program_fn(program, b.split_args, art, b.tokens), cuda)
         t0 = time.perf_counter()
         b.times_us = self._time(b, timed_graphs(b, art.config.split))
         b.warmup_s["timing"] = time.perf_counter() - t0
@@ -356,7 +356,7 @@ class CudaGraphRunner:
         if cuda:
             b.graphs[name], b.outs[name] = capture(fn, warmup=2, pool=self.pool, times=times)
         else:
-            g = _EagerGraph(fn)
+            g = EagerGraph(fn)
             b.graphs[name], b.outs[name] = g, g.out
             times["capture_s"] = time.perf_counter() - t0
         b.graph_s[name] = time.perf_counter() - t0
@@ -588,8 +588,11 @@ def _is_int(value: Any) -> bool:
         return False
 
 
-def _split_fn(program: Any, split_args: list[Any], art: CompiledArtifact, tokens: int):
-    """The split program over static per-ubatch inputs; outputs concatenated in ubatch order
-    (sizes at the bucket's ``tokens``)."""
+def split_program_fn(program: Any, split_args: list[Any], art: CompiledArtifact,
+                     tokens: int) -> Callable[[], Any]:
+    """``program`` (a split schedule candidate of ``art``) as a zero-argument callable over the
+    static per-ubatch inputs ``split_args`` (a bucket's ``BucketGraphs.split_args``); its
+    outputs concatenated in ubatch order, token-indexed ones at the bucket's ``tokens`` rows:
+    what the runner captures per candidate, and what the benchmarks time beside it."""
     outputs, specs = art.signature.outputs, art.output_specs
     return lambda: join_ubatch_outputs(program(*split_args), outputs, specs, tokens)

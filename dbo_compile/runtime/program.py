@@ -135,7 +135,7 @@ class SplitRecord:
         unsplit: the unsplit program; takes the graph's inputs at any token count.
         candidates: every compiled split program by schedule-candidate name, the primary
             first (``config.schedule_candidates``, :mod:`dbo_compile.candidates`). The eager
-            path runs the primary; :class:`~dbo_compile.runtime.graphs.CudaGraphRunner`
+            path runs the primary; :class:`~dbo_compile.runtime.cudagraph_runner.CudaGraphRunner`
             picks one per bucket by measurement.
         specs: classification of the graph inputs.
         signature: how split-program inputs/outputs map to the graph's.

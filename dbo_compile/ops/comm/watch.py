@@ -92,7 +92,7 @@ def watching_results() -> Iterator[None]:
     """Check every comm call made inside (this thread, any backend) for undeclared reuse of its
     result memory (:func:`check_results`); re-entrant, forgets what it saw when the outermost
     exits. The programs open it around their first call (:func:`run_watched`), so that the
-    warm-up of :class:`~dbo_compile.runtime.graphs.CudaGraphRunner` and the first eager step
+    warm-up of :class:`~dbo_compile.runtime.cudagraph_runner.CudaGraphRunner` and the first eager step
     check, and no later call pays for it. Reads no device value (fine inside a capture)."""
     _WATCH.depth += 1
     try:
