@@ -3,27 +3,45 @@
 Wall time (``--durations``) says little on a shared machine; CPU time does not depend on the
 machine's other jobs. A test's CPU time is the ``getrusage`` delta over its setup, call and
 teardown: this process (``RUSAGE_SELF``) plus the children it waited for (``RUSAGE_CHILDREN``:
-the spawned Gloo ranks, the subprocesses of the example and benchmark tests). A module- or
+the spawned Gloo ranks, the subprocesses of the example and benchmark tests) plus the
+multiprocessing fork server's own and reaped children's CPU time (the ranks it forked:
+:func:`~dbo_compile.testing.run_multirank` without CUDA), read from ``/proc``. A module- or
 session-scoped fixture counts for the first test that uses it. Under ``pytest-xdist`` each
 worker measures its own tests and sends the figures with the test's report.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from collections import defaultdict
+from multiprocessing import forkserver
 
 import pytest
 
 _KEY = "cpu_durations"
 
 
+def _forkserver_cpu() -> float:
+    """The fork server's user+system CPU s and its reaped children's (0 if none runs)."""
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # fields[0] is field 3 (state): utime, stime, cutime, cstime are fields 14-17
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu() -> tuple[float, float]:
-    """(this process's user+system CPU s, waited children's user+system CPU s)."""
+    """(this process's user+system CPU s, its children's: waited ones and the fork server's)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime + _forkserver_cpu()
 
 
 class CpuDurations:
