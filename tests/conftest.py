@@ -5,11 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpu_durations import CpuDurations
 from dbo_compile.backend import compiled_artifacts, register, reset_artifacts
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="show the N tests with the most CPU time, spawned ranks included "
+                          "(0: all), the CPU time per file and the total")
 
 
 def pytest_configure(config):
     register()
+    top = config.getoption("--cpu-durations")
+    if top is not None:
+        config.pluginmanager.register(CpuDurations(top), "cpu-durations")
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FLOORS = ROOT / "docs" / "architecture.md"
 PACKAGE = ROOT / "dbo_compile"

@@ -14,7 +14,8 @@ TOL = {torch.float32: dict(rtol=0, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, a
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.quick) if c == "decode64" else c
+                                  for c in sorted(CASES)])
 def test_one_rank_split_equals_eager(case, dtype):
     model, step = build(CASES[case], dtype=dtype)
     eager, out, eager_kv, out_kv = eager_and_compiled(model, step, {"split": "always"})
@@ -27,6 +28,7 @@ def test_one_rank_split_equals_eager(case, dtype):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_mixed_case_really_cuts_a_request():
     from dbo_compile.runtime.ubatch import make_ubatch_slices
 

@@ -29,6 +29,7 @@ def _count_comm(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if comm_kind(n) is not None)
 
 
+@pytest.mark.quick
 def test_split_doubles_comm_ops(compiled_3layer):
     art, _, _ = compiled_3layer
     n = _count_comm(art.lowered_gm)
@@ -41,6 +42,7 @@ def test_split_doubles_comm_ops(compiled_3layer):
     assert sorted(per_ubatch) == [0, 1] and all(len(v) == n for v in per_ubatch.values())
 
 
+@pytest.mark.quick
 def test_each_ubatch_reads_only_its_slice_and_shared_weights(compiled_3layer):
     art, _, _ = compiled_3layer
     graph = art.split_gm.graph
@@ -69,6 +71,7 @@ def test_each_ubatch_reads_only_its_slice_and_shared_weights(compiled_3layer):
     assert {dbo_meta(user).get("ubatch") for user in w.users} <= {None, 0, 1}
 
 
+@pytest.mark.quick
 def test_every_comm_op_has_issue_and_wait_on_comm_stream(compiled_3layer):
     art, _, _ = compiled_3layer
     for node in art.split_gm.graph.nodes:
@@ -85,6 +88,7 @@ def test_every_comm_op_has_issue_and_wait_on_comm_stream(compiled_3layer):
             assert node.meta.get("custom", {}).get("stream") is STREAM_INDEX[COMPUTE]
 
 
+@pytest.mark.quick
 def test_other_ubatch_computes_between_issue_and_wait(compiled_3layer):
     art, _, _ = compiled_3layer
     sched = art.schedule
@@ -114,6 +118,7 @@ def _happens_before(sched, drop=None) -> nx.DiGraph:
     return g
 
 
+@pytest.mark.quick
 def test_event_edges_are_necessary_and_sufficient(compiled_3layer):
     art, _, _ = compiled_3layer
     sched = art.schedule
@@ -127,6 +132,7 @@ def test_event_edges_are_necessary_and_sufficient(compiled_3layer):
         assert not nx.has_path(_happens_before(sched, drop=(a, b)), a, b), f"event {a}->{b} implied"
 
 
+@pytest.mark.quick
 def test_kv_cache_write_precedes_other_ubatch_read(compiled_3layer):
     art, _, _ = compiled_3layer
     sched = art.schedule
@@ -138,6 +144,7 @@ def test_kv_cache_write_precedes_other_ubatch_read(compiled_3layer):
         assert a.id < b.id
 
 
+@pytest.mark.quick
 def test_cross_layer_overlap(compiled_3layer):
     """ubatch 1's combine of layer l runs beside ubatch 0's work of layer l + 1."""
     art, _, _ = compiled_3layer
@@ -149,6 +156,7 @@ def test_cross_layer_overlap(compiled_3layer):
             layer, [(u.name, u.start_us, u.end_us) for u in units])
 
 
+@pytest.mark.quick
 def test_split_numerics_equal_eager(compiled_3layer):
     art, eager, out = compiled_3layer
     assert art.stats.split_steps == 1
@@ -382,6 +390,7 @@ def _grouped_copies_graph(sizes, hidden=8, k=2, experts=3, inter=4):
     return gm, args
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("sizes", [(3, 5), (4, 4), (0, 2), (2, 3, 1)])
 def test_join_experts_one_call_on_all_rows(sizes):
     """The ubatch copies become one call on the concatenated rows; each ubatch gets its own
@@ -406,6 +415,7 @@ def test_join_experts_one_call_on_all_rows(sizes):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.quick
 def test_join_experts_rejects_a_missing_copy():
     from dbo_compile.errors import ScheduleError
     from dbo_compile.passes.join_experts import join_experts
@@ -444,6 +454,7 @@ def test_joined_schedule_reads_expert_weights_once_per_layer():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_join_experts_without_expert_calls_compiles_unjoined():
     """A model without ``dbo.grouped_experts`` compiles unjoined under ``join_experts=True``
     (and its joined candidates are not compiled); a non-bool option is refused."""

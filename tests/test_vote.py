@@ -15,6 +15,8 @@ from dbo_compile.runtime.vetoes import VetoRegistry, check_vetoes, prefix_read_v
 from dbo_compile.runtime.vote import VoteResult, coordinate_across_dp, fingerprint_to_int64
 from dbo_compile.testing import run_multirank
 
+pytestmark = pytest.mark.quick
+
 CFG = DboConfig()  # decode threshold 32, prefill 512, 2 ubatches
 
 
