@@ -361,6 +361,25 @@ def test_bucket_1_and_odd_buckets_serve_unsplit_and_split_steps_find_an_even_buc
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_serving_buckets_are_an_engines_list():
+    from dbo_compile.runtime.buckets import serving_buckets
+
+    assert serving_buckets() == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
+                                 1024, 2048, 4096, 8192]
+    assert serving_buckets(64, prefill=(4096, 32, 1024)) == [1, 2, 4, 8, 16, 24, 32, 48, 64,
+                                                             1024, 4096]
+    assert serving_buckets(3, prefill=()) == [1, 2]
+    for bad in (0, 2.0, True):
+        with pytest.raises(GraphRunnerError, match="max_decode"):
+            serving_buckets(bad)
+    with pytest.raises(GraphRunnerError, match="prefill"):
+        serving_buckets(64, prefill=(1024.0,))
+    cfg, model = _model()
+    runner = CudaGraphRunner(torch.compile(model, backend="dbo"), serving_buckets(8, ()),
+                             max_blocks_per_req=4)
+    assert runner.buckets == [2, 4, 8]  # bucket 1 is the graph of 2 rows
+
+
 def test_wrong_num_scheduled_tokens_raise_before_the_vote():
     """Counts that disagree with the metadata must fail in the vote (DpVoteError on every rank),
     not after it on one rank, whatever block_size is."""

@@ -8,7 +8,8 @@ buffers (:mod:`~dbo_compile.runtime.cudagraph_runner` captures and replays them)
 - :func:`copy_into`: a step's inputs copied into the static ones, request-indexed metadata
   padded with zero-length requests to the captured request capacity;
 - :class:`OutputMap`: the model's return value in terms of the graph's flat outputs, cut to the
-  step's real token rows on replay.
+  step's real token rows on replay;
+- :func:`serving_buckets`: a serving engine's bucket list (decode sizes, then prefill sizes).
 """
 
 from __future__ import annotations
@@ -27,6 +28,38 @@ from dbo_compile.runtime.context import last_outputs
 from dbo_compile.runtime.numbers import InputNumbers
 
 log = logging.getLogger(__name__)
+
+
+#: the prefill buckets of :func:`serving_buckets` (tokens per rank)
+PREFILL_BUCKETS = (1024, 2048, 4096, 8192)
+
+
+def serving_buckets(max_decode: int = 512, prefill: Sequence[int] = PREFILL_BUCKETS) -> list[int]:
+    """A serving engine's CUDA-graph bucket list, for ``CudaGraphRunner(buckets=...)``: the
+    decode sizes 1, 2, 4, 8, then each power of two from 16 and one and a half times it (16, 24,
+    32, 48, ... 384, 512) up to ``max_decode`` tokens, then the ``prefill`` sizes above it.
+    With the defaults: 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048,
+    4096, 8192 (19 buckets). The shape follows the engines' own lists, dense where decode
+    batches are small and geometric above: vLLM captures 1, 2, 4 and every multiple of 8 (of 16
+    past 256) up to its ``max_cudagraph_capture_size``; SGLang 1, 2, 4, 8, 12, 16, 24, 32, ...
+    A step runs in the smallest bucket that holds it, so a step pays at most ~50 % padding rows
+    past 8 tokens.
+
+    Raises:
+        GraphRunnerError: ``max_decode`` not an int >= 1, or a prefill size not an int.
+    """
+    if isinstance(max_decode, bool) or not isinstance(max_decode, int) or max_decode < 1:
+        raise GraphRunnerError(f"max_decode must be an int >= 1 (tokens), got {max_decode!r}")
+    bad = [t for t in prefill if isinstance(t, bool) or not isinstance(t, int)]
+    if bad:
+        raise GraphRunnerError(f"prefill bucket sizes must be ints (tokens), got {bad}")
+    sizes = [1, 2, 4, 8]
+    p = 16
+    while p <= max_decode:
+        sizes += [p, p + p // 2]
+        p *= 2
+    decode = [t for t in sizes if t <= max_decode]
+    return decode + sorted({t for t in prefill if t > max_decode})
 
 
 #: the parts of a bucket's warm-up time (:attr:`BucketGraphs.warmup_s`), in order
