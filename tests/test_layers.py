@@ -1,6 +1,6 @@
 """The package's floors hold (docs/architecture.md): no module imports from a floor above its
-own or from another folder of its floor, and no function-local import other than of an
-optional package.
+own or from another folder of its floor, no function-local import other than of an optional
+package, and no module uses another module's private names (``from m import _x``, ``m._x``).
 
 As a script, it lists the violations of any checkout against this tree's floors (e.g. an
 older revision: ``git worktree add /tmp/old REV && python tests/test_layers.py /tmp/old``).
@@ -94,6 +94,34 @@ def imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
     return out
 
 
+def private_uses(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line, "module._name")`` of each private name of another ``dbo_compile`` module that
+    ``path`` imports or reads off a module it imported (dunder names are not private)."""
+    tree = ast.parse(path.read_text())
+    me = _module_name(path)
+    private = lambda name: name.startswith("_") and not name.startswith("__")  # noqa: E731
+    aliases: dict[str, str] = {}  # a local name bound to a package module
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("dbo_compile.") and a.asname:
+                    aliases[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dbo_compile"):
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if _is_package_module(full):
+                    aliases[a.asname or a.name] = full
+                elif private(a.name) and node.module != me:
+                    out.append((node.lineno, full))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and private(node.attr)
+                and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and aliases[node.value.id] != me):
+            out.append((node.lineno, f"{aliases[node.value.id]}.{node.attr}"))
+    return out
+
+
 def violations() -> list[str]:
     table = floors()
     restricted = only()
@@ -104,6 +132,9 @@ def violations() -> list[str]:
         if group not in table:
             bad.append(f"{me}: its group {group!r} is on no floor of docs/architecture.md")
             continue
+        for line, name in private_uses(path):
+            bad.append(f"{path.relative_to(ROOT)}:{line}: {me} uses {name}, a private name of "
+                       "another module (make it public where it is defined, or move the code)")
         for line, mod, in_function in imports(path):
             where = f"{path.relative_to(ROOT)}:{line}"
             top = mod.split(".")[0]
@@ -149,6 +180,15 @@ def test_the_check_finds_an_upward_import(source, message):
     """The check itself can fail: a runtime module importing a compile stage, or a deferred
     import of a package module, is reported."""
     _probe("runtime", source, message)
+
+
+@pytest.mark.parametrize("source", [
+    "from dbo_compile.runtime.engine import _pad_rows\n",
+    "from dbo_compile.runtime import engine\nx = engine._pad_rows\n",
+    "import dbo_compile.runtime.engine as eng\nx = eng._pad_rows\n",
+])
+def test_the_check_finds_a_private_name_of_another_module(source):
+    _probe("runtime", source, "a private name of another module")
 
 
 def test_the_check_holds_the_viewer_to_schedule_data():
