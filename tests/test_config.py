@@ -156,7 +156,7 @@ def test_each_group_fingerprints_its_own_options():
                   != getattr(base, g).fingerprint()]
         assert differ == ([] if name == "debug" else [name]), name
         assert (config.fingerprint() == base.fingerprint()) == (name == "debug")
-    assert DebugConfig(dump_dir="/d", check_host_mirrors=True).fingerprint_data() == {}
+    assert not LOCAL & set(DebugConfig(dump_dir="/d", check_host_mirrors=True).fingerprint_data())
 
 
 def test_a_config_pickles_with_its_groups(calibration):
