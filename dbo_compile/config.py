@@ -10,7 +10,6 @@ option of the same name, whichever group holds it; an unknown key raises
 
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -234,8 +233,9 @@ class DboConfig:
     Built from flat options (``DboConfig(num_ubatches=3)``, as ``torch.compile(...,
     options={"num_ubatches": 3})``), from groups (``DboConfig(schedule=ScheduleConfig(
     scheduler="naive"))``) or both (a flat option overrides its group's field). Every flat
-    option reads through, read-only: ``config.num_ubatches`` is
-    ``config.split_policy.num_ubatches``.
+    option reads as before, read-only: ``config.num_ubatches`` is
+    ``config.split_policy.num_ubatches`` (set from the group when the config is made; both
+    are frozen).
 
     Raises:
         UnknownOptionError: a key that is no option (also a ``TypeError``), naming close
@@ -261,6 +261,8 @@ class DboConfig:
             elif changes:
                 group = group.replace(**changes)
             object.__setattr__(self, name, group)
+            for option in cls.field_names():  # flat reads, as fast as a field's; frozen: read-only
+                object.__setattr__(self, option, getattr(group, option))
         if self.cost_model_tokens < self.num_ubatches:
             raise self.cost.error("cost_model_tokens",
                                  f"must be an int >= num_ubatches ({self.num_ubatches})")
@@ -316,14 +318,3 @@ class DboConfig:
             cached = digest(data)
             object.__setattr__(self, "_fingerprint", cached)
         return cached
-
-
-def _delegate(name: str, group: str) -> property:
-    """``DboConfig.<name>``: the flat option, read from its group."""
-    return property(operator.attrgetter(f"{group}.{name}"),
-                    doc=f"``{group}.{name}`` (:class:`{GROUPS[group].__name__}`), read-only.")
-
-
-for _name, _group in _FLAT.items():
-    setattr(DboConfig, _name, _delegate(_name, _group))
-del _name, _group
