@@ -74,7 +74,7 @@ def load_calibration(path: str) -> dict[str, Any]:
 
 
 def check_keys(options: Mapping[str, Any], valid: list[str], what: str,
-                groups: tuple[str, ...] = ()) -> None:
+               groups: tuple[str, ...] = ()) -> None:
     """Raise :class:`UnknownOptionError` for keys of ``options`` not in ``valid``, naming
     close matches, the valid options and where they are described."""
     unknown = sorted(k for k in options if k not in valid and k not in groups)
