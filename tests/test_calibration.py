@@ -37,7 +37,7 @@ def test_a_bad_calibration_file_is_refused(tmp_path, content, match):
     if content is not None:
         path.write_text(content)
     with pytest.raises(DboConfigError, match=f"calibration.*{match}"):
-        DboConfig(calibration=str(path))
+        DboConfig.from_options({"calibration": str(path)})
 
 
 def test_the_fingerprint_covers_the_calibration_content(tmp_path, calibration):

@@ -245,7 +245,7 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
                                                       join_experts=True))] == ["list+join"]
     assert [c.name for c in candidates_of(
         DboConfig(schedule_candidates=True))] == list(SCHEDULE_CANDIDATES)
-    # the default: the measured winners (DboConfig.schedule_candidates' docstring)
+    # the default: the measured winners (docs/config.md, "Why the defaults")
     assert [c.name for c in candidates_of(DboConfig())] == [
         "list", "list@link/16", "list+join", "list@link/16+join"]
     picked = DboConfig(schedule_candidates=["list@link/16+join", "naive", "naive"])
