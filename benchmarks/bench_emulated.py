@@ -8,7 +8,7 @@ Run (one GPU; no torchrun)::
 
 The model holds the ``E / W`` experts of rank 0 (``DeepseekMoEModel(...,
 emulated_world_size=W)``) and is compiled with ``comm_backend="emulated"``
-(``dbo_compile/ops/emulated.py``): identical batches on every emulated rank, expert weights
+(``dbo_compile/ops/emulated/``): identical batches on every emulated rank, expert weights
 repeating every ``E / W`` experts, the remote share of every dispatch / combine (by routing,
 the volume DeepEP sends) out to pinned host memory and back on the copy engines, both
 directions at once, throttled to ``--link-gbps`` where the hardware is faster. One compile and

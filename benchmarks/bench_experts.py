@@ -9,7 +9,7 @@ Run (one GPU)::
 
 Shapes: ``T`` tokens per call (a ubatch), the emulated EP-``W`` receive layout (``T * (1 + F)``
 rows of ``K`` slots, ``T * K`` of them local, spread uniformly over the ``E / W`` local
-experts; ``ops/emulated.py``) or EP = 1 (``T`` rows, every slot local). Each call is captured
+experts; ``ops/emulated/``) or EP = 1 (``T`` rows, every slot local). Each call is captured
 ``--reps`` times in one CUDA graph; the figure is the replay time / reps (µs, median of
 ``--iters`` replays). Both paths' outputs are checked against each other (bf16).
 """

@@ -49,7 +49,7 @@ FIT = {"gemm": ("tflops", "gbps", "launch_us"),
        "attention.decode": ("gbps", "launch_us", "us_per_row"),
        "attention.prefill": ("gbps", "launch_us", "us_per_row"),
        "other": ("gbps", "launch_us")}
-#: the emulated link's round trip (dbo_compile/ops/emulated.py): n chunks, the way back one
+#: the emulated link's round trip (dbo_compile/ops/emulated/): n chunks, the way back one
 #: chunk behind, a setup per chunk
 CHUNK_SETUP_US, MAX_CHUNKS = 3.0, 16
 START = {"tflops": 500.0, "gbps": 2500.0, "launch_us": 3.0, "us_per_row": 0.01}

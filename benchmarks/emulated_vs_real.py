@@ -10,14 +10,14 @@ Run::
 per bucket: the collectives of the split program alone (``bench_moe.comm_only_fn``: per MoE layer
 the dispatches of both ubatches, then their combines; ``4 · layers`` ``all_to_all_single`` per
 step). Each moves the ``torch`` backend's static-capacity rank-major buffer
-(``dbo_compile/ops/comm.py``): ``[W · T_u, P]`` dispatch payload rows (``P`` =
+(``dbo_compile/ops/comm/``): ``[W · T_u, P]`` dispatch payload rows (``P`` =
 ``payload_layout(H, bf16, K)`` columns: ``x[t]`` and the routing metadata) and ``[W · T_u, H]``
 combine rows, ``T_u`` the tokens of the ubatch; of those, ``(W − 1) · T_u`` rows go to the peers
 (what crosses the link, per direction) and ``T_u`` to the rank itself (a device copy). The derived
 link is ``peer bytes / t_comm`` per bucket and a fit ``t_comm = ops · latency + bytes / GB/s`` per
 link.
 
-The emulated link (``dbo_compile/ops/emulated.py``) moves only the remote share **by routing**:
+The emulated link (``dbo_compile/ops/emulated/``) moves only the remote share **by routing**:
 ``C(T_u) = min(T_u · F, ceil(m · T_u · 1.1))`` rows per dispatch / combine (``F = min(K, W − 1)``,
 ``m`` the expected remote ranks per token). At ``W = 2`` ``F = 1`` and ``m · 1.1 > 1``, so ``C(T_u)
 = T_u``: the emulated link moves **the same bytes** as the torch backend's peer share (its static

@@ -1,4 +1,4 @@
-"""The emulated EP-W comm backend (dbo_compile/ops/emulated.py): its routing and remote share,
+"""The emulated EP-W comm backend (dbo_compile/ops/emulated/): its routing and remote share,
 the replicated-expert world against the one-device reference, the static link capacity with
 exact overflow, its options, and what the cost model reads of it. The host copies run on CPU
 too; the Triton kernels run here under Triton's interpreter, on the GPU compiled."""

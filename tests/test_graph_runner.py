@@ -1,4 +1,4 @@
-"""Per-bucket graphs and the measured split decision (runtime/graphs.py), on CPU.
+"""Per-bucket graphs and the measured split decision (runtime/cudagraph_runner.py), on CPU.
 
 On CPU a "graph" re-runs its program on the captured static buffers, so these tests check the
 plumbing a CUDA graph depends on: every input of a new step reaches the static buffers (tokens
