@@ -361,6 +361,32 @@ def test_bucket_1_and_odd_buckets_serve_unsplit_and_split_steps_find_an_even_buc
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("split", ["always", "never"])
+def test_a_kv_cache_replaced_after_capture_is_never_served_from_a_stale_graph(split, caplog):
+    """The captured graphs read the KV cache captured with them: a model that allocates its
+    cache again after capture() (same shape, new tensors) got logits off by ~1.9 and an
+    untouched new cache, nothing said. Such a step runs eagerly, with a warning, until
+    capture() again."""
+    cfg, model = _model(layers=1)
+    compiled = torch.compile(model, backend="dbo", options={"split": split})
+    runner = CudaGraphRunner(compiled, [8], max_blocks_per_req=4, block_size=16,
+                             timing_iters=1)
+    runner.capture()
+    step = make_step(cfg, decode_context_lens=[20, 30, 40], prefills=[], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)  # new tensors, same shape
+    fill_kv_cache(model, step, seed=5)
+    eager, eager_kv = eager_then_restore(model, step)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        out = runner(step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    for got, want in zip(model.kv_caches(), eager_kv):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert runner.last_choice[0] == "eager" and "kv_cache" in runner.last_choice[1]
+    assert "capture() again" in caplog.text
+
+
 def test_serving_buckets_are_an_engines_list():
     from dbo_compile.runtime.buckets import serving_buckets
 

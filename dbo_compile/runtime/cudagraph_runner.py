@@ -490,7 +490,8 @@ class CudaGraphRunner:
         per compiled graph, not per bucket)."""
         out, seen = [], set()
         for b in self.graphs.values():
-            if b.numbers is None or not b.numbers.entries or id(b.artifact) in seen:
+            if (b.numbers is None or not (b.numbers.entries or b.numbers.tensors)
+                    or id(b.artifact) in seen):
                 continue
             seen.add(id(b.artifact))
             out += [(*c, b.artifact) for c in b.numbers.changed(step, self.model_kwargs)]
@@ -500,12 +501,12 @@ class CudaGraphRunner:
     def _changed_reason(changed: list[tuple[int, str, Any, Any, Any]]) -> str:
         """The eager path's reason for numbers that changed after capture, and what to do."""
         folded = any(i in dict(art.float_guards) for i, _, _, _, art in changed)
-        what = ", ".join(f"{src} {old!r} -> {new!r}" for _, src, old, new, _ in changed)
+        what = ", ".join(f"{src} {old!s} -> {new!s}" for _, src, old, new, _ in changed)
         fix = ("compile the model again (torch._dynamo.reset(), then torch.compile: the "
                "backend folded it into its programs) and capture() again" if folded
                else "capture() again")
-        return (f"the model changed numbers the captured graphs bake in ({what}); steps run "
-                f"eagerly until you {fix}")
+        return (f"the model changed numbers or replaced tensors the captured graphs bake in "
+                f"({what}); steps run eagerly until you {fix}")
 
     def load_step(self, tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
                   attn_metadata: AttentionMetadata, num_scheduled_tokens: Sequence[int], *,

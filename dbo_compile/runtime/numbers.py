@@ -13,6 +13,12 @@ a step whose numbers changed eagerly.
 
 Numbers Dynamo specialised (traced as constants, with a guard on their value: a float without
 ``dynamic=True``, an int attribute of a module) are no graph inputs and are not seen here.
+
+The tensors a graph reads from the model that are no parameters (a KV cache, an expert-load
+counter: buffers and plain attributes) are followed too, by identity: a captured graph reads the
+captured tensor's memory, so a model that replaced one (``allocate_kv_cache`` again after
+``capture()``) would be served stale memory. Parameters are not followed (one eval per weight per
+step): load new weights in place (``load_state_dict``, ``copy_``), or capture again.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class InputNumbers:
     Attributes:
         entries: ``(graph input index, source, captured value)`` per number input, in input
             order (empty: the graph takes none; nothing is read per step).
+        tensors: ``(graph input index, source, captured tensor)`` per tensor the graph reads
+            from the model that is no parameter (followed by identity).
 
     Raises:
         GraphRunnerError: a graph input that may be such a number (a 0-dim float64 CPU
@@ -56,9 +64,14 @@ class InputNumbers:
     def __init__(self, compiled: Callable[..., Any], specs: Sequence[InputSpec],
                  args: Sequence[Any], call_args: Sequence[Any], call_kwargs: dict[str, Any]):
         candidates = [s for s in specs if _may_be_number(s, args[s.index])]
+        shared = [s for s in specs if s.kind == "shared" and s.source and s.field is None
+                  and isinstance(args[s.index], torch.Tensor)
+                  and not isinstance(args[s.index], torch.nn.Parameter)
+                  and s not in candidates]
         self.entries: list[tuple[int, str, Any]] = []
-        self._code = None
-        if not candidates:
+        self.tensors: list[tuple[int, str, torch.Tensor]] = []
+        self._code = self._tensor_code = None
+        if not candidates and not shared:
             return
         self._fn, self._self = _traced_frame(compiled)
         scope = self._scope(call_args, call_kwargs)
@@ -77,21 +90,49 @@ class InputNumbers:
         if self.entries:
             self._code = compile("(" + "".join(f"{src}, " for _, src, _ in self.entries) + ")",
                                  "<dbo graph number inputs>", "eval")
+        for spec in shared:
+            try:
+                value = eval(spec.source, scope)  # noqa: S307 - Dynamo's own source expression
+            except Exception as e:  # noqa: BLE001 - any failure: the tensor cannot be followed
+                log.warning("dbo: graph input %s (%s) is read from the model by every captured "
+                            "graph, but its source cannot be read outside Dynamo (%s: %s): a "
+                            "replaced tensor there would not be seen; capture() again after "
+                            "replacing it", spec.name, spec.source, type(e).__name__, e)
+                continue
+            if value is args[spec.index]:
+                self.tensors.append((spec.index, spec.source, value))
+        if self.tensors:
+            self._tensor_code = compile(
+                "(" + "".join(f"{src}, " for _, src, _ in self.tensors) + ")",
+                "<dbo graph tensor inputs>", "eval")
 
     def changed(self, call_args: Sequence[Any], call_kwargs: dict[str, Any]
                 ) -> list[tuple[int, str, Any, Any]]:
         """``(graph input index, source, captured value, value now)`` of each number input
         that holds another value than at capture for a call with these arguments (a value
-        that is no number any more counts as changed)."""
-        if self._code is None:
+        that is no number any more counts as changed), and of each followed tensor the model
+        replaced (``"the captured tensor"``, ``"another tensor"``)."""
+        if self._code is None and self._tensor_code is None:
             return []
-        try:
-            now = eval(self._code, self._scope(call_args, call_kwargs))  # noqa: S307
-        except Exception as e:  # noqa: BLE001 - the model changed shape: not the graphs' model
-            return [(i, src, old, f"unreadable ({type(e).__name__})")
-                    for i, src, old in self.entries]
-        return [(i, src, old, new) for (i, src, old), new in zip(self.entries, now)
-                if not _is_number(new) or new != old]
+        scope = self._scope(call_args, call_kwargs)
+        out = []
+        if self._code is not None:
+            try:
+                now = eval(self._code, scope)  # noqa: S307
+            except Exception as e:  # noqa: BLE001 - the model changed shape: not the graphs' model
+                return [(i, src, old, f"unreadable ({type(e).__name__})")
+                        for i, src, old in self.entries]
+            out += [(i, src, old, new) for (i, src, old), new in zip(self.entries, now)
+                    if not _is_number(new) or new != old]
+        if self._tensor_code is not None:
+            try:
+                now = eval(self._tensor_code, scope)  # noqa: S307
+            except Exception as e:  # noqa: BLE001 - the model changed shape
+                return out + [(i, src, "the captured tensor", f"unreadable ({type(e).__name__})")
+                              for i, src, _ in self.tensors]
+            out += [(i, src, "the captured tensor", "another tensor")
+                    for (i, src, old), new in zip(self.tensors, now) if new is not old]
+        return out
 
     def _scope(self, call_args: Sequence[Any], call_kwargs: dict[str, Any]) -> dict[str, Any]:
         """``L`` (the traced frame's arguments, ``self`` first for a module) and ``G`` (its
