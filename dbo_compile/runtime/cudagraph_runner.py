@@ -181,7 +181,8 @@ class CudaGraphRunner:
         buckets = list(buckets)
         bad = [b for b in buckets if isinstance(b, bool) or not _is_int(b) or int(b) < 1]
         if not buckets or bad:
-            raise GraphRunnerError(f"buckets must be ints >= 1 (token counts), got {buckets}")
+            raise GraphRunnerError(f"buckets must be a non-empty list of ints >= 1 (token counts), "
+                                   f"got {buckets}")
         # a compiled graph's token dim is dynamic from 2 rows (Dynamo specialises sizes 0 and
         # 1) and run_step pads a 1-token step to 2 rows: bucket 1 is the graph of 2 rows
         buckets = [max(int(b), 2) for b in buckets]
