@@ -233,6 +233,7 @@ def _unsplittable_uneven_body(rank, world_size):
     import torch.distributed as dist
 
     from dbo_compile.backend import register
+    from dbo_compile.errors import DpVoteError
     from dbo_compile.runtime.program import last_called
 
     register()
@@ -244,23 +245,34 @@ def _unsplittable_uneven_body(rank, world_size):
     for n in ([3, 8], [8, 5], [6, 6]):
         step = make_step(cfg, decode_context_lens=[40] * n[rank], prefills=[], block_size=16,
                          num_blocks=NUM_BLOCKS)
-        with torch.no_grad():
-            out = run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
-                           step.num_scheduled_tokens)
+        try:
+            with torch.no_grad():
+                out = run_step(compiled, step.input_ids, step.positions, step.attn_metadata,
+                               step.num_scheduled_tokens)
+        except DpVoteError as e:
+            done.append(("DpVoteError", str(e)))
+            continue
         art = last_called()
         done.append((out.shape[0], type(art).__name__, art.last_vote.num_tokens_padded))
-    return done
+    check = torch.tensor([rank + 1.0])
+    dist.all_reduce(check)  # every rank left each step at the same collective
+    return done, float(check)
 
 
 @pytest.mark.multirank
-def test_unsplittable_graph_still_votes_and_pads_with_uneven_ranks():
-    """A graph compiled unsplit still issues collectives: it must vote and pad like the split
-    ones, or ranks with different token counts crash or deadlock in all_to_all."""
+def test_unsplittable_graph_still_votes_and_refuses_padding_that_would_change_it():
+    """A graph compiled unsplit still issues collectives: it must vote like the split ones, or
+    ranks with different token counts crash or deadlock in all_to_all. This one mixes tokens
+    (``amax`` over the token dim), so padding a rank's rows to the group's count changes its
+    real rows (it was padded, nothing said: issue 29): every rank raises the same
+    ``DpVoteError`` naming the padded rank, none hangs; equal counts run."""
     results = run_multirank(_unsplittable_uneven_body, 2, timeout_s=240)
-    for rank, done in enumerate(results):
-        assert all(kind == "UnsplitProgram" for _, kind, _ in done), done
-        assert [d[2] for d in done] == [8, 8, 6], done
-    assert [d[0] for d in results[0]] == [3, 8, 6] and [d[0] for d in results[1]] == [8, 5, 6]
+    for rank, (done, check) in enumerate(results):
+        assert check == 3.0
+        for (kind, msg), padded in zip(done[:2], ([0], [1])):
+            assert kind == "DpVoteError" and f"ranks {padded}" in msg, msg
+            assert ("this rank cannot be padded" in msg) == (padded == [rank]), msg
+        assert done[2] == (6, "UnsplitProgram", 6), done
 
 
 #: per path, the compiled program of each rank's step: split (``split="always"``), the split
@@ -280,17 +292,22 @@ def _collectives_body(rank, world_size, path):
 
     register()
     unsplittable = path == "unsplittable"
+    # a graph compiled unsplit that mixes tokens cannot be padded to another rank's count
+    # (test_unsplittable_graph_still_votes_and_refuses_padding_that_would_change_it): its
+    # ranks get equal counts
+    uneven = 0 if unsplittable else rank
     scenarios = {  # name: (class, dtype, hidden size) of this rank's model, steps
         "same": ((_MixesTokens if unsplittable else DeepseekMoEModel, torch.float32, 64),
-                 [(32 + rank, True), ((0, 33)[rank], True), (40, rank == 0)]),
+                 [(32 + uneven, True), ((0, 33)[rank] if not unsplittable else 24, True),
+                  (40, rank == 0)]),
         "dtype": ((_MixesTokens if unsplittable else DeepseekMoEModel,
-                   (torch.float32, torch.bfloat16)[rank], 64), [(32 + rank, True)]),
+                   (torch.float32, torch.bfloat16)[rank], 64), [(32 + uneven, True)]),
         "hidden": ((_MixesTokens if unsplittable else DeepseekMoEModel, torch.float32,
-                    (64, 96)[rank]), [(32 + rank, True)]),
+                    (64, 96)[rank]), [(32 + uneven, True)]),
     }
     if unsplittable:  # rank 0 compiled unsplit, rank 1 split: the same collectives
         scenarios["mixed"] = (((_MixesTokens, DeepseekMoEModel)[rank], torch.float32, 64),
-                              [(32 + rank, True), (20, True)])
+                              [(32, True), (20, True)])
     results = {}
     for name, ((cls, dtype, hidden), steps) in scenarios.items():
         torch._dynamo.reset()
