@@ -491,8 +491,7 @@ class CudaGraphRunner:
         per compiled graph, not per bucket)."""
         out, seen = [], set()
         for b in self.graphs.values():
-            if (b.numbers is None or not (b.numbers.entries or b.numbers.tensors)
-                    or id(b.artifact) in seen):
+            if b.numbers is None or id(b.artifact) in seen:
                 continue
             seen.add(id(b.artifact))
             out += [(*c, b.artifact) for c in b.numbers.changed(step, self.model_kwargs)]

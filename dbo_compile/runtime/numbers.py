@@ -70,10 +70,13 @@ class InputNumbers:
                   and s not in candidates]
         self.entries: list[tuple[int, str, Any]] = []
         self.tensors: list[tuple[int, str, torch.Tensor]] = []
-        self._code = self._tensor_code = None
+        self._code = None
         if not candidates and not shared:
             return
         self._fn, self._self = _traced_frame(compiled)
+        self._signature: inspect.Signature | None = None  # read once: _scope runs every step
+        fn = inspect.unwrap(getattr(self._fn, "__func__", self._fn))
+        self._globals = getattr(fn, "__globals__", {})
         scope = self._scope(call_args, call_kwargs)
         for spec in candidates:
             try:
@@ -87,9 +90,6 @@ class InputNumbers:
                     "dynamic=True), or serve with run_step") from None
             if _is_number(value):  # else a tensor of the model (a 0-dim buffer): not baked
                 self.entries.append((spec.index, spec.source, _number(args[spec.index])))
-        if self.entries:
-            self._code = compile("(" + "".join(f"{src}, " for _, src, _ in self.entries) + ")",
-                                 "<dbo graph number inputs>", "eval")
         for spec in shared:
             try:
                 value = eval(spec.source, scope)  # noqa: S307 - Dynamo's own source expression
@@ -101,10 +101,11 @@ class InputNumbers:
                 continue
             if value is args[spec.index]:
                 self.tensors.append((spec.index, spec.source, value))
-        if self.tensors:
-            self._tensor_code = compile(
-                "(" + "".join(f"{src}, " for _, src, _ in self.tensors) + ")",
-                "<dbo graph tensor inputs>", "eval")
+        # one expression, read at every step: the numbers, then the tensors
+        sources = [src for _, src, _ in self.entries + self.tensors]
+        if sources:
+            self._code = compile("(" + "".join(f"{src}, " for src in sources) + ")",
+                                 "<dbo graph inputs read from the model>", "eval")
 
     def changed(self, call_args: Sequence[Any], call_kwargs: dict[str, Any]
                 ) -> list[tuple[int, str, Any, Any]]:
@@ -112,33 +113,28 @@ class InputNumbers:
         that holds another value than at capture for a call with these arguments (a value
         that is no number any more counts as changed), and of each followed tensor the model
         replaced (``"the captured tensor"``, ``"another tensor"``)."""
-        if self._code is None and self._tensor_code is None:
+        if self._code is None:
             return []
-        scope = self._scope(call_args, call_kwargs)
-        out = []
-        if self._code is not None:
-            try:
-                now = eval(self._code, scope)  # noqa: S307
-            except Exception as e:  # noqa: BLE001 - the model changed shape: not the graphs' model
-                return [(i, src, old, f"unreadable ({type(e).__name__})")
-                        for i, src, old in self.entries]
-            out += [(i, src, old, new) for (i, src, old), new in zip(self.entries, now)
-                    if not _is_number(new) or new != old]
-        if self._tensor_code is not None:
-            try:
-                now = eval(self._tensor_code, scope)  # noqa: S307
-            except Exception as e:  # noqa: BLE001 - the model changed shape
-                return out + [(i, src, "the captured tensor", f"unreadable ({type(e).__name__})")
-                              for i, src, _ in self.tensors]
-            out += [(i, src, "the captured tensor", "another tensor")
-                    for (i, src, old), new in zip(self.tensors, now) if new is not old]
-        return out
+        scope = self._scope(call_args, call_kwargs)  # a call the frame does not take raises
+        try:
+            now = eval(self._code, scope)  # noqa: S307
+        except Exception as e:  # noqa: BLE001 - the model changed shape: not the graphs' model
+            followed = self.entries + [(i, src, "the captured tensor")
+                                       for i, src, _ in self.tensors]
+            return [(i, src, old, f"unreadable ({type(e).__name__})") for i, src, old in followed]
+        numbers, tensors = now[:len(self.entries)], now[len(self.entries):]
+        return ([(i, src, old, new) for (i, src, old), new in zip(self.entries, numbers)
+                 if not _is_number(new) or new != old]
+                + [(i, src, "the captured tensor", "another tensor")
+                   for (i, src, old), new in zip(self.tensors, tensors) if new is not old])
 
     def _scope(self, call_args: Sequence[Any], call_kwargs: dict[str, Any]) -> dict[str, Any]:
         """``L`` (the traced frame's arguments, ``self`` first for a module) and ``G`` (its
         globals), as Dynamo's sources name them."""
         try:
-            bound = inspect.signature(self._fn).bind(*call_args, **call_kwargs)
+            if self._signature is None:
+                self._signature = inspect.signature(self._fn)
+            bound = self._signature.bind(*call_args, **call_kwargs)
         except (TypeError, ValueError) as e:
             raise GraphRunnerError(
                 f"the runner calls the compiled model as {self._fn!r} does not take "
@@ -147,8 +143,7 @@ class InputNumbers:
         local = dict(bound.arguments)
         if self._self is not None:
             local = {"self": self._self, **local}
-        fn = inspect.unwrap(getattr(self._fn, "__func__", self._fn))
-        return {"L": local, "G": getattr(fn, "__globals__", {}), "__builtins__": builtins}
+        return {"L": local, "G": self._globals, "__builtins__": builtins}
 
 
 def _traced_frame(compiled: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
