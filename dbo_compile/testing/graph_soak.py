@@ -323,14 +323,14 @@ def _expected_graph(n: int, buckets: tuple[int, ...], vetoed: bool, shared: bool
     """The graph and bucket a step of ``n`` tokens must run (``split="always"``): eagerly
     when it fits no bucket (too many tokens, too wide a block table); split when it has two
     tokens or more and nothing vetoes it (an engine veto, a prefix read), padded to an even
-    count; the smallest bucket that holds it."""
+    count; the smallest bucket that holds it (``buckets`` as the runner serves them: bucket 1
+    is its graph of 2 rows), an even one for a split step."""
     if n > buckets[-1] or wide:
         return "eager", 0
     split = n >= 2 and not vetoed and not shared
     need = n + n % 2 if split else n
-    served = [max(b, 2) for b in buckets]  # bucket 1 is the graph of 2 rows
     return ("split" if split else "unsplit"), min(
-        b for b in served if b >= need and (not split or b % 2 == 0))
+        b for b in buckets if b >= need and (not split or b % 2 == 0))
 
 
 def run_graph_soak(steps: int, seed: int = 0, size: str = "gpu", dtype: str = "float32",
