@@ -33,6 +33,7 @@ __all__ = [
     "UnknownOptionError",
     "UnsplittableGraphError",
     "dbo_error_of",
+    "register",
 ]
 
 __version__ = "0.1.0"
@@ -44,14 +45,15 @@ def _dbo_backend(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
     return importlib.import_module("dbo_compile.backend").dbo_backend(gm, example_inputs, **kwargs)
 
 
-def _register_backend() -> None:
-    """Register ``backend="dbo"`` with Dynamo, so that ``import dbo_compile`` is enough where
-    the package is not installed (``PYTHONPATH=$PWD``: no ``torch_dynamo_backends`` entry
-    point); installed, the entry point names the same compiler."""
+def register() -> None:
+    """Register ``backend="dbo"`` with Dynamo (``import dbo_compile`` does, so that it is
+    enough where the package is not installed: ``PYTHONPATH=$PWD``, no
+    ``torch_dynamo_backends`` entry point; installed, the entry point names the same
+    compiler). Idempotent."""
     registry = importlib.import_module("torch._dynamo.backends.registry")
     if "dbo" not in registry._BACKENDS:
         registry.register_backend(name="dbo")(_dbo_backend)
 
 
 register_torch_log()
-_register_backend()
+register()

@@ -15,9 +15,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch._dynamo.backends.registry import _BACKENDS, register_backend
 
-from dbo_compile import lowering
+from dbo_compile import lowering, register  # register: re-exported (backend.register())
 from dbo_compile.codegen.stages import stage_compiler
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import UnsplittableGraphError
@@ -121,9 +120,3 @@ def _token_symbol(specs: list | None, gm: fx.GraphModule) -> Any:
     value = node.meta.get("example_value")
     d0 = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() else None
     return d0.node.expr if isinstance(d0, torch.SymInt) else None
-
-
-def register() -> None:
-    """Register ``backend="dbo"`` in this process (the entry point does it without imports)."""
-    if "dbo" not in _BACKENDS:
-        register_backend(name="dbo")(dbo_backend)
