@@ -100,6 +100,8 @@ class UnsplitProgram(CompiledArtifact):
         self.has_comm = has_comm
         self.fixed_num_tokens = fixed_num_tokens
         self._warned = False
+        #: why this program's steps cannot be padded (fixed at compile time; ``None``: they can)
+        self._hazard = self.padding_hazard()
 
     def _decide(self, args: Sequence[Any], min_padded: int, metadata: AttentionMetadata | None,
                 host: HostCounts | None, pads_itself: bool) -> StepDecision:
@@ -113,7 +115,7 @@ class UnsplitProgram(CompiledArtifact):
             log.warning("dbo: DBO is off for this graph, its steps run unsplit: %s", self.reason)
         group = dp_group(self.config)
         n = None if self.token_index is None else int(args[self.token_index].shape[0])
-        hazard = None if n is None else self.padding_hazard()
+        hazard = None if n is None else self._hazard
         if not self.has_comm or n is None or group is None:
             return StepDecision(None, "unsplittable", [1] * (n or 0), unpaddable=hazard)
         own = n if hazard is None else own_rows(n)
