@@ -77,6 +77,7 @@ PARTS = [
     ("backend other", "dbo_compile.passes.pipeline:compile_split"),
     ("backend other", "dbo_compile.backend:_unsplit_program"),
     ("Inductor compile", "dbo_compile.codegen.inductor:InductorStage._compile"),
+    ("Inductor compile", "dbo_compile.codegen.inductor:InductorStage._compile_dynamic"),
     ("warm-up step runs", "dbo_compile.runtime.program:DboCompiledModule.__call__"),
     ("warm-up step runs", "dbo_compile.runtime.program:UnsplitProgram.__call__"),
     ("graph capture", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner._graph"),

@@ -8,6 +8,7 @@ output equals eager, nothing is captured after warm-up, and every DP rank holds 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import random
@@ -200,30 +201,51 @@ def test_split_never_keeps_every_bucket_unsplit_and_matches_eager():
     assert (art.stats.split_steps, art.stats.unsplit_steps) == (0, 1)
 
 
-def test_inductor_compiles_only_what_the_bucket_graphs_run(monkeypatch):
-    """The prefill-shaped probe step of each bucket (it only checks that Dynamo reaches the
-    same graph) compiles nothing: every program is compiled for one signature per bucket, the
-    bucket's static buffers, and served steps match eager."""
+@pytest.mark.parametrize("static_buckets", [(), (16,)])
+def test_inductor_compiles_each_program_once_for_every_bucket(monkeypatch, static_buckets):
+    """Every program (the unsplit one, each distinct stage) is compiled once, with a symbolic
+    token dim, and serves every bucket (issue 26); a bucket of ``static_buckets`` compiles
+    its own static-shape code (as vLLM's compile_sizes). The prefill-shaped probe step of each
+    bucket (it only checks that Dynamo reaches the same graph) compiles nothing; the runner
+    reports per bucket which code its stages run, and served steps match eager."""
     import torch._inductor
 
     from dbo_compile.backend import compiled_artifacts
+    from dbo_compile.codegen import inductor as ind
     from dbo_compile.codegen.inductor import InductorStage
 
     compiles = []
     monkeypatch.setattr(torch._inductor, "compile",
-                        lambda gm, inputs: compiles.append(gm) or gm.forward)
+                        lambda gm, inputs: compiles.append(inputs) or gm.forward)
     cfg, model = _model(layers=1)
     compiled = torch.compile(model, backend="dbo",
                              options={"split": "always", "compute_backend": "inductor"})
     runner = CudaGraphRunner(compiled, BUCKETS, max_blocks_per_req=8, block_size=16,
-                             timing_iters=1)
+                             timing_iters=1, static_buckets=static_buckets)
     runner.capture()
     art = compiled_artifacts()[-1]
     stages = {id(fn): fn for p in art.candidates.values() for fn in p.units
               if isinstance(fn, InductorStage)}.values()
+    per_program = 1 + len(static_buckets)
     assert len(art.unsplit.compiled) == len(BUCKETS)
+    assert art.unsplit.cache.compiles == per_program
+    cache = next(iter(stages)).cache
+    static_compiles = len(static_buckets) * len({s._program for s in stages if ind._symbolic_dims(s.gm) is not None})
     assert stages and all(len(s.compiled) <= len(BUCKETS) for s in stages)
-    assert len(compiles) == len(BUCKETS) + next(iter(stages)).cache.compiles
+    assert len(compiles) == art.unsplit.cache.compiles + cache.compiles
+    assert cache.compiles == len({s._program for s in stages}) + static_compiles
+    sizes = [[d for t in torch.utils._pytree.tree_leaves(i)
+              for d in (t.shape if isinstance(t, torch.Tensor) else [t])] for i in compiles]
+    symbolic = [s for s in sizes if any(isinstance(d, torch.SymInt) for d in s)]
+    # a stage whose inputs hold no token-dim size (static buffers) is one static compilation
+    fixed = {s.name for s in stages if ind._symbolic_dims(s.gm) is None}
+    assert len(symbolic) == 1 + len({s._program for s in stages if s.name not in fixed})
+    for tokens, b in runner.graphs.items():
+        want = {name: "static" if tokens in static_buckets or name in fixed else "dynamic"
+                for name in b.stage_kinds}
+        assert len(b.stage_kinds) > len(fixed) and b.stage_kinds == want, tokens
+        assert runner.stats["buckets"][tokens]["stage_kinds"] == dict(
+            collections.Counter(want.values()))
     step = make_step(cfg, decode_context_lens=[5, 40, 17], prefills=[(16, 9)], block_size=16,
                      num_blocks=NUM_BLOCKS)
     ref, _ = eager_then_restore(model, step)
@@ -232,6 +254,12 @@ def test_inductor_compiles_only_what_the_bucket_graphs_run(monkeypatch):
                      step.num_scheduled_tokens)
     assert runner.last_choice == (16, "split")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_static_buckets_must_be_buckets():
+    _, model = _model(layers=1)
+    with pytest.raises(GraphRunnerError, match="static_buckets"):
+        CudaGraphRunner(model, BUCKETS, max_blocks_per_req=8, static_buckets=[32])
 
 
 @pytest.mark.parametrize("options,timed", [

@@ -324,3 +324,101 @@ def test_carveout_candidates_are_deduplicated():
     from dbo_compile import DboConfig
 
     assert DboConfig(sm_carveout_candidates=[16, 8, 16]).sm_carveout_candidates == (16, 8)
+
+
+# -- symbolic sizes: one compilation for every bucket (issue 26) ------------------------------
+
+
+def _rows_and_count(w, x, n):
+    """``x``: [T, 8] rows; ``n``: T, a size the graph also takes (as a ubatch's row count)."""
+    y = torch.relu(x @ w) + 1
+    return y.view(n, 2, 4).sum(1), x[: n // 2]
+
+
+def _symbolic_stage(name="unit 1 (L0.A0)", cache=None):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w = torch.randn(8, 8)
+    gm = make_fx(_rows_and_count, tracing_mode="symbolic")(w, torch.randn(6, 8), 6)
+    return w, InductorStage(gm, name, cache)
+
+
+def _inductor_seeing_inputs(monkeypatch, guard=None) -> list:
+    """Replace Inductor by the traced graph; the returned list gets the example inputs of each
+    compilation. ``guard(inputs)``: a size test run at compile time (as Inductor's lowering
+    tests sizes), which the shape env records as a guard."""
+    import torch._inductor
+
+    seen = []
+
+    def fake_compile(gm, inputs):
+        seen.append(inputs)
+        if guard is not None:
+            guard(inputs)
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor, "compile", fake_compile)
+    return seen
+
+
+def test_symbolic_sizes_compile_once_for_every_row_count(monkeypatch):
+    seen = _inductor_seeing_inputs(monkeypatch)
+    w, stage = _symbolic_stage()
+    for rows in (6, 10, 4, 7, 12):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(stage(w, x, rows), _rows_and_count(w, x, rows))
+    assert len(seen) == 1 and stage.cache.compiles == 1
+    _, x, n = seen[0]
+    assert isinstance(x.shape[0], torch.SymInt) and isinstance(n, torch.SymInt)
+    assert x.shape[1] == 8 and tuple(seen[0][0].shape) == (8, 8)  # the rest stays static
+    assert len(stage.compiled) == 5 and set(stage.kinds.values()) == {"dynamic"}
+
+
+def test_a_signature_the_guards_refuse_compiles_for_its_static_shapes(monkeypatch):
+    seen = _inductor_seeing_inputs(monkeypatch, guard=lambda inputs: bool(inputs[1].shape[0] > 4))
+    w, stage = _symbolic_stage()
+    for rows in (8, 6, 3, 10):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(stage(w, x, rows), _rows_and_count(w, x, rows))
+    assert len(seen) == 2
+    assert not isinstance(seen[1][1].shape[0], torch.SymInt)  # 3 rows: static
+    assert [stage.kinds[k] for k in stage.compiled] == ["dynamic", "dynamic", "static", "dynamic"]
+
+
+def test_stages_of_one_program_share_the_symbolic_compilation(monkeypatch):
+    seen = _inductor_seeing_inputs(monkeypatch)
+    cache = ind.StageCache()
+    w, a = _symbolic_stage("unit 1 (u0.L0.A0)", cache)
+    b = InductorStage(a.gm, "unit 2 (u1.L0.A0)", cache)  # the other ubatch's copy
+    a(w, torch.randn(6, 8), 6)
+    b(w, torch.randn(10, 8), 10)
+    assert len(seen) == 1 and (cache.compiles, cache.reused) == (1, 1)
+    assert b.kinds[next(iter(b.kinds))] == "dynamic"
+
+
+def test_static_stages_and_the_recorded_kinds(monkeypatch):
+    from dbo_compile.runtime.context import record_stage_calls, static_stages
+
+    seen = _inductor_seeing_inputs(monkeypatch)
+    monkeypatch.setattr(ind, "MAX_SIGNATURES", 1)
+    w, stage = _symbolic_stage()
+    with record_stage_calls() as kinds:
+        stage(w, torch.randn(6, 8), 6)
+    assert kinds == {"unit 1 (L0.A0)": "dynamic"}
+    with record_stage_calls() as kinds, static_stages():
+        stage(w, torch.randn(10, 8), 10)  # as vLLM's compile_sizes: its own compilation
+    assert kinds == {"unit 1 (L0.A0)": "static"} and len(seen) == 2
+    assert not isinstance(seen[1][1].shape[0], torch.SymInt)
+    with record_stage_calls() as kinds, static_stages():
+        stage(w, torch.randn(12, 8), 12)  # past MAX_SIGNATURES static compilations: ATen
+        stage(w, torch.randn(6, 8), 6)  # a later compiled call does not hide the fallback
+    assert kinds == {"unit 1 (L0.A0)": "aten"} and len(seen) == 2
+
+
+def test_symbolic_stage_with_inductor_matches_the_traced_graph():
+    """Real Inductor (CPU C++): one symbolic-size compilation, its guards checked per call."""
+    w, stage = _symbolic_stage()
+    for rows in (6, 10, 7):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(stage(w, x, rows), _rows_and_count(w, x, rows))
+    assert stage.cache.compiles == 1 and set(stage.kinds.values()) == {"dynamic"}

@@ -97,6 +97,11 @@ class BucketGraphs:
         graph_s: per captured graph, its warm-up calls and capture (seconds).
         out_map: how the model's return value is built from the graph's flat outputs.
         numbers: the number inputs of the graph and the values the capture baked in.
+        stage_kinds: per Inductor stage this bucket's graphs run (by name), the code it runs:
+            ``"dynamic"`` (compiled once with symbolic sizes, shared with other buckets),
+            ``"static"`` (compiled for this bucket's shapes) or ``"aten"`` (its traced ATen
+            ops: a compile limit or an Inductor failure, warned at capture); empty with
+            ``compute_backend="aten"``.
     """
 
     tokens: int
@@ -113,6 +118,7 @@ class BucketGraphs:
     graph_s: dict[str, float] = field(default_factory=dict)
     out_map: OutputMap | None = None
     numbers: InputNumbers | None = None
+    stage_kinds: dict[str, str] = field(default_factory=dict)
 
     @property
     def use_split(self) -> bool:

@@ -88,6 +88,8 @@ class _PerThread(threading.local):
     recorded: list | None = None
     counting: bool = True
     traced_only: int = 0
+    static_stages: int = 0
+    stage_calls: dict | None = None
     last_outputs: tuple | None = None
 
 
@@ -168,6 +170,47 @@ def traced_only() -> Iterator[None]:
 def in_traced_only() -> bool:
     """Whether this thread is inside a :func:`traced_only` block."""
     return _THREAD.traced_only > 0
+
+
+@contextlib.contextmanager
+def static_stages() -> Iterator[None]:
+    """Within the block, a compiled stage meeting an input signature for the first time
+    compiles it for its static shapes, not as a symbolic-size compilation shared by every
+    signature (:class:`~dbo_compile.codegen.inductor.InductorStage`): the runner's
+    ``static_buckets``, as vLLM's ``compile_sizes``."""
+    _THREAD.static_stages += 1
+    try:
+        yield
+    finally:
+        _THREAD.static_stages -= 1
+
+
+def in_static_stages() -> bool:
+    """Whether this thread is inside a :func:`static_stages` block."""
+    return _THREAD.static_stages > 0
+
+
+@contextlib.contextmanager
+def record_stage_calls() -> Iterator[dict[str, str]]:
+    """Within the block, each compiled stage call in this thread records the kind of code it
+    ran in the yielded dict, ``{stage name: kind}`` (``"dynamic"``: compiled with symbolic
+    sizes; ``"static"``: compiled for this signature; ``"aten"``: the traced ATen ops, e.g.
+    past the compile limit): the CUDA-graph runner reports it per bucket."""
+    calls: dict[str, str] = {}
+    old, _THREAD.stage_calls = _THREAD.stage_calls, calls
+    try:
+        yield calls
+    finally:
+        _THREAD.stage_calls = old
+
+
+def note_stage_call(name: str, kind: str) -> None:
+    """What a compiled stage calls at every call: recorded inside :func:`record_stage_calls`
+    (a later kind of the same stage wins only over ``"dynamic"``/``"static"`` if it is
+    ``"aten"``, so that a fallback is never hidden)."""
+    calls = _THREAD.stage_calls
+    if calls is not None and calls.get(name) != "aten":
+        calls[name] = kind
 
 
 @contextlib.contextmanager

@@ -77,6 +77,8 @@ tokens/rank).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import operator
 import time
@@ -102,6 +104,8 @@ from dbo_compile.runtime.buckets import (
 from dbo_compile.runtime.capture import capture, run_draining, state_kept
 from dbo_compile.runtime.context import (
     record_calls,
+    record_stage_calls,
+    static_stages,
     step_context,
     traced_only,
     uncounted,
@@ -161,6 +165,11 @@ class CudaGraphRunner:
             decision rests on, look like real traffic; default all zeros (every token routed
             alike).
         keep_candidates: keep every split candidate's graph after the choice (benchmarks).
+        static_buckets: buckets whose Inductor stages are compiled for the bucket's own shapes
+            (as vLLM's ``compile_sizes``); every other bucket runs the stages compiled once
+            with a symbolic token dim (``compute_backend="inductor"``;
+            :class:`~dbo_compile.codegen.inductor.InductorStage`). Default none: on one H200
+            the symbolic-size stages measured as fast as static ones (``docs/serving.md``).
         min_gain: with ``split="auto"``, the split graph is used for a bucket only when
             ``t_split <= (1 - min_gain) * t_unsplit`` (fraction, default :data:`MIN_GAIN`
             = 0.03: the warm-up timing's noise, so that a split chosen by a margin inside it
@@ -177,7 +186,8 @@ class CudaGraphRunner:
     def __init__(self, compiled: Callable[..., Any], buckets: Sequence[int], *,
                  max_blocks_per_req: int, block_size: int | None = None, timing_iters: int = 10,
                  min_gain: float | None = None, device: torch.device | str | None = None,
-                 vocab_size: int | None = None, keep_candidates: bool = False, **model_kwargs: Any):
+                 vocab_size: int | None = None, keep_candidates: bool = False,
+                 static_buckets: Sequence[int] = (), **model_kwargs: Any):
         buckets = list(buckets)
         bad = [b for b in buckets if isinstance(b, bool) or not _is_int(b) or int(b) < 1]
         if not buckets or bad:
@@ -190,6 +200,11 @@ class CudaGraphRunner:
             raise GraphRunnerError(f"max_blocks_per_req must be an int >= 1, got {max_blocks_per_req!r}")
         if isinstance(timing_iters, bool) or not isinstance(timing_iters, int) or timing_iters < 1:
             raise GraphRunnerError(f"timing_iters must be an int >= 1, got {timing_iters!r}")
+        static = list(static_buckets)
+        if any(isinstance(b, bool) or not _is_int(b) or max(int(b), 2) not in buckets for b in static):
+            raise GraphRunnerError(f"static_buckets must be buckets of this runner ({sorted(set(buckets))}), "
+                                   f"got {static}")
+        self.static_buckets = {max(int(b), 2) for b in static}
         self.compiled = compiled
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_req = max_blocks_per_req
@@ -278,41 +293,54 @@ class CudaGraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         self._copy_plans.clear()
         for tokens in sorted(self.buckets, reverse=True):
-            t0 = time.perf_counter()
-            art, args, input_pos, out_map = self._record(tokens, prefill=False)
-            t1 = time.perf_counter()
-            if tokens >= 4:
-                # only which graph Dynamo picks matters: Inductor stages run their traced
-                # ATen ops for the probe's signatures, which no captured graph replays
-                with traced_only():
-                    other, _, _, _ = self._record(tokens, prefill=True)
-                if other is not art:
-                    raise GraphRunnerError(
-                        f"bucket {tokens}: a prefill-shaped step ran another compiled graph than "
-                        "a decode-shaped one (Dynamo specialised on the step's layout, e.g. "
-                        "max_query_len or the request count); a replayed CUDA graph would "
-                        "ignore that. Keep layout-dependent host values out of the model")
-            check_artifact(art, tokens, args)
-            ids, pos, md, _ = self._dummy_step(tokens)
-            numbers = InputNumbers(self.compiled, art.specs, args, (ids, pos, md),
-                                   self.model_kwargs)
-            bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map,
-                                  numbers=numbers)
-            bucket.warmup_s.update(record=t1 - t0, probe=time.perf_counter() - t1)
-            # the captures, every candidate's warm-up calls and the timing replays (on a GPU
-            # too: a replay writes the real buffers) are no served step: the buffers the
-            # programs write in place end as they were (the synthetic steps through the
-            # compiled model see to theirs: ``uncounted``; the KV cache: slot -1 rows)
-            with torch.no_grad(), state_kept([args[i] for i in art.state_inputs]):
-                self._capture_bucket(bucket, cuda)
-            with torch.no_grad():
-                decide(bucket, self.min_gain, self.keep_candidates)
-            bucket.warmup_s["total"] = time.perf_counter() - t0
-            self.graphs[tokens] = bucket
-            log.info("dbo graphs: warm-up of bucket %d: %s", tokens, _parts(bucket.warmup_s))
+            static = static_stages() if tokens in self.static_buckets else contextlib.nullcontext()
+            with record_stage_calls() as stage_kinds, static:
+                self._capture_one(tokens, cuda)
+            self.graphs[tokens].stage_kinds = dict(sorted(stage_kinds.items()))
+            aten = [name for name, kind in stage_kinds.items() if kind == "aten"]
+            if aten:
+                log.warning("dbo graphs: bucket %d: %d compiled stage(s) run their traced ATen "
+                            "ops, not Inductor's code (%s): see the warnings above for why",
+                            tokens, len(aten), ", ".join(aten[:8]) + (" ..." if len(aten) > 8 else ""))
+            log.info("dbo graphs: warm-up of bucket %d: %s", tokens,
+                     _parts(self.graphs[tokens].warmup_s))
         log.info("dbo graphs: %s", self.describe())
         log.info("dbo graphs: warm-up %s", _parts(self.warmup_s()))
         return self.graphs
+
+    def _capture_one(self, tokens: int, cuda: bool) -> None:
+        """Record, capture, time and decide one bucket (into ``self.graphs[tokens]``)."""
+        t0 = time.perf_counter()
+        art, args, input_pos, out_map = self._record(tokens, prefill=False)
+        t1 = time.perf_counter()
+        if tokens >= 4:
+            # only which graph Dynamo picks matters: Inductor stages run their traced
+            # ATen ops for the probe's signatures, which no captured graph replays
+            with traced_only():
+                other, _, _, _ = self._record(tokens, prefill=True)
+            if other is not art:
+                raise GraphRunnerError(
+                    f"bucket {tokens}: a prefill-shaped step ran another compiled graph than "
+                    "a decode-shaped one (Dynamo specialised on the step's layout, e.g. "
+                    "max_query_len or the request count); a replayed CUDA graph would "
+                    "ignore that. Keep layout-dependent host values out of the model")
+        check_artifact(art, tokens, args)
+        ids, pos, md, _ = self._dummy_step(tokens)
+        numbers = InputNumbers(self.compiled, art.specs, args, (ids, pos, md),
+                               self.model_kwargs)
+        bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map,
+                              numbers=numbers)
+        bucket.warmup_s.update(record=t1 - t0, probe=time.perf_counter() - t1)
+        # the captures, every candidate's warm-up calls and the timing replays (on a GPU
+        # too: a replay writes the real buffers) are no served step: the buffers the
+        # programs write in place end as they were (the synthetic steps through the
+        # compiled model see to theirs: ``uncounted``; the KV cache: slot -1 rows)
+        with torch.no_grad(), state_kept([args[i] for i in art.state_inputs]):
+            self._capture_bucket(bucket, cuda)
+        with torch.no_grad():
+            decide(bucket, self.min_gain, self.keep_candidates)
+        bucket.warmup_s["total"] = time.perf_counter() - t0
+        self.graphs[tokens] = bucket
 
     def warmup_s(self) -> dict[str, float]:
         """Seconds of the warm-up by part (:data:`WARMUP_PARTS`), summed over the buckets."""
@@ -325,13 +353,14 @@ class CudaGraphRunner:
     @property
     def stats(self) -> dict[str, Any]:
         """What the runner did: ``warmup_s`` (:meth:`warmup_s`), per bucket its
-        ``warmup_s`` by part, the graphs it captured and timed and its choice
-        (``buckets``), and ``eager_steps`` (steps that fit no bucket since)."""
+        ``warmup_s`` by part, the graphs it captured and timed, its choice and how many of its
+        Inductor stages run dynamic / static / ATen code (``buckets``), and ``eager_steps`` (steps that fit no bucket since)."""
         return {
             "warmup_s": self.warmup_s(),
             "buckets": {t: {"warmup_s": dict(b.warmup_s), "graph_s": dict(b.graph_s),
                             "graphs_captured": len(b.graph_s), "timed": sorted(b.times_us),
-                            "choice": b.choice}
+                            "choice": b.choice,
+                            "stage_kinds": dict(collections.Counter(b.stage_kinds.values()))}
                         for t, b in sorted(self.graphs.items())},
             "eager_steps": self.eager_steps,
         }
