@@ -171,6 +171,20 @@ def test_unsplittable_models_compile_unsplit_and_say_why(cls, why, caplog):
         assert "sum" in art.reason  # names the node
 
 
+def test_the_artifacts_names_before_issue_30_still_import_with_a_deprecation_warning():
+    """``DboCompiledModule`` / ``UnsplitProgram`` (renamed ``SplitArtifact`` /
+    ``UnsplitArtifact``) are the same classes, and importing them says the new name."""
+    from dbo_compile.runtime import program
+
+    with pytest.warns(DeprecationWarning, match="DboCompiledModule is now SplitArtifact"):
+        from dbo_compile.runtime.program import DboCompiledModule
+    with pytest.warns(DeprecationWarning, match="UnsplitProgram is now UnsplitArtifact"):
+        old_unsplit = program.UnsplitProgram
+    assert DboCompiledModule is program.SplitArtifact and old_unsplit is UnsplitArtifact
+    with pytest.raises(AttributeError, match="no attribute 'DboCompiledModul'"):
+        program.DboCompiledModul
+
+
 def test_on_unsplittable_raise():
     with pytest.raises(Exception, match="no comm op") as info:
         torch.compile(NoComm(), backend="dbo", options={"on_unsplittable": "raise"})(torch.randn(4, 8))
