@@ -16,6 +16,10 @@ package, only what this process runs):
   where it does not apply), elsewhere the reference.
 - :func:`no_comm`: the ``torch`` comm backend replaced by a local stand-in of the same shapes
   (packs the send buffers, copies instead of all_to_all): "split program without comm".
+
+The emulated world's comm alone (``bench_emulated.py``'s ``comm`` and ``comm ops``):
+:func:`comm_only_fn` (the link's round trips) and :func:`comm_ops_fn` (the backend's whole
+dispatches and combines), two in flight as the split program has them.
 """
 
 from __future__ import annotations
