@@ -46,10 +46,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
-import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
+from dbo_compile.testing import moe as H  # noqa: E402
 from dbo_compile.testing import measure as cg  # noqa: E402
 
 BUCKETS = {"decode": [64, 128, 256, 512, 1024], "prefill": [2048, 4096, 8192]}

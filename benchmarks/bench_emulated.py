@@ -40,7 +40,6 @@ Per bucket, side by side in one run (µs, median of CUDA-event-timed replays), t
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import os
 import sys
@@ -52,17 +51,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
-import moe_harness as H  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import emulated as E  # noqa: E402
-from dbo_compile.ops.comm import get_comm_backend, payload_layout  # noqa: E402
 from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
 from dbo_compile.ops.registry import bound_backend, comm_kind  # noqa: E402
 from dbo_compile.passes.calibrate import step_features  # noqa: E402
-from dbo_compile.runtime.engine import run_step  # noqa: E402
 from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, split_program_fn  # noqa: E402
+from dbo_compile.runtime.engine import run_step  # noqa: E402
 from dbo_compile.runtime.padding import join_ubatch_outputs  # noqa: E402
+from dbo_compile.testing import bench_cli  # noqa: E402
+from dbo_compile.testing import moe as H  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -97,39 +96,6 @@ def _world_of(art) -> E.EmulatedWorld:
     names = {bound_backend(n) for n in art.lowered_gm.graph.nodes if comm_kind(n)}
     (name,) = names
     return E.emulated_backend(name).world
-
-
-def two_in_flight(starts: list, finish) -> None:
-    """Call each of ``starts`` (each starts one transfer or comm op and returns it) and
-    ``finish`` each one after the next has started: two in flight, as the split program has
-    them (the emulated backend's pool)."""
-    last = None
-    for start in starts:
-        now = start()
-        if last is not None:
-            finish(last)
-        last = now
-    if last is not None:
-        finish(last)
-
-
-def comm_only_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int], device):
-    """The link round trips of the split program alone (per layer: the ubatches' dispatches,
-    then their combines; each the static capacity), two in flight as the split program has
-    them (each round trip is finished after the next one is sent)."""
-    _, cols = payload_layout(cfg.hidden_size, dtype, cfg.top_k)
-    bufs = []
-    for _layer in range(cfg.num_moe_layers):
-        for t in tokens_per_ubatch:
-            bufs.append(torch.randn(max(1, world.capacity(t)), cols, device=device, dtype=dtype))
-        for t in tokens_per_ubatch:
-            bufs.append(torch.randn(max(1, world.capacity(t)), cfg.hidden_size, device=device,
-                                    dtype=dtype))
-
-    def run():
-        two_in_flight([functools.partial(E.LINK.send, b, world) for b in bufs],
-                      lambda transfer: transfer.finish())
-    return run
 
 
 def time_units(program, split_args, outputs, timer: Timer, reps: int) -> dict[int, float]:
@@ -183,27 +149,6 @@ def time_units(program, split_args, outputs, timer: Timer, reps: int) -> dict[in
     return out
 
 
-def world_options(args, w: int, gbps: float) -> dict:
-    """The compile options of one emulated world: the link, the cost model's figures and every
-    option flag of ``bench_moe.py`` that applies to one process (``--scheduler``,
-    ``--comm-sms``: the split program's SM carve-out, as the emulated comm kernels would hold
-    them; ``--compute-backend``, ``--carveout-candidates``, ``--candidates``,
-    ``--calibration``, ``--latency-us``)."""
-    emulated = {"world_size": w, "link_gbps": gbps}
-    options = {"comm_backend": "emulated", "comm_backend_options": emulated,
-               "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
-               "scheduler": args.scheduler, "compute_backend": args.compute_backend,
-               "sm_carveout_candidates": args.carveouts,
-               "schedule_candidates": args.candidate_names, "dp_group_name": None}
-    if args.comm_sms is not None:
-        options["comm_sms"] = args.comm_sms
-    if args.latency_us:
-        emulated["latency_us"] = args.latency_us
-    if args.calibration:
-        options["calibration"] = args.calibration
-    return options
-
-
 def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Timer,
               save) -> None:
     """One (preset, W, link): one compile and one runner for every bucket; ``save(row)``
@@ -220,7 +165,7 @@ def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Ti
     width = max(int(s.attn_metadata.block_table.shape[1]) for s in steps.values())
     model.allocate_kv_cache(blocks, 16)
     ref = model.emulated_reference() if args.check else None
-    cmodel = torch.compile(model, backend="dbo", options=world_options(args, w, gbps))
+    cmodel = torch.compile(model, backend="dbo", options=bench_cli.world_options(args, w, gbps))
     tokens = sorted({n for _, n in buckets})
     runner = CudaGraphRunner(cmodel, tokens, max_blocks_per_req=width, block_size=16,
                              vocab_size=cfg.vocab_size, timing_iters=args.timing_iters,
@@ -287,8 +232,8 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
         t["runner_step"] = timer(lambda: runner(ids, pos, md, qlens), iters=5)
         extra = {}
         halves = [n // 2, n - n // 2]
-        comm = comm_only_fn(world, cfg, model.dtype, halves, device)
-        comm_ops = comm_ops_fn(world, cfg, model.dtype, halves, device)
+        comm = H.comm_only_fn(world, cfg, model.dtype, halves, device)
+        comm_ops = H.comm_ops_fn(world, cfg, model.dtype, halves, device)
         for name, fn in (("split_serial", serial), ("split_nocomm", nocomm), ("comm", comm),
                          ("comm_ops", comm_ops)):
             try:
@@ -385,39 +330,6 @@ def _profile(args, graphs: dict, program, row) -> None:
     with open(os.path.join(args.out_dir, "profile_schedule.json"), "w") as f:
         f.write(program.schedule.to_json())
     row["profiled"] = True
-
-
-def comm_ops_fn(world: E.EmulatedWorld, cfg, dtype, tokens_per_ubatch: list[int], device):
-    """The split program's comm ops alone, whole: the emulated backend's dispatches and
-    combines with their pack and unpack kernels around the round trips (per layer: the
-    ubatches' dispatches, then their combines, as the DBO schedules order them; each op's
-    receive after the next op is issued, two in flight as the split program has them), on
-    uniform top-k routing of ``[T, hidden]`` rows of ``dtype`` per ubatch.
-    :func:`comm_only_fn` times the round trips alone; this is what the comm stream carries."""
-    backend = get_comm_backend(E.register_emulated(world))
-    e, k = world.num_experts, world.top_k
-    gen = torch.Generator().manual_seed(0)
-    layers = []
-    for _layer in range(cfg.num_moe_layers):
-        ops = []
-        for t in tokens_per_ubatch:
-            x = torch.randn(t, cfg.hidden_size, generator=gen).to(device, dtype)
-            ids = torch.rand(t, e, generator=gen).topk(k, dim=1).indices.to(device)
-            w = torch.rand(t, k, generator=gen).to(device)
-            rx, rids, _ = backend.dispatch(x, ids, w, e, "")
-            ops.append((x, ids, w, (rx * (rids >= 0).any(-1, keepdim=True)).contiguous()))
-        layers.append(ops)
-
-    calls = []
-    for ops in layers:
-        calls += [functools.partial(backend.dispatch, x, ids, w, e, "", defer_receive=True)
-                  for x, ids, w, _ in ops]
-        calls += [functools.partial(backend.combine, y, "", defer_receive=True)
-                  for *_, y in ops]
-
-    def run():
-        two_in_flight(calls, backend.receive)
-    return run
 
 
 def markdown(doc: dict) -> str:

@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
-import moe_harness as H  # noqa: E402
 
 from dbo_compile.ops import fused_moe  # noqa: E402
 from dbo_compile.ops.experts import grouped_fused, grouped_triton  # noqa: E402
+from dbo_compile.testing import moe as H  # noqa: E402
 
 # (name, H, I, local experts, K, fan-out F: rows per token 1 + F; 0 = EP 1)
 SHAPES = {"v2lite-ep8": (2048, 1408, 8, 6, 6), "v2lite-ep1": (2048, 1408, 64, 6, 0),

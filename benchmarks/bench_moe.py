@@ -29,7 +29,7 @@ graphs, times them at warm-up and decides. Then, on the benchmark's own step:
 - ``split_serial``: the DBO schedule with its comm stream replaced by the compute stream
   (``dbo_compile.testing.measure.serial_comm``): same kernels, same order, no overlap.
 - ``split_nocomm``: as split_serial, with the collectives replaced by local copies of the same
-  shapes (``moe_harness.no_comm``): the compute of the split program alone.
+  shapes (``dbo_compile.testing.moe.no_comm``): the compute of the split program alone.
 - ``comm``: the collectives of the split program alone (per MoE layer and ubatch: dispatch = 1
   ``all_to_all_single`` of payload rows, combine = 1, static capacity), captured in a CUDA
   graph.
@@ -52,7 +52,7 @@ graphs, times them at warm-up and decides. Then, on the benchmark's own step:
 speedup = baseline / dbo_graph; η = (split_serial − dbo_graph) / (split_serial − max(split_nocomm,
 comm)) (docs/design.md); pick / baseline = baseline / chosen.
 
-GPU stand-ins (see moe_harness): routed experts as one grouped-GEMM op (``--experts grouped``),
+GPU stand-ins (see ``dbo_compile.testing.moe``): routed experts as one grouped-GEMM op (``--experts grouped``),
 attention as the package's ``dbo.attention`` (``--attention fused``, the default: on CUDA the
 fused Triton paged-attention kernel); ``--attention proj`` writes the KV cache and skips the
 attention itself (as the hand-written schedule of docs/references.md, and the runs before
@@ -62,7 +62,6 @@ representative of nothing on GPU).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -77,131 +76,22 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
-import moe_harness as H  # noqa: E402
-from flags import given_flags, refuse_unread  # noqa: E402
 
-from dbo_compile import DboConfig, DboConfigError  # noqa: E402
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import comm as _comm  # noqa: E402
 from dbo_compile.ops.experts import experts_path_choices  # noqa: E402
 from dbo_compile.runtime.engine import run_step  # noqa: E402
 from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, split_program_fn  # noqa: E402
+from dbo_compile.testing import bench_cli  # noqa: E402
+from dbo_compile.testing import moe as H  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: flags only the emulated world reads (the torchrun run refuses them)
-EMULATED_ONLY = ("--link-gbps", "--latency-us", "--cost-link-gbps", "--cost-latency-us",
-                 "--timing-iters", "--no-check", "--no-eager", "--no-calib", "--unit-reps",
-                 "--kernels", "--profile")
-#: flags the emulated world does not read (one process: no link to label, no process group
-#: for the vote; no Inductor-compiled unsplit model timed)
-TORCHRUN_ONLY = ("--link", "--vote-group", "--inductor")
-#: flags that do something on CUDA only (the CPU smoke run refuses them)
-CUDA_ONLY = ("--comm-sms", "--inductor", "--kernels", "--profile")
-
-
-def parser() -> argparse.ArgumentParser:
-    """The command line (:func:`parse` parses and checks it)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default=None, help="default deepseek-v2-lite (GPU) / tiny (CPU)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096,
-                   help="vocab_size (lm_head cost; default 4096: the full 102400-row lm_head "
-                        "weighs as much as ~4 of these layers, which a 27-layer model amortises)")
-    p.add_argument("--dense-layers", type=int, default=0,
-                   help="first_k_dense_replace: leading dense-MLP layers (default 0: every layer "
-                        "MoE, as the hand-written reference of docs/references.md)")
-    p.add_argument("--buckets", default=None,
-                   help="phase:tokens,... default: decode 64..1024 and prefill 2048..8192 (GPU)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--experts", default="grouped", choices=["grouped", "loop"])
-    p.add_argument("--attention", default="fused", choices=list(H.ATTENTION_KINDS),
-                   help="fused (default): the package's dbo.attention (Triton kernel on CUDA); "
-                        "proj: KV write + projections only; ref: the reference gather loop")
-    p.add_argument("--scheduler", default="list", choices=["list", "naive"])
-    p.add_argument("--link", default=None, help="label: nvlink | shm (default from NCCL_P2P_DISABLE)")
-    p.add_argument("--comm-sms", type=int, default=None,
-                   help="option comm_sms: SM carve-out for compute GEMMs in the split program and "
-                        "(torchrun) a dedicated high-priority EP group with that NCCL CTA cap "
-                        "(CUDA only)")
-    p.add_argument("--carveout-candidates", default="default",
-                   help="option sm_carveout_candidates: comma-separated SM counts (e.g. 16), '' "
-                        "for none, 'default' for the package default ((16,) on CUDA; with "
-                        "--emulate-ep none: the emulated link's copy engines hold no SMs)")
-    p.add_argument("--candidates", default="all",
-                   help="option schedule_candidates: 'all' (default: every candidate timed, the "
-                        "data the package default is chosen from), 'default' (the package "
-                        "default, DboConfig.schedule_candidates), 'none', or comma-separated "
-                        "names (e.g. list+join,list@link/16+sms16): fewer graphs per bucket")
-    p.add_argument("--compute-backend", default="auto", choices=["auto", "aten", "inductor"],
-                   help="option compute_backend (default: the package default, 'auto' = Inductor "
-                        "on CUDA): 'inductor' compiles every stage of the split program and the "
-                        "unsplit program with Inductor, so the baseline moves too")
-    p.add_argument("--vote-group", default="gloo", choices=["gloo", "world"],
-                   help="group of the per-step DP vote: gloo (default): a CPU group, as a "
-                        "server's, so that the vote reads nothing back from the GPU; world: the "
-                        "default (NCCL) group, whose vote table goes through the GPU and syncs "
-                        "the host every step (the runs up to 2026-11-30)")
-    p.add_argument("--calibration", default=None, help="option calibration (a JSON file)")
-    p.add_argument("--inductor", action="store_true",
-                   help="also time the unsplit model compiled by Inductor, in a CUDA graph")
-    e = p.add_argument_group("emulated EP world on one GPU (benchmarks/bench_emulated.py)")
-    e.add_argument("--emulate-ep", default=None, metavar="W[@GBPS],...",
-                   help="run as rank 0 of an emulated EP-W world on one GPU (no torchrun): "
-                        "comma-separated world sizes, each optionally @link GB/s, e.g. "
-                        "8,16,32,64,8@25")
-    e.add_argument("--link-gbps", type=float, default=50.0,
-                   help="emulated link bandwidth per direction, GB/s (default 50: one 400 Gb/s NIC)")
-    e.add_argument("--latency-us", type=float, default=0.0, help="added per dispatch / combine")
-    e.add_argument("--cost-link-gbps", type=float, default=44.0,
-                   help="the cost model's link figure is min(link, this): the hardware's duplex "
-                        "copy rate (measured 42-45 GB/s per direction on one H200)")
-    e.add_argument("--cost-latency-us", type=float, default=10.0)
-    e.add_argument("--timing-iters", type=int, default=5,
-                   help="CudaGraphRunner's replays per graph and round at warm-up")
-    e.add_argument("--no-check", dest="check", action="store_false",
-                   help="skip the numerics against the one-device reference (which holds all "
-                        "E experts: 22 GB per layer for DeepSeek-V3)")
-    e.add_argument("--no-eager", dest="eager", action="store_false",
-                   help="skip the eager unsplit / DBO timings (host-bound)")
-    e.add_argument("--no-calib", dest="calib", action="store_false",
-                   help="skip the unit timings and features benchmarks/calibrate.py fits")
-    e.add_argument("--unit-reps", type=int, default=3)
-    e.add_argument("--kernels", type=int, default=0, metavar="TOP",
-                   help="print per-kernel tables (calls, µs) of the unsplit graph, the split "
-                        "graph without comm and the DBO graph of every bucket, TOP rows")
-    e.add_argument("--profile", default=None, metavar="PHASE:TOKENS:W",
-                   help="write profiler traces of that bucket's DBO graph (and its schedule) "
-                        "and of its split serial, split without comm, comm-only and comm-ops "
-                        "graphs beside --json (profile_NAME.json)")
-    p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "latest.json"))
-    p.add_argument("--md", default=None, help="markdown table path (default: json with .md)")
-    p.add_argument("--append", action="store_true", help="add rows to an existing --json")
-    return p
-
-
 def parse(argv=None):
-    p = parser()
-    args = p.parse_args(argv)
-    # a flag the chosen mode does not read is refused, not ignored
-    given = given_flags(p, argv)
-    if args.emulate_ep:
-        refuse_unread(p, args, given, TORCHRUN_ONLY, "with --emulate-ep")
-    else:
-        refuse_unread(p, args, given, EMULATED_ONLY, "without --emulate-ep")
-    if not torch.cuda.is_available():
-        refuse_unread(p, args, given, CUDA_ONLY, "without CUDA")
-    args.profile_at = None
-    if args.profile:
-        ph, tok, w = args.profile.split(":")
-        args.profile_at = (ph, int(tok), int(w))
-    if args.candidates not in ("all", "none", "default"):
-        try:
-            DboConfig(schedule_candidates=tuple(v for v in args.candidates.split(",") if v))
-        except DboConfigError as e:
-            p.error(f"--candidates: {e}")
-    return args
+    """The command line (:func:`dbo_compile.testing.bench_cli.parse_moe`: a flag that the
+    chosen mode does not read is a usage error)."""
+    return bench_cli.parse_moe(argv, __doc__, os.path.join(_ROOT, "benchmarks", "results",
+                                                           "latest.json"))
 
 
 def log(msg: str) -> None:

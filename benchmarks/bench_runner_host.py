@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import inspect
 import json
 import os
@@ -57,8 +56,10 @@ from typing import Any
 
 import torch
 
+from trees import first_attr, first_module
+
 #: (label, "module:Class" or "module", attribute) of each timed function; absent ones are
-#: skipped; "a|b" (of modules or attributes): the first that exists (older trees: the runner in
+#: skipped; "a|b" (of modules, classes or attributes): the first that exists (older trees: the runner in
 #: ``runtime/graphs.py``, the metadata in ``runtime/metadata.py``) (the serving path calls internal forms that skip the
 #: checks the vote made: ``_load``, ``_check_vetoes``, ...).
 PHASES = [
@@ -72,7 +73,7 @@ INSIDE = [
     ("check_vetoes", "dbo_compile.runtime.vetoes", "_check_vetoes|check_vetoes"),
     ("coordinate_across_dp", "dbo_compile.runtime.vote", "coordinate_across_dp"),
     ("_pad_args", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs", "_pad_args"),
-    ("split_args", "dbo_compile.runtime.program:DboCompiledModule", "split_args"),
+    ("split_args", "dbo_compile.runtime.program:SplitArtifact|DboCompiledModule", "split_args"),
     ("make_ubatch_slices", "dbo_compile.runtime.ubatch", "_slices_at_offsets|make_ubatch_slices"),
     ("split_attn_metadata", "dbo_compile.runtime.ubatch", "_split_validated|split_attn_metadata"),
     ("_copy_into", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs", "_copy_into"),
@@ -111,9 +112,9 @@ class _Clock:
     def install(self) -> None:
         for label, where, attr in PHASES + INSIDE:
             mods, _, cls = where.partition(":")
-            owner = _first_module(mods.split("|"))
+            owner = first_module(mods.split("|"))
             if cls:
-                owner = getattr(owner, cls, None)
+                owner = first_attr(owner, cls)
             attr = next((a for a in attr.split("|") if hasattr(owner, a)), None)
             if owner is None or attr is None:
                 continue
@@ -138,16 +139,6 @@ class _Clock:
             finally:
                 spent[label] = spent.get(label, 0.0) + (time.perf_counter() - t0) * 1e6
         return timed
-
-
-def _first_module(names: list[str]):
-    """The first of the modules ``names`` that this tree has (``None``: none of them)."""
-    for name in names:
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-    return None
 
 
 def _count_host_reads():
@@ -176,7 +167,7 @@ def _step(cfg, phase: str, tokens: int, requests: int | None):
 def run_case(case: str, graphs: list[str], layers: int, iters: int, warmup: int) -> dict:
     from dbo_compile.backend import register
     from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
-    CudaGraphRunner = _first_module(["dbo_compile.runtime.cudagraph_runner",
+    CudaGraphRunner = first_module(["dbo_compile.runtime.cudagraph_runner",
                                      "dbo_compile.runtime.graphs"]).CudaGraphRunner
     register()
     torch._dynamo.reset()

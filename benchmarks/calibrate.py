@@ -38,7 +38,9 @@ import sys
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
+from dbo_compile.ops.emulated.link import MAX_CHUNKS
 from dbo_compile.passes.calibrate import predict_split, predict_unsplit
+from dbo_compile.testing.link_model import CHUNK_SETUP_US, link_us
 
 #: fitted figures per compute class (the rest stay ``None`` / 0). Attention is fitted per
 #: phase: its cost per row depends on the context it reads (decode: a cached context per
@@ -49,9 +51,6 @@ FIT = {"gemm": ("tflops", "gbps", "launch_us"),
        "attention.decode": ("gbps", "launch_us", "us_per_row"),
        "attention.prefill": ("gbps", "launch_us", "us_per_row"),
        "other": ("gbps", "launch_us")}
-#: the emulated link's round trip (dbo_compile/ops/emulated/): n chunks, the way back one
-#: chunk behind, a setup per chunk
-CHUNK_SETUP_US, MAX_CHUNKS = 3.0, 16
 START = {"tflops": 500.0, "gbps": 2500.0, "launch_us": 3.0, "us_per_row": 0.01}
 BOUNDS = {"tflops": (20.0, 1500.0), "gbps": (50.0, 6000.0), "launch_us": (0.05, 500.0),
           "us_per_row": (1e-6, 10.0)}
@@ -85,13 +84,6 @@ def _row_features(r: dict, feats) -> list[tuple]:
             f, b = 0.0, link_us(b, r["link_eff_gbps"])
         out.append((cls, f, b, rows))
     return out
-
-
-def link_us(nbytes: float, gbps: float) -> float:
-    """The emulated link's round trip of ``nbytes`` at ``gbps`` (µs)."""
-    t = nbytes / (gbps * 1e3)
-    n = max(1, min(MAX_CHUNKS, round(math.sqrt(t / CHUNK_SETUP_US))))
-    return t * (1 + 1 / n) + CHUNK_SETUP_US * n
 
 
 def unit_samples(rows: list[dict]) -> tuple[list, list]:

@@ -11,7 +11,8 @@ Run (CPU: 2 Gloo ranks; on a host with 2 GPUs the same command captures CUDA gra
 
 The script launches ``torchrun --nproc-per-node 2`` once per tree (with ``--compare REV``:
 first REV's package, from ``git archive`` in a temporary folder, then this tree's, one after the other
-in the same run), builds the benchmark's model (``moe_harness``: tiny preset on CPU,
+in the same run), builds the benchmark's model (``dbo_compile.testing.moe``, in older trees
+``benchmarks/moe_harness.py``: tiny preset on CPU,
 DeepSeek-V2-Lite shapes on CUDA; 4 MoE layers, vocab 4096), compiles it with
 ``backend="dbo"`` and lets one :class:`~dbo_compile.runtime.cudagraph_runner.CudaGraphRunner` capture
 every bucket, as a serving job's warm-up does (``bench_moe.py``'s ``capture_s`` instead
@@ -52,7 +53,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import json
 import os
 import subprocess
@@ -60,11 +60,14 @@ import sys
 import tempfile
 import time
 
+from trees import first_attr, first_module, moe_harness
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 
 #: (part, "module:qualname") in table order; a target a tree does not have is skipped; "a|b":
-#: the first of the modules that the tree has (before 3f21f21 the runner was runtime/graphs.py)
+#: the first of the modules (or classes) that the tree has (before 3f21f21 the runner was
+#: runtime/graphs.py; the artifacts were DboCompiledModule and UnsplitProgram before issue 30)
 PARTS = [
     ("Dynamo (trace, guards)", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner._record"),
     ("lowering (AOT)", "dbo_compile.lowering:lower_to_aten"),
@@ -78,8 +81,8 @@ PARTS = [
     ("backend other", "dbo_compile.backend:_unsplit_program"),
     ("Inductor compile", "dbo_compile.codegen.inductor:InductorStage._compile"),
     ("Inductor compile", "dbo_compile.codegen.inductor:InductorStage._compile_dynamic"),
-    ("warm-up step runs", "dbo_compile.runtime.program:DboCompiledModule.__call__"),
-    ("warm-up step runs", "dbo_compile.runtime.program:UnsplitProgram.__call__"),
+    ("warm-up step runs", "dbo_compile.runtime.program:SplitArtifact|DboCompiledModule.__call__"),
+    ("warm-up step runs", "dbo_compile.runtime.program:UnsplitArtifact|UnsplitProgram.__call__"),
     ("graph capture", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner._graph"),
     ("timing", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner._time"),
     ("capture() other", "dbo_compile.runtime.cudagraph_runner|dbo_compile.runtime.graphs:CudaGraphRunner.capture"),
@@ -120,23 +123,13 @@ class ExclusiveTimer:
     def install(self) -> None:
         for part, target in PARTS:
             mod_names, qual = target.split(":")
-            owner = _first_module(mod_names.split("|"))
+            owner = first_module(mod_names.split("|"))
             *path, attr = qual.split(".")
             for p in path:
-                owner = getattr(owner, p, None)
+                owner = first_attr(owner, p)
             if owner is None or not hasattr(owner, attr):
                 continue
             setattr(owner, attr, self.wrap(part, getattr(owner, attr)))
-
-
-def _first_module(names: list[str]):
-    """The first of the modules ``names`` that the measured tree has (``None``: none)."""
-    for name in names:
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-    return None
 
 
 # ------------------------------------------------------------------------------ one rank
@@ -145,11 +138,9 @@ def measure(args) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, _HERE)
-    import moe_harness as H
-
+    H = moe_harness()
     from dbo_compile import backend as dbo_backend
-    CudaGraphRunner = _first_module(["dbo_compile.runtime.cudagraph_runner",
+    CudaGraphRunner = first_module(["dbo_compile.runtime.cudagraph_runner",
                                      "dbo_compile.runtime.graphs"]).CudaGraphRunner
     device = H.init_distributed()
     cuda = device.type == "cuda"

@@ -26,7 +26,7 @@ buffer crosses whole, whether or not a row holds a slot; a token with no expert 
 is the path: NCCL's kernels (SMs; shm: through host memory, staged by NCCL's proxy) against a
 chunked round trip to pinned host memory on the copy engines (no SM). The emulated comm's time
 at an asked link ``X`` is modelled as ``ops · c + s · Σ link_us(bytes, min(X, copy GB/s))``
-(``benchmarks/calibrate.link_us``: the chunked round trip; ``c`` a fixed cost per op, ``s`` a
+(``dbo_compile.testing.link_model.link_us``: the chunked round trip; ``c`` a fixed cost per op, ``s`` a
 scale), ``c`` and ``s`` fitted here on the measured comm alone of the emulated runs of 2026-12-01
 (``--emulator``); inverting it per bucket gives the ``--link-gbps`` whose emulated comm equals the
 real ``t_comm``, and a grid search the single figure that fits every bucket of a link best. A
@@ -44,21 +44,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import sys
 
 import numpy as np
-import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from calibrate import link_us  # noqa: E402
-
-from dbo_compile.models import get_config  # noqa: E402
-from dbo_compile.ops.comm import payload_layout  # noqa: E402
-from dbo_compile.ops.emulated import EmulatedWorld  # noqa: E402
+from dbo_compile.models import get_config
+from dbo_compile.testing.link_model import (
+    asked_link,
+    compare,
+    emulated_comm_bytes,
+    emulated_comm_us,
+    parse_setup,
+    torch_comm_bytes,
+)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RESULTS = os.path.join(_ROOT, "benchmarks", "results")
@@ -68,59 +67,6 @@ EMULATOR_RUNS = [os.path.join(_RESULTS, f"emulated_{n}_h200_2026-12-01.json")
 #: the emulated link's duplex copy rate per direction on one H200 (benchmarks/calibration/
 #: h200_2026-12-01.json, comm_link.copy_gbps; single runs measured 46.3-49.7)
 COPY_GBPS = 46.3
-ITEMSIZE = 2  # bf16, every run here
-
-
-def parse_setup(setup: str, machine: str = "") -> dict:
-    """The fields of a results file's ``setup`` line (bench_moe / bench_emulated): ``preset``,
-    ``moe_layers``, ``carve-out`` and every ``key=value`` (its first word); ``compute_backend``
-    ``auto`` resolved as the package does (Inductor on CUDA: a ``machine`` naming a GPU)."""
-    out = {"preset": setup.split(",")[0].strip()}
-    m = re.search(r"(\d+) layers \((\d+) MoE\)", setup) or re.search(r"(\d+) MoE layers", setup)
-    if m:
-        out["moe_layers"] = int(m.groups()[-1])
-    for k, v in re.findall(r"([A-Za-z_][\w-]*)=([^,;]+)", setup):
-        out[k] = v.split()[0]
-    if out.get("compute_backend") == "auto":
-        out["compute_backend"] = "inductor" if "NVIDIA" in machine or "GPU" in machine else "aten"
-    c = re.search(r"carve-out candidates ([^,;]+)", setup)
-    out["carve-out"] = "none" if "no carve-out" in setup else c.group(1).split()[0] if c else "?"
-    return out
-
-
-def ubatches(tokens: int) -> list[int]:
-    """The two ubatches' tokens of a bucket (``bench_moe`` / ``bench_emulated``: ``T // 2``,
-    ``T − T // 2``)."""
-    return [tokens // 2, tokens - tokens // 2]
-
-
-def torch_comm_bytes(cfg, moe_layers: int, tokens: int, ep: int) -> list[tuple[str, int, int]]:
-    """``(kind, peer bytes, self bytes)`` per rank of each collective of one step of the
-    ``torch`` backend, in ``comm_only_fn``'s order (bf16)."""
-    _, cols = payload_layout(cfg.hidden_size, torch.bfloat16, cfg.top_k)
-    out = []
-    for _ in range(moe_layers):
-        for kind, c in (("dispatch", cols), ("combine", cfg.hidden_size)):
-            for t in ubatches(tokens):
-                out.append((kind, (ep - 1) * t * c * ITEMSIZE, t * c * ITEMSIZE))
-    return out
-
-
-def emulated_comm_bytes(cfg, moe_layers: int, tokens: int, w: int) -> list[tuple[str, int]]:
-    """``(kind, link bytes)`` of each round trip of one step of the emulated EP-``w`` world
-    (its static capacity; ``bench_emulated.comm_only_fn``'s order)."""
-    world = EmulatedWorld(w, cfg.num_experts, cfg.top_k)
-    return [(kind, world.link_bytes(kind, t, cfg.hidden_size, ITEMSIZE))
-            for _ in range(moe_layers) for kind in ("dispatch", "combine") for t in ubatches(tokens)]
-
-
-def emulated_comm_us(nbytes: list[int], gbps: float, copy_gbps: float,
-                     model: tuple[float, float] = (0.0, 1.0)) -> float:
-    """Modelled comm alone of the emulated link at an asked ``gbps`` (µs): ``model = (c, s)``,
-    ``ops · c + s · Σ link_us(bytes, min(gbps, copy_gbps))``."""
-    c, s = model
-    ops = [b for b in nbytes if b]
-    return c * len(ops) + s * sum(link_us(b, min(gbps, copy_gbps)) for b in ops)
 
 
 def emulator_fit(paths: list[str]) -> tuple[tuple[float, float], list[dict]]:
@@ -152,22 +98,6 @@ def emulator_fit(paths: list[str]) -> tuple[tuple[float, float], list[dict]]:
              "ratio": r["t_comm_us"] / emulated_comm_us(b, r["link_gbps"], hw, model)}
             for r, b, hw in samples]
     return model, fits
-
-
-def asked_link(nbytes: list[int], target_us: float, copy_gbps: float,
-               model: tuple[float, float]) -> float | None:
-    """The asked link (GB/s) whose modelled emulated comm is ``target_us``; ``None`` where even
-    the copy engines' rate is too slow."""
-    if emulated_comm_us(nbytes, copy_gbps, copy_gbps, model) > target_us:
-        return None
-    lo, hi = 0.05, copy_gbps
-    for _ in range(60):
-        mid = math.sqrt(lo * hi)
-        if emulated_comm_us(nbytes, mid, copy_gbps, model) > target_us:
-            lo = mid
-        else:
-            hi = mid
-    return hi
 
 
 def _fit_latency_bw(rows: list[dict]) -> tuple[float, float]:
@@ -264,30 +194,6 @@ def _chosen_t(r: dict) -> float | None:
 def _chosen_name(r: dict) -> str:
     c = r.get("chosen_graph") or r.get("chosen")
     return "unsplit" if c == "unsplit" else f"split ({c})" if c != "split" else "split"
-
-
-def compare(real: dict, emulated: list[tuple[str, dict]], tol: float) -> list[dict]:
-    """Rows of the side-by-side table: per emulated row of world size 2 the real row of its
-    link and bucket, and the relative differences (``emulated / real − 1``)."""
-    by = {(r.get("link"), r["phase"], r["tokens_per_rank"]): r for r in real["rows"]}
-    out = []
-    for link, doc in emulated:
-        for e in doc["rows"]:
-            if e.get("world_size") != 2 or e.get("t_dbo_graph_us") is None:
-                continue
-            r = by.get((link, e["phase"], e["tokens_per_rank"]))
-            if r is None or r.get("t_dbo_graph_us") is None:
-                continue
-            row = {"link": link, "phase": e["phase"], "tokens": e["tokens_per_rank"],
-                   "gbps": e.get("link_gbps"), "real": r, "emu": e, "diff": {}}
-            for key in ("t_baseline_us", "t_dbo_graph_us", "t_chosen_us", "t_comm_us",
-                        "t_split_nocomm_us", "speedup", "chosen_vs_baseline"):
-                a, b = r.get(key), e.get(key)
-                row["diff"][key] = (b / a - 1) if a and b else None
-            row["flags"] = [k for k in ("t_baseline_us", "t_dbo_graph_us", "t_chosen_us")
-                            if row["diff"][k] is not None and abs(row["diff"][k]) > tol]
-            out.append(row)
-    return out
 
 
 def print_compare(real: dict, emulated: list[tuple[str, dict]], rows: list[dict], tol: float) -> None:

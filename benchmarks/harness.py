@@ -9,14 +9,16 @@ the same thing whichever script wrote it:
   for their warm-up choices.
 - :func:`graph_us`: ``reps`` calls captured as one CUDA graph and timed by replay; captured with
   the runtime's :func:`dbo_compile.runtime.capture.capture` (warm-up on a side stream, the
-  comm drained on failure) unless told otherwise.
+  comm drained on failure): :func:`dbo_compile.testing.measure.graph_us`, which the package's
+  benchmark model (:mod:`dbo_compile.testing.moe`) times with too.
 - :func:`capture`: a CUDA graph of a call, or on CPU the runtime's own stand-in
   (:class:`~dbo_compile.runtime.cudagraph_runner.EagerGraph`), for the CPU smoke runs.
 - :func:`machine`: the header every results file carries (``"2x NVIDIA H200 (x86_64)"``).
 - :func:`fmt`, :func:`table`: the cells and the pipe table of every markdown writer.
 
 Import it as the scripts do (``sys.path`` holds the script's folder when Python runs a script);
-the tests import no benchmark script.
+the tests import no benchmark script: what a test and a benchmark share (the MoE model, its
+steps, the stand-in kernels) is the package's :mod:`dbo_compile.testing.moe`.
 """
 
 from __future__ import annotations
@@ -28,19 +30,11 @@ import torch
 
 from dbo_compile.runtime import capture as cg_capture
 from dbo_compile.runtime.cudagraph_runner import EagerGraph
-from dbo_compile.timing import graph_median_us, median_us, samples_us
+from dbo_compile.testing.measure import graph_us
+from dbo_compile.timing import median_us, samples_us
 
 __all__ = ["EagerGraph", "capture", "fmt", "graph_us", "machine", "median_us", "samples_us",
            "table"]
-
-
-def graph_us(fn: Callable[[], Any], iters: int, reps: int = 1, replays: int = 3,
-             warmup: int = 2) -> tuple[float, Any]:
-    """``reps`` calls of ``fn`` captured as one CUDA graph (after ``warmup`` eager calls, by
-    the runtime's ``capture``): the median µs per call of ``iters`` replays timed after
-    ``replays`` untimed ones, and the graph's static output."""
-    return graph_median_us(fn, iters, reps=reps, replays=replays,
-                           capture=lambda calls: cg_capture.capture(calls, warmup=warmup))
 
 
 def capture(fn: Callable[[], Any], warmup: int = 2) -> tuple[Any, Any]:

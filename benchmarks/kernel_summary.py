@@ -23,12 +23,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import moe_harness as H  # noqa: E402
-
-from dbo_compile import backend as dbo_backend  # noqa: E402
-from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner  # noqa: E402
+from dbo_compile import backend as dbo_backend
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
+from dbo_compile.testing import moe as H
 
 
 def _short(name: str) -> str:

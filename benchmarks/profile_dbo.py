@@ -19,11 +19,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import moe_harness as H  # noqa: E402
-
-from dbo_compile import backend as dbo_backend  # noqa: E402
+from dbo_compile import backend as dbo_backend
+from dbo_compile.testing import moe as H
 
 
 def candidate_options(name: str) -> dict:

@@ -44,81 +44,14 @@ import os
 import platform
 import sys
 
-from dbo_compile.testing.graph_soak import SIZES, TOLERANCES, run_graph_soak
+from dbo_compile.testing import bench_cli
+from dbo_compile.testing.graph_soak import run_graph_soak
 from dbo_compile.testing.soak import run_soak
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from flags import given_flags, refuse_unread  # noqa: E402
-
-#: the options of each mode that the other mode does not read (refused there)
-CPU_ONLY = ("--world-sizes", "--max-tokens", "--p-fail", "--contents")
-GPU_ONLY = ("--gpu-size", "--dtype", "--check-every", "--p-wide", "--compute-backend")
-
-
-def parser() -> argparse.ArgumentParser:
-    """The command line (:func:`parse` parses and checks it)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=10_000, help="steps (per world size)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--p-split", type=float, default=0.7,
-                   help="share of the steps aimed at a split (every rank past the threshold, "
-                        "no veto, no shared prefix)")
-    p.add_argument("--p-veto", type=float, default=0.1,
-                   help="engine vetoes per rank and step not aimed at a split")
-    p.add_argument("--p-share", type=float, default=0.2,
-                   help="shared prefixes per rank and step not aimed at a split")
-    p.add_argument("--step-timeout", type=float, default=None,
-                   help="seconds a step may take before its rank is counted as hung (default "
-                        "120, with --gpu 60; the first step, which compiles, or the capture: "
-                        "ten times that); raise it on a loaded machine, where a recompiling "
-                        "step can take minutes")
-    p.add_argument("--minutes", type=float, default=None,
-                   help="time budget (per world size; with --gpu: of the steps, after the "
-                        "capture): stop before --steps once it is spent (the counts say how "
-                        "many steps ran)")
-    p.add_argument("--out", default=None,
-                   help="also write the counts (every world size) and the machine to this "
-                        "JSON file")
-    c = p.add_argument_group("CPU soak (Gloo ranks)")
-    c.add_argument("--world-sizes", default="2,4", help="comma-separated Gloo world sizes")
-    c.add_argument("--max-tokens", type=int, default=96, help="largest token count of a rank")
-    c.add_argument("--p-fail", type=float, default=0.02, help="injected failures per step")
-    c.add_argument("--contents", type=int, default=256,
-                   help="step contents per kind and rank, each with its reference computed "
-                        "once (0: a new content every step)")
-    g = p.add_argument_group("one GPU (--gpu): CudaGraphRunner over an emulated EP world")
-    g.add_argument("--gpu", action="store_true", help="run the CUDA-graph runner's soak")
-    g.add_argument("--gpu-size", default="gpu", choices=sorted(SIZES),
-                   help="model and buckets (cpu: the same code at a tiny size, on CPU)")
-    g.add_argument("--dtype", default="float32", choices=sorted(TOLERANCES),
-                   help="model dtype (float32: the reference comparison's tolerance is 1e-3; "
-                        "bfloat16: 5e-2)")
-    g.add_argument("--check-every", type=int, default=10,
-                   help="compare every N-th step with the reference")
-    g.add_argument("--p-wide", type=float, default=0.01,
-                   help="steps with a block table wider than the runner's (they run eagerly)")
-    g.add_argument("--compute-backend", default="aten", choices=["aten", "inductor"],
-                   help="the compute_backend option (aten: seconds of capture; inductor "
-                        "compiles every stage per bucket, and each eager step's new size)")
-    return p
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser()
-    args = p.parse_args(argv)
-    refuse_unread(p, args, given_flags(p, argv), CPU_ONLY if args.gpu else GPU_ONLY,
-                  "with --gpu" if args.gpu else "without --gpu")
-    if args.step_timeout is None:
-        args.step_timeout = 60.0 if args.gpu else 120.0
-    args.sizes = [int(w) for w in args.world_sizes.split(",") if w]
-    if args.steps < 1 or not args.sizes or min(args.sizes) < 2:
-        p.error("--steps must be >= 1 and --world-sizes ints >= 2")
-    if (args.minutes is not None and args.minutes <= 0) or args.step_timeout <= 0:
-        p.error("--minutes and --step-timeout must be > 0")
-    if args.contents < 0 or args.check_every < 1:
-        p.error("--contents must be >= 0 and --check-every >= 1")
-    return args
+    """The command line (:func:`dbo_compile.testing.bench_cli.parse_soak`: a flag of the
+    other mode is a usage error)."""
+    return bench_cli.parse_soak(argv, __doc__.split("\n\n")[0])
 
 
 def main(argv: list[str] | None = None) -> int:

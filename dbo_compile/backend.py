@@ -26,7 +26,7 @@ from dbo_compile.passes import pipeline, token_dim
 from dbo_compile.passes.manager import PassManager
 from dbo_compile.runtime.artifact import CompiledArtifact, check_groups
 from dbo_compile.runtime.drain import drain_plan
-from dbo_compile.runtime.program import UnsplitProgram
+from dbo_compile.runtime.program import UnsplitArtifact
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ _ARTIFACTS: list[CompiledArtifact] = []
 
 
 def compiled_artifacts() -> list[CompiledArtifact]:
-    """What the backend returned, oldest first (``DboCompiledModule`` or ``UnsplitProgram``).
+    """What the backend returned, oldest first (``SplitArtifact`` or ``UnsplitArtifact``).
 
     Tests and tools read the schedule, the generated code, the pass times and the step
     counters from here; :func:`reset_artifacts` empties the list (``torch._dynamo.reset()``
@@ -87,7 +87,7 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
 
 
 def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
-                     why: UnsplittableGraphError, times: dict[str, float]) -> UnsplitProgram:
+                     why: UnsplittableGraphError, times: dict[str, float]) -> UnsplitArtifact:
     """The way out for a graph we do not split; it still votes if it issues collectives.
     ``why``: the reason, and what the passes found before it (``row_local``: padding rows
     cannot change real rows; ``state_inputs``: the inputs the graph writes in place;
@@ -100,7 +100,7 @@ def _unsplit_program(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     # a graph Dynamo traced with symbolic sizes runs at any token count; a static one cannot
     dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
     token = _token_symbol(specs, gm)
-    return UnsplitProgram(stage_compiler(config).unsplit(gm), str(why), config, specs,
+    return UnsplitArtifact(stage_compiler(config).unsplit(gm), str(why), config, specs,
                           has_comm, fixed_num_tokens=not dynamic, row_local=why.row_local,
                           state_inputs=why.state_inputs, folds_token_rows=why.folds_token_rows,
                           unsplit_collectives=comm_fingerprint(gm.graph) if has_comm else None,

@@ -15,7 +15,7 @@ from torch import nn
 import dbo_compile.ops  # noqa: F401 - registers torch.ops.dbo.*
 from conftest import last_artifact
 from dbo_compile import DboConfig, DboConfigError, UnsplittableGraphError
-from dbo_compile.runtime.program import UnsplitProgram
+from dbo_compile.runtime.program import UnsplitArtifact
 
 
 def test_unknown_option_names_the_valid_ones():
@@ -165,10 +165,24 @@ def test_unsplittable_models_compile_unsplit_and_say_why(cls, why, caplog):
         out = torch.compile(model, backend="dbo", options={"split": "always"})(x)
     torch.testing.assert_close(out, model(x))
     art = last_artifact()
-    assert isinstance(art, UnsplitProgram)
+    assert isinstance(art, UnsplitArtifact)
     assert why in art.reason and why in caplog.text
     if cls is SumsOverTokens:
         assert "sum" in art.reason  # names the node
+
+
+def test_the_artifacts_names_before_issue_30_still_import_with_a_deprecation_warning():
+    """``DboCompiledModule`` / ``UnsplitProgram`` (renamed ``SplitArtifact`` /
+    ``UnsplitArtifact``) are the same classes, and importing them says the new name."""
+    from dbo_compile.runtime import program
+
+    with pytest.warns(DeprecationWarning, match="DboCompiledModule is now SplitArtifact"):
+        from dbo_compile.runtime.program import DboCompiledModule
+    with pytest.warns(DeprecationWarning, match="UnsplitProgram is now UnsplitArtifact"):
+        old_unsplit = program.UnsplitProgram
+    assert DboCompiledModule is program.SplitArtifact and old_unsplit is UnsplitArtifact
+    with pytest.raises(AttributeError, match="no attribute 'DboCompiledModul'"):
+        program.DboCompiledModul
 
 
 def test_on_unsplittable_raise():
@@ -283,7 +297,7 @@ def test_unsplittable_inputs_and_ops_fall_back_with_a_reason(cls, args, why):
     out = torch.compile(model, backend="dbo", options={"split": "always"})(*inputs)
     torch.testing.assert_close(out, model(*inputs))
     art = last_artifact()
-    assert isinstance(art, UnsplitProgram) and why in art.reason, art.reason
+    assert isinstance(art, UnsplitArtifact) and why in art.reason, art.reason
 
 
 class ViewsByIntArg(nn.Module):
@@ -314,7 +328,7 @@ def test_int_argument_sizing_a_token_view_compiles_unsplit_and_says_why(scale, w
             x = torch.randn(t, 8)
             torch.testing.assert_close(compiled(x, t), m(x, t))
     art = last_artifact()
-    assert isinstance(art, UnsplitProgram) and why in art.reason, art.reason
+    assert isinstance(art, UnsplitArtifact) and why in art.reason, art.reason
 
 
 def test_record_calls_and_last_called_are_per_thread():

@@ -6,13 +6,21 @@ no CPU test reached."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from dbo_compile.testing.bench_cli import (
+    given_flags,
+    moe_parser,
+    parse_moe,
+    parse_soak,
+    world_options,
+)
+from scripts import run_scripts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,15 +74,11 @@ def test_calibrate_check_reproduces_the_stored_calibration_check(tmp_path):
     assert r.returncode == 2 and "no such rows" in r.stderr
 
 
-def _calibrate_script():
-    spec = importlib.util.spec_from_file_location(
-        "_calibrate_script", os.path.join(ROOT, "benchmarks", "calibrate.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.mark.parametrize("extra, match", [
+CALIBRATE = os.path.join(ROOT, "benchmarks", "calibrate.py")
+CALIBRATE_RESULTS = os.path.join(ROOT, "benchmarks", "results",
+                                 "emulated_v2lite_w8_calib_inductor_h200_2026-12-01.json")
+#: (the command line's tail, what its usage error says)
+CALIBRATE_REFUSALS = [
     (["--fit-only", "decode"], "'decode' is not PHASE:TOKENS"),
     (["--fit-only", "decode:x"], "'decode:x' is not PHASE:TOKENS"),
     (["--fit-only", "decode:256,"], "'' is not PHASE:TOKENS"),
@@ -91,84 +95,93 @@ def _calibrate_script():
     (["--schedule-out", "s.json"], "--schedule-out and --row PHASE:TOKENS:W go together"),
     (["--row", "decode:256:8"], "--schedule-out and --row PHASE:TOKENS:W go together"),
     (["--schedule-out", "s.json", "--row", "decode:99:8"], "--row decode:99:8: no such row"),
-])
-def test_calibrate_refuses_what_it_would_ignore_or_misread(tmp_path, capsys, extra, match):
+]
+
+
+@pytest.fixture(scope="module")
+def calibrate_refusals(tmp_path_factory):
+    """``(folder, run)`` per :data:`CALIBRATE_REFUSALS`: ``calibrate.py`` run on the stored
+    results with that tail (files named in it written to the case's own folder), all in one
+    interpreter (:func:`scripts.run_scripts`)."""
+    cal = json.load(open(os.path.join(ROOT, "benchmarks", "calibration", "h200_2026-12-01.json")))
+    runs, folders = [], []
+    for extra, _match in CALIBRATE_REFUSALS:
+        tmp_path = tmp_path_factory.mktemp("refusal")
+        paths = {"CAL": tmp_path / "cal.json", "NOSLOW": tmp_path / "noslow.json",
+                 "NOFIG": tmp_path / "nofig.json", "MISSING": tmp_path / "missing.json"}
+        paths["CAL"].write_text(json.dumps(cal))
+        paths["NOSLOW"].write_text(json.dumps({k: v for k, v in cal.items()
+                                               if k != "overlap_slowdown"}))
+        paths["NOFIG"].write_text(json.dumps({k: v for k, v in cal.items() if k != "figures"}))
+        paths["s.json"] = tmp_path / "s.json"
+        argv = [str(paths.get(a, a)) for a in extra]
+        if "--check" not in argv:
+            argv += ["--out", str(tmp_path / "out.json")]
+        runs.append((CALIBRATE, [CALIBRATE_RESULTS, *argv]))
+        folders.append(tmp_path)
+    return list(zip(folders, run_scripts(runs)))
+
+
+@pytest.mark.parametrize("extra, match", CALIBRATE_REFUSALS)
+def test_calibrate_refuses_what_it_would_ignore_or_misread(calibrate_refusals, extra, match):
     """A malformed ``--fit-only`` was a traceback (ValueError), a fit option beside ``--check``
     was silently ignored (``--schedule-out`` wrote nothing, rc 0), and a calibration without
     its overlap slowdown was checked with 1.0 (4 of 5 rows within 15 % where the stored model
     gives 2), and --schedule-out without --row wrote nothing (rc 0), with a --row of no row
     it raised StopIteration after the fit: each is now a usage error (rc 2) saying what to
     give."""
-    cal = json.load(open(os.path.join(ROOT, "benchmarks", "calibration", "h200_2026-12-01.json")))
-    paths = {"CAL": tmp_path / "cal.json", "NOSLOW": tmp_path / "noslow.json",
-             "NOFIG": tmp_path / "nofig.json", "MISSING": tmp_path / "missing.json"}
-    paths["CAL"].write_text(json.dumps(cal))
-    paths["NOSLOW"].write_text(json.dumps({k: v for k, v in cal.items() if k != "overlap_slowdown"}))
-    paths["NOFIG"].write_text(json.dumps({k: v for k, v in cal.items() if k != "figures"}))
-    paths["s.json"] = tmp_path / "s.json"
-    argv = [str(paths.get(a, a)) for a in extra]
-    if "--check" not in argv:
-        argv += ["--out", str(tmp_path / "out.json")]
-    results = os.path.join(ROOT, "benchmarks", "results",
-                           "emulated_v2lite_w8_calib_inductor_h200_2026-12-01.json")
-    with pytest.raises(SystemExit) as e:
-        _calibrate_script().main([results, *argv])
-    assert e.value.code == 2
-    assert match in capsys.readouterr().err
+    tmp_path, ran = calibrate_refusals[CALIBRATE_REFUSALS.index((extra, match))]
+    assert ran.returncode == 2
+    assert match in ran.stderr
     assert not (tmp_path / "out.json").exists() and not (tmp_path / "s.json").exists()
 
 
-def test_calibrate_fit_only_is_recorded_and_its_slowdown_fitted(tmp_path, capsys):
+def test_calibrate_fit_only_is_recorded_and_its_slowdown_fitted(tmp_path):
     """A calibration fitted on ``--fit-only`` rows said so nowhere (``holdout: None``, its
     ``check`` over every row as for a full fit); and a fit whose rows lack the
     ``--slowdown-from`` rows stored ``overlap_slowdown`` 1.0 / 1.0 under that name as if
     fitted. Now the file names the buckets it was fitted on, and the second is a usage error."""
-    mod = _calibrate_script()
-    results = os.path.join(ROOT, "benchmarks", "results",
-                           "emulated_v2lite_w8_calib_inductor_h200_2026-12-01.json")
-    out = tmp_path / "cal.json"
-    with pytest.raises(SystemExit) as e:
-        mod.main([results, "--out", str(out), "--fit-only", "decode:256",
-                  "--slowdown-from", "deepseek-v3:8:50"])
-    assert e.value.code == 2 and not out.exists()
-    assert "none of the rows fitted on" in capsys.readouterr().err
-    assert mod.main([results, "--out", str(out), "--fit-only", "prefill:2048,decode:256"]) == 0
+    results = CALIBRATE_RESULTS
+    out, refused_out = tmp_path / "cal.json", tmp_path / "refused.json"
+    refused, fitted = run_scripts([  # one interpreter for both runs
+        (CALIBRATE, [results, "--out", str(refused_out), "--fit-only", "decode:256",
+                     "--slowdown-from", "deepseek-v3:8:50"]),
+        (CALIBRATE, [results, "--out", str(out), "--fit-only", "prefill:2048,decode:256"])])
+    assert refused.returncode == 2 and not refused_out.exists()
+    assert "none of the rows fitted on" in refused.stderr
+    assert fitted.returncode == 0, fitted.stderr[-2000:]
     cal = json.loads(out.read_text())
     assert cal["fit_only"] == [["decode", 256], ["prefill", 2048]] and cal["check"]["rows"] == 5
     assert cal["overlap_slowdown_from"] == "deepseek-v2-lite:8:50"
 
 
 def test_comm_ops_alone_run_whole_ops_in_the_dbo_order(monkeypatch):
-    """``bench_emulated.comm_ops_fn``: per MoE layer the ubatches' dispatches, then their
-    combines, each a whole op of the emulated backend (its packing and one round trip of its
-    capacity), so ``comm ops`` times what the comm stream carries."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_emulated as B
+    """``comm_ops_fn`` (``bench_emulated``'s ``comm ops``): per MoE layer the ubatches'
+    dispatches, then their combines, each a whole op of the emulated backend (its packing and
+    one round trip of its capacity), so ``comm ops`` times what the comm stream carries."""
     import torch
 
     from dbo_compile.models import get_config
+    from dbo_compile.ops import emulated as E
+    from dbo_compile.ops.comm import payload_layout
+    from dbo_compile.testing.moe import comm_ops_fn
 
     cfg = get_config("tiny")
-    world = B.E.EmulatedWorld(4, cfg.num_experts, cfg.top_k)
-    fn = B.comm_ops_fn(world, cfg, torch.bfloat16, [5, 7], torch.device("cpu"))
+    world = E.EmulatedWorld(4, cfg.num_experts, cfg.top_k)
+    fn = comm_ops_fn(world, cfg, torch.bfloat16, [5, 7], torch.device("cpu"))
     sent = []
-    real = B.E.LINK.send
+    real = E.LINK.send
 
     def spy(src, wld):
         sent.append(tuple(src.shape))
         return real(src, wld)
 
-    monkeypatch.setattr(B.E.LINK, "send", spy)
+    monkeypatch.setattr(E.LINK, "send", spy)
     fn()
-    _, cols = B.payload_layout(cfg.hidden_size, torch.bfloat16, cfg.top_k)
+    _, cols = payload_layout(cfg.hidden_size, torch.bfloat16, cfg.top_k)
     one_layer = [(world.capacity(5), cols), (world.capacity(7), cols),
                  (world.capacity(5), cfg.hidden_size), (world.capacity(7), cfg.hidden_size)]
     assert sent == one_layer * cfg.num_moe_layers
-
-
-def _bench_module(name):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    return importlib.import_module(name)
 
 
 @pytest.mark.parametrize("argv, refused", [
@@ -184,18 +197,15 @@ def test_a_flag_the_mode_does_not_read_is_refused(argv, refused, capsys):
     """``bench_moe.py --emulate-ep 8 --comm-sms 24`` ran without the carve-out (the emulated
     world never received the option): every flag is now read by the mode it is given in,
     or refused with a usage error naming it."""
-    B = _bench_module("bench_moe")
     with pytest.raises(SystemExit) as info:
-        B.parse(argv)
+        parse_moe(argv)
     assert info.value.code == 2 and refused in capsys.readouterr().err
 
 
 def test_a_flag_given_at_its_default_value_counts_as_given():
-    F = _bench_module("flags")
-    B = _bench_module("bench_moe")
-    assert F.given_flags(B.parser(), ["--link-gbps", "50", "--no-eager"]) == {
+    assert given_flags(moe_parser(), ["--link-gbps", "50", "--no-eager"]) == {
         "link_gbps", "eager"}
-    assert F.given_flags(B.parser(), []) == set()
+    assert given_flags(moe_parser(), []) == set()
 
 
 def test_the_emulated_world_compiles_with_every_option_flag_it_was_given():
@@ -203,24 +213,21 @@ def test_the_emulated_world_compiles_with_every_option_flag_it_was_given():
     SM carve-out: the SMs the comm kernels would hold), ``--dense-layers`` (the model) and
     ``--candidates default`` (the package default: it was taken for a candidate name)."""
     from dbo_compile import DboConfig
+    from dbo_compile.testing.moe import candidate_names
 
-    B = _bench_module("bench_moe")
-    E = _bench_module("bench_emulated")
-    H = _bench_module("moe_harness")
-    args = B.parse(["--emulate-ep", "8", "--scheduler", "naive", "--candidates", "default"])
+    args = parse_moe(["--emulate-ep", "8", "--scheduler", "naive", "--candidates", "default"])
     args.comm_sms = 24  # (refused without CUDA; the GPU run passes it)
-    args.carveouts, args.candidate_names = (), H.candidate_names(args.candidates)
-    options = E.world_options(args, 8, 50.0)
+    args.carveouts, args.candidate_names = (), candidate_names(args.candidates)
+    options = world_options(args, 8, 50.0)
     assert options["scheduler"] == "naive" and options["comm_sms"] == 24
     assert options["schedule_candidates"] == DboConfig().schedule_candidates
     DboConfig(**options)  # every option is one the backend takes
 
 
 def test_the_soak_refuses_the_flags_of_the_other_mode(capsys):
-    S = _bench_module("soak")
     for argv, flag in ((["--gpu", "--contents", "8"], "--contents"),
                        (["--check-every", "5"], "--check-every"),
                        (["--gpu", "--world-sizes", "2"], "--world-sizes")):
         with pytest.raises(SystemExit):
-            S.parse(argv)
+            parse_soak(argv)
         assert f"{flag}: not read" in capsys.readouterr().err

@@ -566,14 +566,8 @@ def test_gpu_emulated_world_equals_reference_eager_and_replayed():
     """bf16 on one GPU: the DBO split program of an emulated EP-8 world (V2-Lite-like, 2
     layers) equals the one-device reference, run eagerly and replayed from CUDA graphs, also
     with a new step copied in without recapture."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))), "benchmarks"))
-    import moe_harness as H
-
     from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
+    from dbo_compile.testing import moe as H
 
     dev = "cuda"
     H.install_kernels("cuda", experts="grouped", attention="fused")

@@ -1,21 +1,19 @@
-"""benchmarks/emulated_vs_real.py: at W = 2 the emulated link moves the torch backend's peer
-share (the premise of matching the emulated EP-2 world to the real one), the inversion of the
-emulated link's time, and the side-by-side table of a real (bench_moe under torchrun) and an
-emulated (bench_moe --emulate-ep) results file."""
+"""benchmarks/emulated_vs_real.py and its link model (``dbo_compile.testing.link_model``): at
+W = 2 the emulated link moves the torch backend's peer share (the premise of matching the
+emulated EP-2 world to the real one), the inversion of the emulated link's time, and the
+side-by-side table of a real (bench_moe under torchrun) and an emulated (bench_moe
+--emulate-ep) results file."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
-import emulated_vs_real as X  # noqa: E402
-
-from dbo_compile.models import get_config  # noqa: E402
+from dbo_compile.models import get_config
+from dbo_compile.testing import link_model as X
+from scripts import ROOT, run_scripts
 
 REAL_SETUP = ("deepseek-v2-lite, 4 layers (4 MoE), vocab 4096, bf16, EP=2, experts=grouped, "
               "attention=fused, scheduler=list, carve-out candidates default, "
@@ -87,15 +85,17 @@ def test_setups_resolve_auto_per_machine_and_name_what_differs():
     assert (rs["carve-out"], es["carve-out"]) == ("default", "none")
 
 
-def test_the_command_prints_the_derived_link_and_the_table(tmp_path, capsys):
+def test_the_command_prints_the_derived_link_and_the_table(tmp_path):
     real, emu = _docs()
     paths = []
     for name, doc in (("real", real), ("emu", emu)):
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(doc))
-    X.main(["--real", str(paths[0]), "--emulated", f"shm={paths[1]}",
-            "--json", str(tmp_path / "out.json")])
-    out = capsys.readouterr().out
+    (ran,) = run_scripts([(os.path.join(ROOT, "benchmarks", "emulated_vs_real.py"),
+                           ["--real", str(paths[0]), "--emulated", f"shm={paths[1]}",
+                            "--json", str(tmp_path / "out.json")])])
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    out = ran.stdout
     assert "| shm | decode | 1024 | 33.75 | 33.75 | 33.75 | 1,765 | 19.1 |" in out
     assert "unreachable" in out  # nvlink decode 1024: 76 GB/s, faster than the copy engines
     assert "0 of 1 buckets" in out and "setup differs: carve-out: real default vs emulated none" in out

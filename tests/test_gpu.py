@@ -17,7 +17,6 @@ import torch
 pytestmark = pytest.mark.gpu
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_BENCH = os.path.join(os.path.dirname(_HERE), "benchmarks")
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 #: EP ranks of the multi-process checks: 2 where two GPUs are there, else 1 (EP = 1: the comm
@@ -56,16 +55,14 @@ def _worker(rank: int, world: int, port: int, out_q) -> None:
 
     import torch.distributed as dist
 
-    sys.path.insert(0, _BENCH)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     res: dict = {}
     try:
         dev = _init_rank(rank, world, port)
-        import moe_harness as H
-
         from dbo_compile import backend as B
         from dbo_compile.runtime import capture as cg_capture
         from dbo_compile.testing import measure as cg
+        from dbo_compile.testing import moe as H
 
         B.register()
         for (phase, tokens, attention, backend), key in zip(CASES, KEYS):
@@ -256,11 +253,10 @@ import json, os, sys
 import torch
 import torch.cuda._sanitizer as csan
 from torch.utils._python_dispatch import _disable_current_modes
-sys.path.insert(0, sys.argv[1])
-import moe_harness as H
 from dbo_compile import backend as B
 from dbo_compile.runtime import capture as cg_capture  # noqa: E402
 from dbo_compile.testing import measure as cg  # noqa: E402
+from dbo_compile.testing import moe as H  # noqa: E402
 
 res = {"csan_enabled": bool(csan.cuda_sanitizer.enabled)}
 B.register()
@@ -337,7 +333,7 @@ def test_split_program_under_cuda_sanitizer():
 
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(_HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _SANITIZER_SCRIPT, _BENCH], env=env,
+    proc = subprocess.run([sys.executable, "-c", _SANITIZER_SCRIPT], env=env,
                           capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"

@@ -25,7 +25,6 @@ import torch
 pytestmark = pytest.mark.gpu
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_BENCH = os.path.join(os.path.dirname(_HERE), "benchmarks")
 MAX_REL, MAX_ROWS_OFF = 0.05, 0.02  # as tests/test_gpu.py: bf16 through 2 layers, top-6 of 64
 LL_OPTIONS = {"comm_backend": "deep_ep", "experts_backend": "deep_gemm",
               "comm_backend_options": {"mode": "low_latency", "max_tokens": 256}}
@@ -58,8 +57,7 @@ def _release_deep_ep_buffers():
 
 
 def _harness():
-    sys.path.insert(0, _BENCH)
-    import moe_harness as H
+    from dbo_compile.testing import moe as H
 
     H.install_kernels("cuda", experts="grouped", attention="fused")
     return H
@@ -216,13 +214,12 @@ import json, sys
 import torch
 import torch.cuda._sanitizer as csan
 from torch.utils._python_dispatch import _disable_current_modes
-sys.path.insert(0, sys.argv[1])
-import moe_harness as H
 from dbo_compile import backend as B
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.testing import measure as cg
+from dbo_compile.testing import moe as H
 
-options = json.loads(sys.argv[2])
+options = json.loads(sys.argv[1])
 res = {"csan_enabled": bool(csan.cuda_sanitizer.enabled)}
 B.register()
 H.install_kernels("cuda", experts="grouped", attention="ref")
@@ -270,7 +267,7 @@ def test_ll_split_program_under_cuda_sanitizer():
                "torch": {**BASE}}
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(_HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _SANITIZER, _BENCH, json.dumps(options)],
+    proc = subprocess.run([sys.executable, "-c", _SANITIZER, json.dumps(options)],
                           env=env, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"

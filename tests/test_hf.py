@@ -92,7 +92,7 @@ def _prefill_body(rank, world_size, model_type):
 def test_two_rank_ep_prefill_split_equals_unmodified_model(model_type):
     results = run_multirank(_prefill_body, 2, args=(model_type,), timeout_s=300)
     for rank, r in enumerate(results):
-        assert r["kind"] == "DboCompiledModule", r["reason"]
+        assert r["kind"] == "SplitArtifact", r["reason"]
         assert r["artifacts"] == 1  # one graph: no graph break
         assert r["err"] is None, r["err"]
         assert r["split"] == 1 and r["unsplit"] == 0
@@ -169,7 +169,7 @@ def test_two_rank_ep_static_cache_decode_odd_batch():
 def _check_decode(results, num_steps):
     for r in results:
         assert max(r["errors"]) < 1e-5 and r["kv_err"] < 1e-5, (r["errors"], r["kv_err"])
-        assert all(a["kind"] == "DboCompiledModule" for a in r["arts"]), r["arts"]
+        assert all(a["kind"] == "SplitArtifact" for a in r["arts"]), r["arts"]
         assert sum(a["split"] for a in r["arts"]) == num_steps
         assert sum(a["unsplit"] for a in r["arts"]) == 0
         for a in r["arts"]:

@@ -272,7 +272,7 @@ def test_unsplittable_graph_still_votes_and_refuses_padding_that_would_change_it
         for (kind, msg), padded in zip(done[:2], ([0], [1])):
             assert kind == "DpVoteError" and f"ranks {padded}" in msg, msg
             assert ("this rank cannot be padded" in msg) == (padded == [rank]), msg
-        assert done[2] == (6, "UnsplitProgram", 6), done
+        assert done[2] == (6, "UnsplitArtifact", 6), done
 
 
 #: per path, the compiled program of each rank's step: split (``split="always"``), the split

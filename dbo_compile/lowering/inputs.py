@@ -145,7 +145,7 @@ def fold_tensorified_floats(gm: fx.GraphModule, example_inputs: Sequence[Any]
     Re-traced, ``.item()`` would give a data-dependent ``SymFloat`` that ops taking a
     ``float`` (``dbo.attention``'s ``scale``) refuse. Dynamo did not guard on the value, so
     the artifact must check it every call (a host read of a CPU tensor) and run the original
-    graph when it changed (``DboCompiledModule.float_guards``).
+    graph when it changed (``SplitArtifact.float_guards``).
     """
     folds = folded_floats(gm, example_inputs)
     if not folds:

@@ -59,7 +59,7 @@ def _features(gm: Any, config: Any, symbols: frozenset, tokens: int, num_ubatche
 
 def unit_features(artifact: Any, candidate: str, tokens: int) -> dict[int, list[Feature]]:
     """Per unit id of the split candidate ``candidate`` of ``artifact`` (a compiled
-    :class:`~dbo_compile.runtime.program.DboCompiledModule`), its nodes' features at
+    :class:`~dbo_compile.runtime.program.SplitArtifact`), its nodes' features at
     ``tokens`` tokens per rank (``tokens / num_ubatches`` per ubatch)."""
     _traced(artifact)
     program = artifact.candidates[candidate]

@@ -73,7 +73,7 @@ from dbo_compile.passes.manager import (
     with_user_passes,
 )
 from dbo_compile.runtime.drain import drain_plan
-from dbo_compile.runtime.program import DboCompiledModule, SplitRecord
+from dbo_compile.runtime.program import SplitArtifact, SplitRecord
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,8 @@ def _check_passes(config: DboConfig) -> None:
 
 def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: DboConfig,
                   input_kinds: Sequence[str] | None = None,
-                  manager: PassManager | None = None) -> DboCompiledModule:
-    """Run the whole pipeline; return the :class:`~dbo_compile.runtime.program.DboCompiledModule`.
+                  manager: PassManager | None = None) -> SplitArtifact:
+    """Run the whole pipeline; return the :class:`~dbo_compile.runtime.program.SplitArtifact`.
 
     Args:
         gm: a Dynamo graph (or any FX graph with ``input_kinds``).
@@ -173,7 +173,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
                              lowering.folded_floats(gm, example_inputs))
         if found is not None:
             found.compile_times = dict(manager.times)
-            return DboCompiledModule(found)
+            return SplitArtifact(found)
     try:
         record, programs = _compile_split(gm, state, manager, stages, t0)
     except UnsplittableGraphError as e:
@@ -183,7 +183,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     if key is not None:
         manager.time("cache_store", cache.store, config.cache_dir, key, record, programs)
     record.compile_times = dict(manager.times)
-    return DboCompiledModule(record)
+    return SplitArtifact(record)
 
 
 def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, stages: StageCompiler,

@@ -1,7 +1,7 @@
 """The base of what the backend returns to Dynamo: one step's guard, padding and run.
 
-Both compiled artifacts, :class:`~dbo_compile.runtime.program.DboCompiledModule` (split) and
-:class:`~dbo_compile.runtime.program.UnsplitProgram` (the way out), are a
+Both compiled artifacts, :class:`~dbo_compile.runtime.program.SplitArtifact` (split) and
+:class:`~dbo_compile.runtime.program.UnsplitArtifact` (the way out), are a
 :class:`CompiledArtifact`. Per step::
 
     decision = artifact.decide_step(args)     # the guard: DP vote (thresholds, vetoes, padding)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from typing import Sequence
 
 import torch
@@ -14,6 +13,7 @@ import torch.distributed as dist
 
 from dbo_compile.runtime.buckets import BucketGraphs
 from dbo_compile.runtime.vote import vote_device
+from dbo_compile.timing import samples_us
 
 log = logging.getLogger(__name__)
 
@@ -40,29 +40,18 @@ def time_graphs(b: BucketGraphs, names: Sequence[str], iters: int, cuda: bool
                 ) -> dict[str, float]:
     """Replay time of the graphs ``names`` of ``b`` (µs): interleaved rounds, median, max
     over every rank (``names`` must be the same on every rank); ``iters`` timed replays
-    per graph and round, CUDA events where ``cuda``, else host time."""
+    per graph and round after one untimed one, CUDA events where ``cuda``, else host time
+    (:func:`dbo_compile.timing.samples_us`).
+
+    Raises:
+        TimingError: ``iters`` below 1.
+    """
     if not names:
         return {}
     samples: dict[str, list[float]] = {n: [] for n in names}
     for _round in range(3):
-        for name in names:
-            g = b.graphs[name]
-            g.replay()
-            if cuda:
-                torch.cuda.synchronize()
-                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(iters)]
-                for s, e in ev:
-                    s.record()
-                    g.replay()
-                    e.record()
-                torch.cuda.synchronize()
-                samples[name] += [s.elapsed_time(e) * 1e3 for s, e in ev]
-            else:
-                for _ in range(iters):
-                    t0 = time.perf_counter()
-                    g.replay()
-                    samples[name].append((time.perf_counter() - t0) * 1e6)
+        for name in names:  # one untimed replay, then ``iters`` timed ones
+            samples[name] += samples_us(b.graphs[name].replay, iters, warmup=1, cuda=cuda)
     med = max_over_ranks([statistics.median(samples[n]) for n in names])
     return dict(zip(names, med))
 

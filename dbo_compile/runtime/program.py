@@ -1,4 +1,6 @@
-"""The two compiled artifacts: the split program with its guards, and the way out.
+"""The two compiled artifacts: :class:`SplitArtifact` (the split program with its guards) and
+:class:`UnsplitArtifact` (the way out). Their names before issue 30, ``DboCompiledModule`` and
+``UnsplitProgram``, still import, with a ``DeprecationWarning``.
 
 What stays at run time is only what cannot be known at compile time (``docs/design.md``):
 whether this step splits (thresholds, split mode, DP vote, vetoes) and how the inputs and the
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -49,11 +52,11 @@ from dbo_compile.signature import InputSpec, OutputSpec, SplitSignature
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DboCompiledModule", "SplitRecord", "StepStats", "UnsplitProgram", "last_called",
+__all__ = ["SplitArtifact", "SplitRecord", "StepStats", "UnsplitArtifact", "last_called",
            "record_calls", "uncounted"]
 
 
-class UnsplitProgram(CompiledArtifact):
+class UnsplitArtifact(CompiledArtifact):
     """A graph compiled without a split (no comm op, or it mixes tokens): runs as traced.
 
     When the graph issues collectives and torch.distributed is initialised, it still takes part
@@ -188,7 +191,7 @@ class SplitRecord:
     token_symbols: frozenset | None = None
 
 
-class DboCompiledModule(CompiledArtifact):
+class SplitArtifact(CompiledArtifact):
     """What the ``dbo`` backend returns to Dynamo for a splittable graph.
 
     Per call (one step): read the host-side step facts (:mod:`.context`), check the vetoes,
@@ -480,3 +483,18 @@ def _scheduled_tokens(given: Sequence[int] | torch.Tensor | None,
         f"num_scheduled_tokens ({len(qlens)} requests, {sum(qlens)} tokens) disagree with "
         f"the metadata's query lens ({len(md_lens)} requests, {sum(md_lens)} tokens) from "
         f"request {first}; pass the counts the metadata was built from")
+
+
+#: the artifacts' names before issue 30 (``codegen.wrapper.SplitProgram`` is the generated
+#: split program, not an artifact)
+_RENAMED = {"DboCompiledModule": "SplitArtifact", "UnsplitProgram": "UnsplitArtifact"}
+
+
+def __getattr__(name: str) -> Any:
+    """``DboCompiledModule`` / ``UnsplitProgram``: the classes under their new names, with a
+    ``DeprecationWarning``."""
+    if name in _RENAMED:
+        warnings.warn(f"dbo_compile.runtime.program.{name} is now {_RENAMED[name]}; import "
+                      "that name", DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Measurement aids that patch a compiled artifact: the split program over static inputs, and
 the split program with its comm on the compute stream.
 
-- :class:`SplitStep`: the split program of a :class:`~dbo_compile.runtime.program.DboCompiledModule`
+- :class:`SplitStep`: the split program of a :class:`~dbo_compile.runtime.program.SplitArtifact`
   as a zero-argument callable over *static* per-ubatch inputs. It records the split inputs of one
   eager step (token-indexed inputs are views of the caller's buffers, so copying new tokens into
   those buffers is enough), runs the split program and concatenates the outputs in ubatch order.
@@ -9,6 +9,8 @@ the split program with its comm on the compute stream.
   recorded per-ubatch tensors, so a captured graph replays a new step without recapture.
 - :func:`serial_comm`: run a split program with the comm stream replaced by the compute stream
   ("split serial": the same kernels in the same order on one stream, the denominator of η).
+- :func:`graph_us`: calls captured as one CUDA graph by the runtime's ``capture`` and timed by
+  replay (the benchmarks' graph timer, ``benchmarks/harness.py``).
 
 Capture either with :func:`dbo_compile.runtime.capture.capture`.
 """
@@ -20,10 +22,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dbo_compile.runtime import capture as cg_capture
 from dbo_compile.runtime.context import uncounted
 from dbo_compile.runtime.padding import join_ubatch_outputs
+from dbo_compile.timing import graph_median_us
 
-__all__ = ["SplitStep", "serial_comm"]
+__all__ = ["SplitStep", "graph_us", "serial_comm"]
 
 
 class _Recorder:
@@ -43,7 +47,7 @@ class SplitStep:
     """The split program of ``compiled`` over the inputs of one recorded step.
 
     Args:
-        compiled: a ``DboCompiledModule`` (``dbo_compile.backend.compiled_artifacts()[-1]``).
+        compiled: a ``SplitArtifact`` (``dbo_compile.backend.compiled_artifacts()[-1]``).
         run_step: runs one eager step through the compiled model (e.g.
             ``lambda: cmodel(ids, pos, md)`` on static buffers); it must take the split path.
 
@@ -129,3 +133,18 @@ def serial_comm(program: Any):
         yield program
     finally:
         program.streams = old
+
+
+def graph_us(fn: Callable[[], Any], iters: int, reps: int = 1, replays: int = 3,
+             warmup: int = 2) -> tuple[float, Any]:
+    """``reps`` calls of ``fn`` captured as one CUDA graph (after ``warmup`` eager calls, by
+    the runtime's :func:`~dbo_compile.runtime.capture.capture`: warm-up on a side stream, the
+    comm drained on failure): the median µs per call of ``iters`` replays timed after
+    ``replays`` untimed ones (:func:`dbo_compile.timing.graph_median_us`), and the graph's
+    static output. Needs CUDA.
+
+    Raises:
+        TimingError: ``iters`` or ``reps`` below 1.
+    """
+    return graph_median_us(fn, iters, reps=reps, replays=replays,
+                           capture=lambda calls: cg_capture.capture(calls, warmup=warmup))

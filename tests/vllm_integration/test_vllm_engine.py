@@ -154,7 +154,7 @@ def test_generate_equals_vllm_and_splits_above_thresholds(dp1):
     _check_same(stock, dbo)
     _check_not_flat(stock)
     (art,) = dbo["artifacts"]
-    assert art["kind"] == "DboCompiledModule", art["reason"]
+    assert art["kind"] == "SplitArtifact", art["reason"]
     # the 62-token prefill step splits; the 4- and 2-token decode steps are below the
     # decode threshold
     first, *decode = dbo["steps"]

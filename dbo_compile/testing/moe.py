@@ -1,4 +1,6 @@
-"""Shared by benchmarks/bench_moe.py and tests/test_gpu.py: model, steps, GPU stand-in kernels.
+"""The benchmarks' MoE model, steps and GPU stand-in kernels (``benchmarks/bench_moe.py``, the
+emulated world's ``bench_emulated.py``, ``tests/test_gpu*.py``): what a benchmark and a test
+build the same way live here, in the package, so that the tests import no benchmark script.
 
 GPU stand-ins (installed per process by :func:`install_kernels`; they change nothing in the
 package, only what this process runs):
@@ -14,36 +16,43 @@ package, only what this process runs):
   where it does not apply), elsewhere the reference.
 - :func:`no_comm`: the ``torch`` comm backend replaced by a local stand-in of the same shapes
   (packs the send buffers, copies instead of all_to_all): "split program without comm".
+
+The emulated world's comm alone (``bench_emulated.py``'s ``comm`` and ``comm ops``):
+:func:`comm_only_fn` (the link's round trips) and :func:`comm_ops_fn` (the backend's whole
+dispatches and combines), two in flight as the split program has them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from typing import Any
+import os
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
-import dbo_compile.ops  # noqa: F401
-from dbo_compile import DboConfig
+from dbo_compile.config import DboConfig
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops import comm as _comm
-from dbo_compile.ops.comm import packing
+from dbo_compile.ops import emulated as _emulated
+from dbo_compile.ops.attention import (
+    attention_cuda,
+    check_attention_args,
+    paged_attention,
+    write_kv,
+)
+from dbo_compile.ops.comm import packing, payload_layout
+from dbo_compile.ops.experts import check_experts_args, experts_loop
 from dbo_compile.testing import measure
-from harness import graph_us
-
-try:  # (the harness also measures trees before the emulated backend: the split price's "before")
-    from dbo_compile.ops import emulated as _emulated
-except ImportError:
-    _emulated = None
+from dbo_compile.testing.measure import graph_us
 
 _STATE: dict[str, Any] = {"attention": "ref"}
 
 
 # ----------------------------------------------------------------------------- experts
 def _experts_loop_kernel(x, ids, wts, w13, w2):
-    from dbo_compile.ops.experts import check_experts_args, experts_loop
-
     check_experts_args(x, ids, wts, w13, w2)
     return experts_loop(x, ids, wts, w13, w2)
 
@@ -51,8 +60,6 @@ def _experts_loop_kernel(x, ids, wts, w13, w2):
 # ----------------------------------------------------------------------------- attention
 def _attention_proj(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
                     scale):
-    from dbo_compile.ops.attention import write_kv
-
     write_kv(kv_cache, k, v, slot_mapping)
     return q.clone()
 
@@ -66,9 +73,6 @@ def install_kernels(device_type: str, experts: str = "grouped", attention: str =
     Raises:
         ValueError: ``attention`` is not one of :data:`ATTENTION_KINDS`.
     """
-    from dbo_compile.ops.attention import (attention_cuda, check_attention_args, paged_attention,
-                                           write_kv)
-
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_KINDS}")
     if experts == "loop":
@@ -113,7 +117,7 @@ def no_comm():
     _comm.register_comm_backend(_comm.CommBackend(
         "torch", _nocomm_dispatch, _nocomm_combine, "benchmark stand-in: no collective"))
     try:
-        with _emulated.without_link() if _emulated else contextlib.nullcontext():
+        with _emulated.without_link():
             yield
     finally:
         _comm.register_comm_backend(old)
@@ -125,8 +129,7 @@ def serial_and_nocomm(program, split_fn):
     they return: ``dbo_compile.ops.emulated.serial_link``), and the same without moving
     data."""
     def serial():
-        with measure.serial_comm(program), (_emulated.serial_link() if _emulated
-                                            else contextlib.nullcontext()):
+        with measure.serial_comm(program), _emulated.serial_link():
             return split_fn()
 
     def nocomm():
@@ -140,10 +143,6 @@ def serial_and_nocomm(program, split_fn):
 def init_distributed() -> torch.device:
     """Join the ``torchrun`` job: NCCL on this rank's GPU (``LOCAL_RANK``) where CUDA is
     available, else Gloo on CPU. Returns the rank's device."""
-    import os
-
-    import torch.distributed as dist
-
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -230,5 +229,74 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> dict:
 def time_graph(fn, iters: int, reps: int = 1) -> tuple[float, Any]:
     """Capture ``reps`` calls of ``fn`` as one CUDA graph (after warm-up calls); the median of
     ``iters`` CUDA-event-timed replays in µs per call, and the last call's output
-    (:func:`harness.graph_us`)."""
+    (:func:`dbo_compile.testing.measure.graph_us`)."""
     return graph_us(fn, iters, reps=reps)
+
+
+# ----------------------------------------------------------------------------- emulated comm
+def two_in_flight(starts: list[Callable[[], Any]], finish: Callable[[Any], Any]) -> None:
+    """Call each of ``starts`` (each starts one transfer or comm op and returns it) and
+    ``finish`` each one after the next has started: two in flight, as the split program has
+    them (the emulated backend's pool)."""
+    last = None
+    for start in starts:
+        now = start()
+        if last is not None:
+            finish(last)
+        last = now
+    if last is not None:
+        finish(last)
+
+
+def comm_only_fn(world: _emulated.EmulatedWorld, cfg: Any, dtype: torch.dtype,
+                 tokens_per_ubatch: list[int], device: Any) -> Callable[[], None]:
+    """The link round trips of the split program alone (per layer: the ubatches' dispatches,
+    then their combines; each the static capacity), two in flight as the split program has
+    them (each round trip is finished after the next one is sent)."""
+    _, cols = payload_layout(cfg.hidden_size, dtype, cfg.top_k)
+    bufs = []
+    for _layer in range(cfg.num_moe_layers):
+        for t in tokens_per_ubatch:
+            bufs.append(torch.randn(max(1, world.capacity(t)), cols, device=device, dtype=dtype))
+        for t in tokens_per_ubatch:
+            bufs.append(torch.randn(max(1, world.capacity(t)), cfg.hidden_size, device=device,
+                                    dtype=dtype))
+
+    def run():
+        two_in_flight([functools.partial(_emulated.LINK.send, b, world) for b in bufs],
+                      lambda transfer: transfer.finish())
+    return run
+
+
+def comm_ops_fn(world: _emulated.EmulatedWorld, cfg: Any, dtype: torch.dtype,
+                tokens_per_ubatch: list[int], device: Any) -> Callable[[], None]:
+    """The split program's comm ops alone, whole: the emulated backend's dispatches and
+    combines with their pack and unpack kernels around the round trips (per layer: the
+    ubatches' dispatches, then their combines, as the DBO schedules order them; each op's
+    receive after the next op is issued, two in flight as the split program has them), on
+    uniform top-k routing of ``[T, hidden]`` rows of ``dtype`` per ubatch.
+    :func:`comm_only_fn` times the round trips alone; this is what the comm stream carries."""
+    backend = _comm.get_comm_backend(_emulated.register_emulated(world))
+    e, k = world.num_experts, world.top_k
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _layer in range(cfg.num_moe_layers):
+        ops = []
+        for t in tokens_per_ubatch:
+            x = torch.randn(t, cfg.hidden_size, generator=gen).to(device, dtype)
+            ids = torch.rand(t, e, generator=gen).topk(k, dim=1).indices.to(device)
+            w = torch.rand(t, k, generator=gen).to(device)
+            rx, rids, _ = backend.dispatch(x, ids, w, e, "")
+            ops.append((x, ids, w, (rx * (rids >= 0).any(-1, keepdim=True)).contiguous()))
+        layers.append(ops)
+
+    calls = []
+    for ops in layers:
+        calls += [functools.partial(backend.dispatch, x, ids, w, e, "", defer_receive=True)
+                  for x, ids, w, _ in ops]
+        calls += [functools.partial(backend.combine, y, "", defer_receive=True)
+                  for *_, y in ops]
+
+    def run():
+        two_in_flight(calls, backend.receive)
+    return run
