@@ -188,7 +188,7 @@ def world_options(args, w: int, gbps: float) -> dict:
     option flag of ``bench_moe.py`` that applies to one process (``--scheduler``,
     ``--comm-sms``: the split program's SM carve-out, as the emulated comm kernels would hold
     them; ``--compute-backend``, ``--carveout-candidates``, ``--candidates``,
-    ``--calibration``, ``--latency-us``)."""
+    ``--calibration``, ``--latency-us``, ``--hold-sms``: the SMs each transfer holds)."""
     emulated = {"world_size": w, "link_gbps": gbps}
     options = {"comm_backend": "emulated", "comm_backend_options": emulated,
                "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
@@ -199,6 +199,8 @@ def world_options(args, w: int, gbps: float) -> dict:
         options["comm_sms"] = args.comm_sms
     if args.latency_us:
         emulated["latency_us"] = args.latency_us
+    if getattr(args, "hold_sms", 0):
+        emulated["hold_sms"] = args.hold_sms
     if args.calibration:
         options["calibration"] = args.calibration
     return options
@@ -238,6 +240,7 @@ def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Ti
             log(traceback.format_exc()[-3000:])
             row = {"phase": phase, "tokens_per_rank": n, "errors": [f"{type(e).__name__}: {e}"[:500]]}
         row.update(preset=preset, world_size=w, link_gbps=gbps, layers=args.layers,
+                   hold_sms=getattr(args, "hold_sms", 0),
                    capture_s=round(capture_s, 1))
         save(row)
         log("[emulated] " + json.dumps({k: v for k, v in row.items() if k != "calib"}, default=str))
@@ -424,8 +427,8 @@ def markdown(doc: dict) -> str:
     fmt = harness.fmt
     rows = []
     for r in doc["rows"]:
-        head = [r.get("preset"), r.get("world_size"), fmt(r.get("link_gbps")), r["phase"],
-                r["tokens_per_rank"]]
+        head = [r.get("preset"), r.get("world_size"), fmt(r.get("link_gbps")),
+                r.get("hold_sms") or "CE", r["phase"], r["tokens_per_rank"]]
         if r.get("t_dbo_graph_us") is None:
             rows.append(head + [f"failed: {'; '.join(r.get('errors', []))[:200]}"])
             continue
@@ -441,7 +444,7 @@ def markdown(doc: dict) -> str:
             f"{fmt(r['speedup'], 3)}×", f"{fmt(r['bound'], 2)}×", fmt(r["eta"], 2),
             fmt(r.get("eta_vs_comm_ops"), 2), f"{fmt(r['chosen_vs_baseline'], 3)}×", routed,
             fmt(max(errs) if errs else None, 4)])
-    head = ["preset", "W", "GB/s", "phase", "tok/rank", "unsplit eager", "**baseline**",
+    head = ["preset", "W", "GB/s", "SMs held", "phase", "tok/rank", "unsplit eager", "**baseline**",
             "split serial", "split no comm", "comm M", "comm ops", "DBO eager",
             "**DBO graph** (schedule)", "runtime picks", "speedup", "bound", "η", "η vs ops",
             "pick / baseline", "routed / cap rows", "max rel err"]
@@ -478,6 +481,8 @@ def main(args) -> int:
              f"compute_backend={args.compute_backend}, candidates={args.candidates}, carve-out "
              f"candidates {','.join(map(str, args.carveouts)) or 'none'}"
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
+             + (f", hold_sms={args.hold_sms} (each transfer holds that many SMs)"
+                if getattr(args, "hold_sms", 0) else ", copy engines (no SM held)")
              + (f", calibration {args.calibration}" if args.calibration else ""))
     log(f"[emulated] {machine} torch {torch.__version__}: {setup}")
     doc = {"machine": machine, "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -13,8 +13,10 @@ One GPU as rank 0 of an emulated EP-W world (``--emulate-ep W --link-gbps X``, n
 On a machine without CUDA it runs on CPU over Gloo (a smoke test: tiny preset, no graphs).
 A flag that the chosen mode does not read is refused with a usage error, never ignored: the
 emulated world's flags without ``--emulate-ep``; ``--link``, ``--vote-group`` and
-``--inductor`` with it; ``--comm-sms``, ``--inductor``, ``--kernels``, ``--profile``
-without CUDA.
+``--inductor`` with it; ``--comm-sms``, ``--inductor``, ``--kernels``, ``--profile``,
+``--hold-sms`` without CUDA. ``--hold-sms 24`` makes each emulated transfer hold 24 SMs for its
+duration (the emulated backend's option ``hold_sms``: DeepEP's normal-mode kernels), beside
+the copy-engine rows of a run without it.
 
 Per bucket (phase, tokens/rank), every figure the median of ``--iters`` timed calls (CUDA events),
 the max over ranks. The model is compiled with the default options (``split="auto"``, schedule
@@ -92,12 +94,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: flags only the emulated world reads (the torchrun run refuses them)
 EMULATED_ONLY = ("--link-gbps", "--latency-us", "--cost-link-gbps", "--cost-latency-us",
                  "--timing-iters", "--no-check", "--no-eager", "--no-calib", "--unit-reps",
-                 "--kernels", "--profile")
+                 "--kernels", "--profile", "--hold-sms")
 #: flags the emulated world does not read (one process: no link to label, no process group
 #: for the vote; no Inductor-compiled unsplit model timed)
 TORCHRUN_ONLY = ("--link", "--vote-group", "--inductor")
 #: flags that do something on CUDA only (the CPU smoke run refuses them)
-CUDA_ONLY = ("--comm-sms", "--inductor", "--kernels", "--profile")
+CUDA_ONLY = ("--comm-sms", "--inductor", "--kernels", "--profile", "--hold-sms")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -154,6 +156,10 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--link-gbps", type=float, default=50.0,
                    help="emulated link bandwidth per direction, GB/s (default 50: one 400 Gb/s NIC)")
     e.add_argument("--latency-us", type=float, default=0.0, help="added per dispatch / combine")
+    e.add_argument("--hold-sms", type=int, default=0,
+                   help="the emulated backend's option hold_sms: SMs each transfer holds for its "
+                        "emulated duration, as DeepEP's normal-mode kernels hold 20-24 (default "
+                        "0: the copy engines alone; CUDA only; not with --comm-sms)")
     e.add_argument("--cost-link-gbps", type=float, default=44.0,
                    help="the cost model's link figure is min(link, this): the hardware's duplex "
                         "copy rate (measured 42-45 GB/s per direction on one H200)")
@@ -192,6 +198,11 @@ def parse(argv=None):
         refuse_unread(p, args, given, EMULATED_ONLY, "without --emulate-ep")
     if not torch.cuda.is_available():
         refuse_unread(p, args, given, CUDA_ONLY, "without CUDA")
+    if args.hold_sms and args.comm_sms:
+        p.error("--hold-sms and --comm-sms emulate the same cost twice (SMs held by the "
+                "transfers, a carve-out of the GEMMs); give one of them")
+    if args.hold_sms < 0:
+        p.error(f"--hold-sms {args.hold_sms}: SMs, an int >= 0")
     args.profile_at = None
     if args.profile:
         ph, tok, w = args.profile.split(":")
