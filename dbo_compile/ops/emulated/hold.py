@@ -8,7 +8,7 @@ stream that issued it (the comm stream in a split program), a kernel of exactly 
 that hold one SM each for the transfer's emulated duration (``latency_us + bytes / link``,
 µs): each CTA asks for the SM's whole opt-in shared memory (so no two of them, and no kernel
 that needs shared memory — GEMMs, attention, Triton reductions — shares an SM with one) and
-1024 threads, and one thread per CTA spins on ``%globaltimer`` (``__nanosleep`` between
+1024 threads, and one thread per CTA spins on ``%globaltimer`` (``nanosleep`` between
 reads) until its SM has been held that long. A kernel without shared memory (a pointwise
 Inductor kernel) may still fill the held SMs' remaining thread slots, as it may beside
 DeepEP's kernels.
@@ -45,7 +45,7 @@ extern "C" __global__ void dbo_hold_sms(int duration_ns) {
         unsigned long long start, now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
         do {
-            __nanosleep(256);
+            asm volatile("nanosleep.u32 256;");
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         } while (now - start < (unsigned long long)duration_ns);
         dbo_held[0] = 1;
@@ -76,7 +76,8 @@ def _kernel(index: int) -> tuple[Any, int, int]:
         if index in _kernels:
             return _kernels[index]
         compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
-        if compile_kernel is None:
+        if compile_kernel is None or not hasattr(
+                getattr(torch.cuda._utils, "_CudaKernel", None), "set_shared_memory_config"):
             raise CommBackendError(
                 f"emulated backend: hold_sms needs torch.cuda._compile_kernel (NVRTC, torch >= "
                 f"2.10); this torch {torch.__version__} has none: drop the option hold_sms")
