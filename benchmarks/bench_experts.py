@@ -20,10 +20,9 @@ low-latency's expert-major receive layout (``[E_local, W*T, H]`` with per-expert
 reference cast of every row (the adapter before), plus both casts alone; needs DeepGEMM
 (``pip install 'dbo_compile[deepgemm]'``)::
 
-    python benchmarks/bench_experts.py --fp8-cast --shapes v2lite-ep8,v3-ep32 \
-        --tokens 64,256,1024 --json fp8_cast.json
+    python benchmarks/bench_experts.py --fp8-cast --tokens 64,256,1024 --json fp8_cast.json
 
-(target: ``fp8_over_bf16`` <= 1.3).
+(default shapes with ``--fp8-cast``: v2lite-ep8, v3-ep32; target: ``fp8_over_bf16`` <= 1.3).
 """
 
 from __future__ import annotations
@@ -166,8 +165,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.fp8_cast:
-        refuse_unread(p, args, given_flags(p, argv), ("--sweep", "--max-slots"),
-                      "with --fp8-cast")
+        given = given_flags(p, argv)
+        refuse_unread(p, args, given, ("--sweep", "--max-slots"), "with --fp8-cast")
+        if "shapes" not in given:
+            args.shapes = "v2lite-ep8,v3-ep32"
         bad = [s for s in args.shapes.split(",") if s not in EP_RANKS]
         if bad:
             p.error(f"--fp8-cast: {bad} have no expert-major layout; use {sorted(EP_RANKS)}")
