@@ -7,12 +7,14 @@ The expert-major receive layout ``[E_local, M, K]`` (``M = W * cap``, DeepEP low
 past the counts is read. Casting every row (the torch reference :func:`per_token_cast_fp8`,
 six passes over the whole buffer with fp32 temporaries) made the FP8 expert op 7.5x slower than
 bf16 (issue 28, item 4). The Triton kernel reads the counts on the device (no host sync,
-CUDA-graph capturable: the grid covers the whole capacity, a program whose row is past its
-expert's count returns at once) and writes the valid rows' e4m3 values and scales in the
-layout :func:`per_token_cast_fp8` produces, which DeepGEMM reads without a transform:
+CUDA-graph capturable: a static grid of about 4096 programs, ``(expert, row program, scale
+groups)``, each looping over the row blocks below its expert's count, so no program is spent
+on the rows past it however large the capacity) and writes the valid rows' e4m3 values and
+scales in the layout :func:`per_token_cast_fp8` produces, which DeepGEMM reads without a
+transform:
 
     x      [E, M, K]   bf16 (or fp16 / fp32), row-major rows (stride(-1) == 1)
-    counts [E]         int32, valid rows per expert (values past M are clamped by the grid)
+    counts [E]         int32, valid rows per expert (values past M count as M)
     q      [E, M, K]   float8_e4m3fn, contiguous
     scales [E, M, K/128] fp32, MN-major: strides (K/128 * M, 1, M)
 
@@ -34,8 +36,10 @@ __all__ = ["FP8_MAX", "fp8_cast_kernels", "per_token_cast_fp8", "per_token_cast_
 FP8_MAX = 448.0
 #: columns per scale (DeepSeek's 1x128 activation blocks)
 BLOCK_K = 128
-#: scale groups one program casts at most (a [GROUPS, 128] tile)
-_MAX_GROUPS = 8
+#: rows of one tile, scale groups per program, programs of one launch (about)
+_BLOCK_M = 16
+_GROUPS_PER_PROGRAM = 4
+_PROGRAMS = 4096
 
 
 def per_token_cast_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,26 +63,34 @@ def fp8_cast_kernels(triton, tl):
 
     @triton.jit
     def fp8_cast_masked_kernel(x_ptr, q_ptr, s_ptr, counts_ptr, M, K, NUM_GROUPS, stride_e,
-                               stride_m, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
-                               FP8_MAX: tl.constexpr):
-        """Row ``(e, i) = divmod(program_id(0), M)``, scale groups ``program_id(1) * GROUPS
-        ...``: cast if ``i < counts[e]``, else write nothing."""
-        row = tl.program_id(0).to(tl.int64)
-        e = row // M
-        i = row % M
-        if i < tl.load(counts_ptr + e):
-            g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-            c = tl.arange(0, BLOCK)
-            gm = g < NUM_GROUPS
-            m = gm[:, None] & (c[None, :] < BLOCK)
-            cols = g[:, None].to(tl.int64) * BLOCK + c[None, :]
-            v = tl.load(x_ptr + e * stride_e + i * stride_m + cols, mask=m,
-                        other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
-            scale = tl.math.div_rn(amax, FP8_MAX)  # IEEE division, as torch's reference
-            q = tl.math.div_rn(v, scale[:, None])
-            tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=m)
-            tl.store(s_ptr + e * NUM_GROUPS * M + g.to(tl.int64) * M + i, scale, mask=gm)
+                               stride_m, ITERS: tl.constexpr, BM: tl.constexpr,
+                               GPP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+        """Expert ``program_id(0)``; row blocks ``program_id(1) + j * num_programs(1)``, ``j <
+        ITERS``, those below its count (``BM`` rows each: the grid is static and the blocks
+        past the count cost one compare each); scale groups ``program_id(2) * GPP ...``
+        (``GPP`` of ``BLOCK`` columns). ``ITERS`` is a constexpr: Triton's interpreter runs no
+        loop with a run-time bound."""
+        e = tl.program_id(0).to(tl.int64)
+        n = tl.minimum(tl.load(counts_ptr + e), M)
+        c = tl.arange(0, BLOCK)
+        for j in range(ITERS):
+            rb = (tl.program_id(1) + j * tl.num_programs(1)).to(tl.int64)
+            if rb * BM < n:
+                i = rb * BM + tl.arange(0, BM)
+                rm = i < n
+                for gi in tl.static_range(GPP):
+                    g = tl.program_id(2) * GPP + gi
+                    m = rm[:, None] & (g < NUM_GROUPS) & (c[None, :] < BLOCK)
+                    cols = g.to(tl.int64) * BLOCK + c[None, :]
+                    v = tl.load(x_ptr + e * stride_e + i[:, None] * stride_m + cols, mask=m,
+                                other=0.0).to(tl.float32)
+                    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
+                    scale = tl.math.div_rn(amax, FP8_MAX)  # IEEE division, as torch's
+                    q = tl.math.div_rn(v, scale[:, None])
+                    tl.store(q_ptr + (e * M + i[:, None]) * K + cols,
+                             q.to(q_ptr.dtype.element_ty), mask=m)
+                    tl.store(s_ptr + (e * NUM_GROUPS + g) * M + i, scale,
+                             mask=rm & (g < NUM_GROUPS))
 
     return triton, fp8_cast_masked_kernel
 
@@ -86,7 +98,7 @@ def fp8_cast_kernels(triton, tl):
 def per_token_cast_fp8_masked(x: torch.Tensor, counts: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of ``x`` below the counts cast to e4m3 with 1x128 scales (module docstring:
-    shapes, dtypes, the layout), by one Triton kernel launch over ``E * M`` rows.
+    shapes, dtypes, the layout), by one Triton kernel launch.
 
     Args:
         x: ``[E, M, K]`` (or ``[M, K]``), the token dim ``M``; ``K`` a multiple of 128;
@@ -125,10 +137,14 @@ def per_token_cast_fp8_masked(x: torch.Tensor, counts: torch.Tensor
     scales = torch.empty((e, groups, m), dtype=torch.float32, device=x.device).transpose(1, 2)
     if e * m and groups:
         triton, kernel = built
-        per = min(_MAX_GROUPS, triton.next_power_of_2(groups))
-        kernel[(e * m, triton.cdiv(groups, per))](
+        chunks = triton.cdiv(groups, _GROUPS_PER_PROGRAM)
+        # row programs per expert: ~_PROGRAMS in all, each looping over the valid row blocks
+        blocks = triton.cdiv(m, _BLOCK_M)
+        rows = max(1, min(blocks, _PROGRAMS // (e * chunks)))
+        iters = triton.next_power_of_2(triton.cdiv(blocks, rows))  # few distinct compiles
+        kernel[(e, rows, chunks)](
             x3, q, scales, counts.contiguous(), m, k, groups, x3.stride(0), x3.stride(1),
-            GROUPS=per, BLOCK=BLOCK_K, FP8_MAX=FP8_MAX)
+            ITERS=iters, BM=_BLOCK_M, GPP=_GROUPS_PER_PROGRAM, BLOCK=BLOCK_K, FP8_MAX=FP8_MAX)
     if squeeze:
         return q[0], scales[0]
     return q, scales
