@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -144,6 +145,7 @@ def test_a_kernel_needing_shared_memory_waits_for_the_held_sms():
     torch.cuda.synchronize()
     hold.hold_sms(dev, count, 200_000.0)  # 200 ms on the current stream
     held.record()
+    time.sleep(0.02)  # the holding CTAs are resident before the matmul is launched
     with torch.cuda.stream(other):
         a @ a
         done.record(other)
