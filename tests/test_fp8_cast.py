@@ -75,15 +75,8 @@ def rest(device, exact, g):
     c = torch.tensor([4, 0, 2], dtype=torch.int32, device=device)
     q0 = torch.full((3, 8, 256), 0x5A, dtype=torch.uint8, device=device)
     s0 = torch.full((3, 2, 8), -7.0, device=device).transpose(1, 2)
-    empty = torch.empty
-    def prefilled(shape, dtype, device):
-        return (q0.view(torch.float8_e4m3fn) if dtype == torch.float8_e4m3fn
-                else s0.transpose(1, 2))
-    torch.empty = prefilled
-    try:
-        q, s = per_token_cast_fp8_masked(x, c)
-    finally:
-        torch.empty = empty
+    q, s = per_token_cast_fp8_masked(x, c, out=(q0.view(torch.float8_e4m3fn), s0))
+    assert q.data_ptr() == q0.data_ptr() and s.data_ptr() == s0.data_ptr()
     for i, n in enumerate([4, 0, 2]):
         assert (codes(q[i, n:]) == 0x5A).all(), i
         assert (s[i, n:] == -7.0).all(), i
@@ -112,8 +105,8 @@ def test_the_check_can_fail_in_interpreter():
     broken = _CHECK + """
 import dbo_compile.ops.fp8_cast as F
 good = F.per_token_cast_fp8_masked
-def all_rows(x, counts):
-    return good(x, torch.full_like(counts, x.shape[-2]))
+def all_rows(x, counts, **kw):
+    return good(x, torch.full_like(counts, x.shape[-2]), **kw)
 F.per_token_cast_fp8_masked = all_rows
 globals()['per_token_cast_fp8_masked'] = all_rows
 try:
@@ -147,6 +140,15 @@ def test_counts_that_do_not_match_are_refused(monkeypatch):
         per_token_cast_fp8_masked(x, torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ExpertsOpError, match="counts must be int32"):
         per_token_cast_fp8_masked(x, torch.zeros(2, dtype=torch.int64))
+
+
+def test_out_that_does_not_match_is_refused(monkeypatch):
+    monkeypatch.setattr(fp8_cast, "fp8_cast_kernels", lambda: (None, None))
+    x = torch.zeros(2, 4, 256, dtype=torch.bfloat16)
+    q = torch.empty(2, 4, 256, dtype=torch.float8_e4m3fn)
+    row_major = torch.empty(2, 4, 2)  # not the MN-major scales DeepGEMM reads
+    with pytest.raises(ExpertsOpError, match="out must be"):
+        per_token_cast_fp8_masked(x, torch.zeros(2, dtype=torch.int32), out=(q, row_major))
 
 
 def test_without_triton_the_error_says_so(monkeypatch):

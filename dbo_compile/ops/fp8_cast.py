@@ -95,7 +95,8 @@ def fp8_cast_kernels(triton, tl):
     return triton, fp8_cast_masked_kernel
 
 
-def per_token_cast_fp8_masked(x: torch.Tensor, counts: torch.Tensor
+def per_token_cast_fp8_masked(x: torch.Tensor, counts: torch.Tensor,
+                              out: tuple[torch.Tensor, torch.Tensor] | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of ``x`` below the counts cast to e4m3 with 1x128 scales (module docstring:
     shapes, dtypes, the layout), by one Triton kernel launch.
@@ -104,6 +105,8 @@ def per_token_cast_fp8_masked(x: torch.Tensor, counts: torch.Tensor
         x: ``[E, M, K]`` (or ``[M, K]``), the token dim ``M``; ``K`` a multiple of 128;
             its last dim contiguous.
         counts: ``[E]`` int32 (``[1]`` for a 2-D ``x``), on ``x``'s device.
+        out: ``(q, scales)`` to write into (3-D, of the shapes and strides returned), or
+            ``None``: new tensors.
 
     Returns:
         ``(q, scales)``: ``q`` float8_e4m3fn of ``x``'s shape, ``scales`` fp32 ``[..., M,
@@ -111,7 +114,7 @@ def per_token_cast_fp8_masked(x: torch.Tensor, counts: torch.Tensor
 
     Raises:
         ExpertsOpError: ``K`` is not a multiple of 128, the counts do not match ``x``, or
-            Triton is not installed.
+            Triton is not installed, or ``out`` does not match.
     """
     built = fp8_cast_kernels()
     if built is None:
@@ -132,9 +135,19 @@ def per_token_cast_fp8_masked(x: torch.Tensor, counts: torch.Tensor
                              f"{counts.dtype} {tuple(counts.shape)} on {counts.device}")
     if k and x3.stride(2) != 1:
         x3 = x3.contiguous()
-    q = torch.empty((e, m, k), dtype=torch.float8_e4m3fn, device=x.device)
     groups = k // BLOCK_K
-    scales = torch.empty((e, groups, m), dtype=torch.float32, device=x.device).transpose(1, 2)
+    if out is None:
+        q = torch.empty((e, m, k), dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty((e, groups, m), dtype=torch.float32, device=x.device).transpose(1, 2)
+    else:
+        q, scales = out
+        if (q.shape != (e, m, k) or q.dtype != torch.float8_e4m3fn or not q.is_contiguous()
+                or scales.shape != (e, m, groups) or scales.dtype != torch.float32
+                or scales.stride() != (groups * m, 1, m)):
+            raise ExpertsOpError(
+                f"masked FP8 cast: out must be (e4m3 [{e}, {m}, {k}] contiguous, fp32 [{e}, "
+                f"{m}, {groups}] with strides {(groups * m, 1, m)}), got {q.dtype} "
+                f"{tuple(q.shape)}, {scales.dtype} {tuple(scales.shape)} {scales.stride()}")
     if e * m and groups:
         triton, kernel = built
         chunks = triton.cdiv(groups, _GROUPS_PER_PROGRAM)
