@@ -183,6 +183,7 @@ def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Ti
             log(traceback.format_exc()[-3000:])
             row = {"phase": phase, "tokens_per_rank": n, "errors": [f"{type(e).__name__}: {e}"[:500]]}
         row.update(preset=preset, world_size=w, link_gbps=gbps, layers=args.layers,
+                   hold_sms=getattr(args, "hold_sms", 0),
                    capture_s=round(capture_s, 1))
         save(row)
         log("[emulated] " + json.dumps({k: v for k, v in row.items() if k != "calib"}, default=str))
@@ -336,8 +337,8 @@ def markdown(doc: dict) -> str:
     fmt = harness.fmt
     rows = []
     for r in doc["rows"]:
-        head = [r.get("preset"), r.get("world_size"), fmt(r.get("link_gbps")), r["phase"],
-                r["tokens_per_rank"]]
+        head = [r.get("preset"), r.get("world_size"), fmt(r.get("link_gbps")),
+                r.get("hold_sms") or "CE", r["phase"], r["tokens_per_rank"]]
         if r.get("t_dbo_graph_us") is None:
             rows.append(head + [f"failed: {'; '.join(r.get('errors', []))[:200]}"])
             continue
@@ -353,7 +354,7 @@ def markdown(doc: dict) -> str:
             f"{fmt(r['speedup'], 3)}×", f"{fmt(r['bound'], 2)}×", fmt(r["eta"], 2),
             fmt(r.get("eta_vs_comm_ops"), 2), f"{fmt(r['chosen_vs_baseline'], 3)}×", routed,
             fmt(max(errs) if errs else None, 4)])
-    head = ["preset", "W", "GB/s", "phase", "tok/rank", "unsplit eager", "**baseline**",
+    head = ["preset", "W", "GB/s", "SMs held", "phase", "tok/rank", "unsplit eager", "**baseline**",
             "split serial", "split no comm", "comm M", "comm ops", "DBO eager",
             "**DBO graph** (schedule)", "runtime picks", "speedup", "bound", "η", "η vs ops",
             "pick / baseline", "routed / cap rows", "max rel err"]
@@ -390,6 +391,8 @@ def main(args) -> int:
              f"compute_backend={args.compute_backend}, candidates={args.candidates}, carve-out "
              f"candidates {','.join(map(str, args.carveouts)) or 'none'}"
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
+             + (f", hold_sms={args.hold_sms} (each transfer holds that many SMs)"
+                if getattr(args, "hold_sms", 0) else ", copy engines (no SM held)")
              + (f", calibration {args.calibration}" if args.calibration else ""))
     log(f"[emulated] {machine} torch {torch.__version__}: {setup}")
     doc = {"machine": machine, "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -12,6 +12,17 @@ rows of ``K`` slots, ``T * K`` of them local, spread uniformly over the ``E / W`
 experts; ``ops/emulated/``) or EP = 1 (``T`` rows, every slot local). Each call is captured
 ``--reps`` times in one CUDA graph; the figure is the replay time / reps (µs, median of
 ``--iters`` replays). Both paths' outputs are checked against each other (bf16).
+
+``--fp8-cast`` (issue 28, item 4): the ``deep_gemm`` backend's masked expert op on DeepEP
+low-latency's expert-major receive layout (``[E_local, W*T, H]`` with per-expert counts, about
+``T*K/E_local`` of the ``W*T`` rows valid), bf16 against FP8 with the masked Triton cast
+(``dbo_compile/ops/fp8_cast.py``: the rows below the counts only) and against FP8 with the
+reference cast of every row (the adapter before), plus both casts alone; needs DeepGEMM
+(``pip install 'dbo_compile[deepgemm]'``)::
+
+    python benchmarks/bench_experts.py --fp8-cast --tokens 64,256,1024 --json fp8_cast.json
+
+(default shapes with ``--fp8-cast``: v2lite-ep8, v3-ep32; target: ``fp8_over_bf16`` <= 1.3).
 """
 
 from __future__ import annotations
@@ -31,10 +42,81 @@ import harness  # noqa: E402
 from dbo_compile.ops import fused_moe  # noqa: E402
 from dbo_compile.ops.experts import grouped_fused, grouped_triton  # noqa: E402
 from dbo_compile.testing import moe as H  # noqa: E402
+from dbo_compile.testing.bench_cli import given_flags, refuse_unread  # noqa: E402
 
 # (name, H, I, local experts, K, fan-out F: rows per token 1 + F; 0 = EP 1)
 SHAPES = {"v2lite-ep8": (2048, 1408, 8, 6, 6), "v2lite-ep1": (2048, 1408, 64, 6, 0),
           "v3-ep8": (7168, 2048, 32, 8, 7), "v3-ep32": (7168, 2048, 8, 8, 8)}
+#: EP ranks W of the shapes with an expert-major layout (``--fp8-cast``)
+EP_RANKS = {"v2lite-ep8": 8, "v3-ep8": 8, "v3-ep32": 32}
+
+
+def make_expert_major(shape: str, tokens: int, device, seed: int = 0):
+    """DeepEP low-latency's receive for ``tokens`` tokens per rank: ``x [E_local, W*T, H]``
+    bf16 (rows past the counts NaN: undefined), ``counts [E_local]`` int32 (``T*K*W/E`` per
+    expert on average, +-25 %), the ``[E_local, 1]`` ranges, ``w13``, ``w2``."""
+    h, inter, e, k, _ = SHAPES[shape]
+    w = EP_RANKS[shape]
+    g = torch.Generator(device=device).manual_seed(seed)
+    m = w * tokens
+    mean = tokens * k / e  # W*T*K / (W*E_local) rows per local expert
+    jitter = torch.rand(e, generator=g, device=device) * 0.5 + 0.75
+    counts = (mean * jitter).round().clamp(max=m).to(torch.int32)
+    x = torch.randn(e, m, h, generator=g, device=device, dtype=torch.bfloat16)
+    valid = torch.arange(m, device=device)[None, :] < counts[:, None]
+    x.masked_fill_(~valid[..., None], float("nan"))
+    w13 = torch.randn(e, 2 * inter, h, generator=g, device=device, dtype=torch.bfloat16) / h ** 0.5
+    w2 = torch.randn(e, h, inter, generator=g, device=device, dtype=torch.bfloat16) / inter ** 0.5
+    ranges = torch.zeros(e, 1, dtype=torch.int64, device=device)
+    return x, counts, ranges, w13, w2
+
+
+def fp8_cast_rows(args) -> list[dict]:
+    """``--fp8-cast`` (module docstring): per shape and tokens, µs per call in CUDA graphs."""
+    from dbo_compile.ops import deep_gemm as dg
+    from dbo_compile.ops.experts import get_experts_backend
+    from dbo_compile.ops.fp8_cast import per_token_cast_fp8, per_token_cast_fp8_masked
+
+    device = torch.device("cuda")
+    bf16 = get_experts_backend("deep_gemm")
+    fp8 = get_experts_backend("deep_gemm:fp8=true")
+    rows = []
+    for shape in args.shapes.split(","):
+        for tokens in map(int, args.tokens.split(",")):
+            x, counts, ranges, w13, w2 = make_expert_major(shape, tokens, device)
+            row = {"shape": shape, "tokens": tokens, "rows": x.shape[1],
+                   "valid_rows": int(counts.sum()), "experts": x.shape[0]}
+
+            def t(fn):
+                return H.time_graph(fn, args.iters, args.reps)
+
+            row["bf16_us"], ref = t(lambda: bf16.run(x, counts, ranges, w13, w2))
+            row["fp8_us"], got = t(lambda: fp8.run(x, counts, ranges, w13, w2))
+            kernels = dg.fp8_cast_kernels
+            dg.fp8_cast_kernels = lambda: None  # the adapter before: every row cast
+            try:
+                row["fp8_all_rows_us"], _ = t(lambda: fp8.run(x, counts, ranges, w13, w2))
+            finally:
+                dg.fp8_cast_kernels = kernels
+            row["cast_masked_us"], _ = t(lambda: per_token_cast_fp8_masked(x, counts))
+            row["cast_all_rows_us"], _ = t(lambda: per_token_cast_fp8(x))
+            pick = [(e, int(n)) for e, n in enumerate(counts.tolist())]
+            a = torch.cat([ref[e, :n] for e, n in pick]).float()
+            b = torch.cat([got[e, :n] for e, n in pick]).float()
+            row["fp8_rel_err_vs_bf16"] = float((b - a).norm() / a.norm())
+            row["fp8_finite"] = bool(torch.isfinite(b).all())
+            row["fp8_over_bf16"] = round(row["fp8_us"] / row["bf16_us"], 3)
+            row["fp8_all_rows_over_bf16"] = round(row["fp8_all_rows_us"] / row["bf16_us"], 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'shape':12s} {'T':>5s} {'valid/rows':>12s} {'bf16':>8s} {'fp8':>8s} {'ratio':>6s} "
+          f"{'fp8 all':>8s} {'ratio':>6s} {'cast':>7s} {'cast all':>8s}")
+    for r in rows:
+        print(f"{r['shape']:12s} {r['tokens']:5d} {r['valid_rows']:>5d}/{r['rows'] * r['experts']:<6d} "
+              f"{r['bf16_us']:8.1f} {r['fp8_us']:8.1f} {r['fp8_over_bf16']:6.2f} "
+              f"{r['fp8_all_rows_us']:8.1f} {r['fp8_all_rows_over_bf16']:6.2f} "
+              f"{r['cast_masked_us']:7.1f} {r['cast_all_rows_us']:8.1f}")
+    return rows
 
 
 def make_call(shape: str, tokens: int, device, seed: int = 0):
@@ -77,8 +159,25 @@ def main(argv=None) -> int:
     p.add_argument("--max-slots", type=int, default=1 << 20,
                    help="the fused path's slot limit for this run (the package's: "
                         f"{fused_moe.MAX_SLOTS}), so that the sweep sees where it loses")
+    p.add_argument("--fp8-cast", action="store_true",
+                   help="the deep_gemm masked expert op, bf16 vs FP8 with the masked cast "
+                        "(shapes with an expert-major layout: " + ",".join(EP_RANKS) + ")")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.fp8_cast:
+        given = given_flags(p, argv)
+        refuse_unread(p, args, given, ("--sweep", "--max-slots"), "with --fp8-cast")
+        if "shapes" not in given:
+            args.shapes = "v2lite-ep8,v3-ep32"
+        bad = [s for s in args.shapes.split(",") if s not in EP_RANKS]
+        if bad:
+            p.error(f"--fp8-cast: {bad} have no expert-major layout; use {sorted(EP_RANKS)}")
+        rows = fp8_cast_rows(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": harness.machine(), "torch": torch.__version__,
+                           "mode": "fp8-cast", "rows": rows}, f, indent=1)
+        return 0
     fused_moe.MAX_SLOTS = args.max_slots
     device = torch.device("cuda")
     rows = []

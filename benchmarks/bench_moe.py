@@ -13,8 +13,10 @@ One GPU as rank 0 of an emulated EP-W world (``--emulate-ep W --link-gbps X``, n
 On a machine without CUDA it runs on CPU over Gloo (a smoke test: tiny preset, no graphs).
 A flag that the chosen mode does not read is refused with a usage error, never ignored: the
 emulated world's flags without ``--emulate-ep``; ``--link``, ``--vote-group`` and
-``--inductor`` with it; ``--comm-sms``, ``--inductor``, ``--kernels``, ``--profile``
-without CUDA.
+``--inductor`` with it; ``--comm-sms``, ``--inductor``, ``--kernels``, ``--profile``,
+``--hold-sms`` without CUDA. ``--hold-sms 24`` makes each emulated transfer hold 24 SMs for its
+duration (the emulated backend's option ``hold_sms``: DeepEP's normal-mode kernels), beside
+the copy-engine rows of a run without it.
 
 Per bucket (phase, tokens/rank), every figure the median of ``--iters`` timed calls (CUDA events),
 the max over ranks. The model is compiled with the default options (``split="auto"``, schedule

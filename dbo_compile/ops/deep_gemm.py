@@ -3,7 +3,8 @@
 ``experts_backend="deep_gemm"``, options (``experts_backend_options``):
 
 - ``fp8`` (default ``False``): FP8 e4m3 GEMMs with DeepSeek's block scales, 1x128 per token
-  for the activations (quantised in the op, before each GEMM) and 128x128 per block for the
+  for the activations (quantised in the op, before each GEMM, the rows below the counts only:
+  :mod:`dbo_compile.ops.fp8_cast`) and 128x128 per block for the
   weights (quantised once per weight tensor and kept); bf16 outputs. Accuracy against bf16:
   measured by ``benchmarks/bench_backends.py`` (README, GPU results).
 - ``expected_m``: the rows per expert DeepGEMM's heuristic plans for (its kernel choice, and
@@ -58,6 +59,12 @@ from dbo_compile.ops.experts_kernels import (
     sorted_slots,
     weighted_gather_sum_torch,
 )
+from dbo_compile.ops.fp8_cast import (
+    FP8_MAX,
+    fp8_cast_kernels,
+    per_token_cast_fp8,
+    per_token_cast_fp8_masked,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +72,6 @@ __all__ = ["deep_gemm_backend", "per_block_cast_fp8", "per_token_cast_fp8"]
 
 _INSTALL = ("pip install 'dbo_compile[deepgemm]' (sgl-deep-gemm 0.1.5.post1 and "
             "apache-tvm-ffi 0.1.11: torch 2.11, CUDA 13 with nvcc for its JIT, sm90 GPUs)")
-_FP8_MAX = 448.0
 #: rows per expert the contiguous GEMMs plan for by default (a fixed figure: DeepGEMM picks and
 #: JIT-compiles its kernel from it, so it must not follow the step's token count)
 _CONTIGUOUS_EXPECTED_M = 128
@@ -82,28 +88,13 @@ def _deep_gemm() -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def per_token_cast_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., M, K]`` -> ``(e4m3 [..., M, K], scales fp32 [..., M, K/128])``, one scale per
-    row and 128 columns, ``amax / 448`` (amax clamped to 1e-4); the scales are MN-major
-    (strides ``(..., 1, M)``: the TMA-aligned layout DeepGEMM reads without a transform, for
-    ``M % 4 == 0``)."""
-    *lead, m, k = x.shape
-    blocks = x.float().unflatten(-1, (k // 128, 128))
-    amax = blocks.abs().amax(-1).clamp(min=1e-4)
-    scales = torch.empty((*lead, k // 128, m), dtype=torch.float32, device=x.device)
-    scales = scales.transpose(-2, -1)
-    scales.copy_(amax / _FP8_MAX)
-    q = (blocks / scales.unsqueeze(-1)).flatten(-2).to(torch.float8_e4m3fn)
-    return q, scales
-
-
 def per_block_cast_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [G, N, K]`` -> ``(e4m3 [G, N, K], scales fp32 [G, N/128, K/128])``, one scale per
     128x128 block (``N``, ``K`` multiples of 128)."""
     g, n, k = w.shape
     blocks = w.float().view(g, n // 128, 128, k // 128, 128)
     amax = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-4)
-    scales = amax / _FP8_MAX
+    scales = amax / FP8_MAX
     q = (blocks / scales[:, :, None, :, None]).view(g, n, k).to(torch.float8_e4m3fn)
     return q, scales.contiguous()
 
@@ -168,8 +159,14 @@ class _DeepGemm:
             self._weights[key] = per_block_cast_fp8(w)
         return self._weights[key]
 
-    def _a(self, x: torch.Tensor) -> Any:
-        return per_token_cast_fp8(x) if self.fp8 else x
+    def _a(self, x: torch.Tensor, counts: torch.Tensor) -> Any:
+        """The GEMM's ``a``: ``x`` (bf16), or with FP8 its rows below ``counts`` cast (the
+        masked Triton cast on CUDA, :mod:`dbo_compile.ops.fp8_cast`; every row on CPU)."""
+        if not self.fp8:
+            return x
+        if x.is_cuda and fp8_cast_kernels() is not None:
+            return per_token_cast_fp8_masked(x, counts)
+        return per_token_cast_fp8(x)
 
     def _timed(self, what: tuple, fn: Any, *args: Any, **kwargs: Any) -> None:
         """``fn(*args)``, logging the first call of each kernel shape (DeepGEMM's JIT)."""
@@ -193,11 +190,11 @@ class _DeepGemm:
         counts = counts.contiguous()
         h = torch.empty((e, m, 2 * inter), dtype=torch.bfloat16, device=x.device)
         self._timed(("masked", self.fp8, e, 2 * inter, hidden, expected), gemm,
-                    self._a(x), self._b(w13), h, counts, expected)
+                    self._a(x, counts), self._b(w13), h, counts, expected)
         a = _silu_mul_masked(h, counts)
         y = torch.empty((e, m, hidden), dtype=torch.bfloat16, device=x.device)
         self._timed(("masked", self.fp8, e, hidden, inter, expected), gemm,
-                    self._a(a), self._b(w2), y, counts, expected)
+                    self._a(a, counts), self._b(w2), y, counts, expected)
         return y
 
     # -- rank-major rows: contiguous GEMMs with the psum layout ---------------------------
@@ -225,13 +222,13 @@ class _DeepGemm:
         gemm = (self.dg.m_grouped_fp8_fp4_gemm_nt_contiguous if self.fp8
                 else self.dg.m_grouped_bf16_gemm_nt_contiguous)
         h = torch.empty((m_pad, 2 * inter), dtype=torch.bfloat16, device=x.device)
-        self._timed(("contiguous", self.fp8, e, 2 * inter, hidden), gemm, self._a(a),
-                    self._b(w13), h, psum, use_psum_layout=True,
+        self._timed(("contiguous", self.fp8, e, 2 * inter, hidden), gemm,
+                    self._a(a, psum[-1:]), self._b(w13), h, psum, use_psum_layout=True,
                     expected_m_for_psum_layout=expected)
         act = _silu_mul_rows(h, psum[-1:])
         o = torch.empty((m_pad, hidden), dtype=torch.bfloat16, device=x.device)
-        self._timed(("contiguous", self.fp8, e, hidden, inter), gemm, self._a(act),
-                    self._b(w2), o, psum, use_psum_layout=True,
+        self._timed(("contiguous", self.fp8, e, hidden, inter), gemm,
+                    self._a(act, psum[-1:]), self._b(w2), o, psum, use_psum_layout=True,
                     expected_m_for_psum_layout=expected)
         pos = torch.empty_like(order)
         pos.scatter_(0, order, dst)  # each slot's row in the segments

@@ -64,12 +64,12 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace, giv
 #: ``bench_moe.py``: flags only the emulated world reads (the torchrun run refuses them)
 EMULATED_ONLY = ("--link-gbps", "--latency-us", "--cost-link-gbps", "--cost-latency-us",
                  "--timing-iters", "--no-check", "--no-eager", "--no-calib", "--unit-reps",
-                 "--kernels", "--profile")
+                 "--kernels", "--profile", "--hold-sms")
 #: flags the emulated world does not read (one process: no link to label, no process group
 #: for the vote; no Inductor-compiled unsplit model timed)
 TORCHRUN_ONLY = ("--link", "--vote-group", "--inductor")
 #: flags that do something on CUDA only (the CPU smoke run refuses them)
-CUDA_ONLY = ("--comm-sms", "--inductor", "--kernels", "--profile")
+CUDA_ONLY = ("--comm-sms", "--inductor", "--kernels", "--profile", "--hold-sms")
 
 
 def moe_parser(description: str | None = None, json_default: str | None = None
@@ -129,6 +129,10 @@ def moe_parser(description: str | None = None, json_default: str | None = None
     e.add_argument("--link-gbps", type=float, default=50.0,
                    help="emulated link bandwidth per direction, GB/s (default 50: one 400 Gb/s NIC)")
     e.add_argument("--latency-us", type=float, default=0.0, help="added per dispatch / combine")
+    e.add_argument("--hold-sms", type=int, default=0,
+                   help="the emulated backend's option hold_sms: SMs each transfer holds for its "
+                        "emulated duration, as DeepEP's normal-mode kernels hold 20-24 (default "
+                        "0: the copy engines alone; CUDA only; not with --comm-sms)")
     e.add_argument("--cost-link-gbps", type=float, default=44.0,
                    help="the cost model's link figure is min(link, this): the hardware's duplex "
                         "copy rate (measured 42-45 GB/s per direction on one H200)")
@@ -171,6 +175,11 @@ def parse_moe(argv: Sequence[str] | None = None, description: str | None = None,
         refuse_unread(p, args, given, EMULATED_ONLY, "without --emulate-ep")
     if not torch.cuda.is_available():
         refuse_unread(p, args, given, CUDA_ONLY, "without CUDA")
+    if args.hold_sms and args.comm_sms:
+        p.error("--hold-sms and --comm-sms emulate the same cost twice (SMs held by the "
+                "transfers, a carve-out of the GEMMs); give one of them")
+    if args.hold_sms < 0:
+        p.error(f"--hold-sms {args.hold_sms}: SMs, an int >= 0")
     args.profile_at = None
     if args.profile:
         ph, tok, w = args.profile.split(":")
@@ -189,7 +198,8 @@ def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, An
     the cost model's figures and every option flag of ``bench_moe.py`` that applies to one
     process (``--scheduler``, ``--comm-sms``: the split program's SM carve-out, as the
     emulated comm kernels would hold them; ``--compute-backend``, ``--carveout-candidates``,
-    ``--candidates``, ``--calibration``, ``--latency-us``)."""
+    ``--candidates``, ``--calibration``, ``--latency-us``, ``--hold-sms``: the SMs each
+    transfer holds)."""
     emulated = {"world_size": w, "link_gbps": gbps}
     options = {"comm_backend": "emulated", "comm_backend_options": emulated,
                "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
@@ -200,6 +210,8 @@ def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, An
         options["comm_sms"] = args.comm_sms
     if args.latency_us:
         emulated["latency_us"] = args.latency_us
+    if getattr(args, "hold_sms", 0):
+        emulated["hold_sms"] = args.hold_sms
     if args.calibration:
         options["calibration"] = args.calibration
     return options

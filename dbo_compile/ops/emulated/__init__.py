@@ -67,13 +67,16 @@ adds a spin kernel of that length on the link's stream before the first copy.
 fabric), stragglers and rank-to-rank skew (every rank runs the same batch, so no rank waits for
 a slower one), skewed routing *across* ranks (rank 0's load is every rank's), NVLink-forwarded
 internode traffic (DeepEP's normal kernels send a token once per node over RDMA and fan out over
-NVLink: one flat link here), and SM-holding comm kernels (copy engines hold no SM; emulate the
-cost with the option ``comm_sms``, an SM carve-out of compute while the split program
-runs, as DeepEP reserves 20–24 SMs).
+NVLink: one flat link here), and SM-holding comm kernels unless asked for (copy engines
+hold no SM; the option ``hold_sms=N`` makes each transfer hold ``N`` SMs for its emulated
+duration with a kernel on the issuing stream, as DeepEP's normal-mode kernels hold 20–24,
+:mod:`.hold`; the older ``comm_sms`` carves SMs out of the cuBLAS GEMMs of the split program
+only).
 
-The package: :mod:`.world` (the world's parameters), :mod:`.link` (the link), :mod:`.routing`
-and :mod:`.kernels` (the two paths: torch ops, Triton), :mod:`.backend` (the registered
-instances), :mod:`.binding` (the world a graph is bound to, and the check of its model).
+The package: :mod:`.world` (the world's parameters), :mod:`.link` (the link), :mod:`.hold`
+(the SM-holding kernel), :mod:`.routing` and :mod:`.kernels` (the two paths: torch ops,
+Triton), :mod:`.backend` (the registered instances), :mod:`.binding` (the world a graph is
+bound to, and the check of its model).
 
 Usage (the bench and tests build the model with ``emulated_world_size=W``, see
 :class:`~dbo_compile.models.DeepseekMoEModel`)::

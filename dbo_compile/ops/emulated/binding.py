@@ -33,12 +33,14 @@ __all__ = ["OPTIONS", "bind_name", "check_built_for", "check_options", "configur
 
 #: the options the emulated backend takes (``DboConfig.comm_backend_options``); the
 #: deprecated ``DboConfig`` fields are ``emulate_<option>``
-OPTIONS = ("world_size", "link_gbps", "latency_us", "copy_gbps", "capacity_factor", "comm_sms")
+OPTIONS = ("world_size", "link_gbps", "latency_us", "copy_gbps", "capacity_factor", "comm_sms",
+           "hold_sms")
 
 
 def check_options(world_size: int | None = None, link_gbps: float | None = None,
                   latency_us: float | None = None, copy_gbps: float | None = None,
-                  capacity_factor: float | None = None, comm_sms: int | None = None) -> None:
+                  capacity_factor: float | None = None, comm_sms: int | None = None,
+                  hold_sms: int | None = None) -> None:
     """Check the emulated backend's options (``comm_backend_options`` with
     ``comm_backend="emulated"``; ``None``: the default).
 
@@ -50,15 +52,27 @@ def check_options(world_size: int | None = None, link_gbps: float | None = None,
             measured at the first call).
         capacity_factor: static link capacity over the expected remote rows (default 1.1).
         comm_sms: SMs carved out of compute while the split program runs, the cost of comm
-            kernels that hold SMs (``DboConfig.comm_sms`` wins where both are given).
+            kernels that hold SMs (``DboConfig.comm_sms`` wins where both are given); it
+            limits cuBLAS GEMMs only.
+        hold_sms: SMs each transfer holds for its emulated duration, as DeepEP's normal-mode
+            kernels hold 20–24 (default 0: the copy engines alone hold none): a kernel of
+            that many CTAs on the issuing stream, one per SM, that nothing needing shared
+            memory can share an SM with (CUDA only; on CPU nothing is held:
+            :mod:`dbo_compile.ops.emulated.hold`). Use it or ``comm_sms``, not both.
 
     Raises:
         CommBackendError: a value of the wrong type or out of range, naming it.
     """
-    for name, v, low in (("world_size", world_size, 1), ("comm_sms", comm_sms, 0)):
+    for name, v, low in (("world_size", world_size, 1), ("comm_sms", comm_sms, 0),
+                         ("hold_sms", hold_sms, 0)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
             raise CommBackendError(f"comm backend 'emulated': {name}={v!r} must be an int "
                                    f">= {low}")
+    if comm_sms and hold_sms:
+        raise CommBackendError(
+            f"comm backend 'emulated': comm_sms={comm_sms} and hold_sms={hold_sms} emulate the "
+            "same cost twice (a carve-out of the GEMMs and SMs held by the transfers); give "
+            "one of them")
     for name, v, low, strict in (("link_gbps", link_gbps, 0.0, True),
                                  ("copy_gbps", copy_gbps, 0.0, True),
                                  ("latency_us", latency_us, 0.0, False),
@@ -88,7 +102,8 @@ def world_of_options(options: dict[str, Any], num_experts: int, top_k: int) -> E
         link_gbps=float(options.get("link_gbps") or DEFAULT_LINK_GBPS),
         latency_us=float(options.get("latency_us") or 0.0),
         copy_gbps=None if copy_gbps in (None, "auto") else float(copy_gbps),
-        capacity_factor=float(options.get("capacity_factor") or DEFAULT_CAPACITY_FACTOR))
+        capacity_factor=float(options.get("capacity_factor") or DEFAULT_CAPACITY_FACTOR),
+        hold_sms=int(options.get("hold_sms") or 0))
 
 
 _NO_WORLD = ("the plain 'emulated' backend has no world: compile with comm_backend='emulated' "
@@ -100,7 +115,7 @@ _NO_WORLD = ("the plain 'emulated' backend has no world: compile with comm_backe
 def configure(world_size: int | None = None, num_experts: int | None = None,
               top_k: int | None = None, link_gbps: Any = None, latency_us: Any = None,
               copy_gbps: Any = None, capacity_factor: Any = None,
-              comm_sms: int | None = None) -> CommBackend:
+              comm_sms: int | None = None, hold_sms: int | None = None) -> CommBackend:
     """The emulated backend of a spec: with ``num_experts`` and ``top_k`` (an instance's
     spec, :attr:`EmulatedWorld.name`), the instance of that world; with the config's options
     alone, the backend the compiler binds per graph (its ``bind`` sizes the world by the
@@ -113,7 +128,8 @@ def configure(world_size: int | None = None, num_experts: int | None = None,
     options = {k: v for k, v in dict(world_size=world_size, link_gbps=link_gbps,
                                      latency_us=latency_us, copy_gbps=copy_gbps,
                                      capacity_factor=capacity_factor,
-                                     comm_sms=comm_sms).items() if v is not None}
+                                     comm_sms=comm_sms, hold_sms=hold_sms).items()
+               if v is not None}
     check_options(**options)
     if num_experts is not None or top_k is not None:
         return make_backend(world_of_options(options, num_experts, top_k))

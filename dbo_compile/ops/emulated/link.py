@@ -1,6 +1,7 @@
 """The emulated link: pinned host memory and back, two copy streams, chunked (full duplex);
-its two slots (the backend's in-flight pool), throttling, latency and overflow counters
-(:mod:`dbo_compile.ops.emulated`, "What crosses the link" and "Throttling")."""
+its two slots (the backend's in-flight pool), throttling, latency, the SMs a transfer holds
+(option ``hold_sms``, :mod:`.hold`) and overflow counters (:mod:`dbo_compile.ops.emulated`,
+"What crosses the link" and "Throttling")."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from dbo_compile.errors import CommOpError
+from dbo_compile.ops.emulated.hold import hold_sms, hold_us
 from dbo_compile.ops.emulated.world import FALLBACK_COPY_GBPS, EmulatedWorld
 
 log = logging.getLogger(__name__)
@@ -209,6 +211,9 @@ class _Link:
         evs = self.cuda_events(index, MAX_CHUNKS + SLOTS)
         s_out.wait_stream(cur)
         s_in.wait_stream(cur)
+        if world.hold_sms:  # SM-holding comm: the issuing stream's SMs for the transfer
+            hold_sms(src.device, world.hold_sms,
+                     hold_us(nbytes, min(hw, world.link_gbps), world.latency_us))
         with torch.cuda.stream(s_out):
             if world.latency_us > 0:
                 cyc = self.cycles_per_us.get(index, 1980.0)

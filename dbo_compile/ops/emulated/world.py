@@ -39,6 +39,8 @@ class EmulatedWorld:
         copy_gbps: the hardware's duplex copy bandwidth per direction, GB/s (``None``:
             measured at the first eager call on CUDA, else :data:`FALLBACK_COPY_GBPS`).
         capacity_factor: link capacity over the expected remote rows (>= 1).
+        hold_sms: SMs each transfer holds for its emulated duration (0: none, the copy
+            engines alone; :mod:`dbo_compile.ops.emulated.hold`).
     """
 
     world_size: int
@@ -48,6 +50,7 @@ class EmulatedWorld:
     latency_us: float = 0.0
     copy_gbps: float | None = None
     capacity_factor: float = DEFAULT_CAPACITY_FACTOR
+    hold_sms: int = 0
 
     def __post_init__(self) -> None:
         w, e, k = self.world_size, self.num_experts, self.top_k
@@ -62,17 +65,23 @@ class EmulatedWorld:
         if not (self.link_gbps > 0 and self.latency_us >= 0 and self.capacity_factor >= 1
                 and (self.copy_gbps is None or self.copy_gbps > 0)):
             raise CommBackendError(f"emulated EP world: bad link figures {self}")
+        if isinstance(self.hold_sms, bool) or not isinstance(self.hold_sms, int) \
+                or self.hold_sms < 0:
+            raise CommBackendError(f"emulated EP world: hold_sms={self.hold_sms!r} must be an "
+                                   "int >= 0 (SMs)")
 
     @property
     def name(self) -> str:
         """The backend spec of this instance (:func:`~dbo_compile.ops.registry.backend_spec`:
         ``emulated:capacity_factor=1.1,copy_gbps=auto,...,world_size=8``), which the registry
-        configures (:func:`~dbo_compile.ops.emulated.backend.configure`) and the compiler binds into the ops."""
+        configures (:func:`~dbo_compile.ops.emulated.backend.configure`) and the compiler binds into the ops;
+        ``hold_sms`` is in it where it is not 0."""
+        held = {"hold_sms": self.hold_sms} if self.hold_sms else {}
         return backend_spec(NAME, {
             "world_size": self.world_size, "num_experts": self.num_experts, "top_k": self.top_k,
             "link_gbps": f"{self.link_gbps:g}", "latency_us": f"{self.latency_us:g}",
             "copy_gbps": "auto" if self.copy_gbps is None else f"{self.copy_gbps:g}",
-            "capacity_factor": f"{self.capacity_factor:g}"})
+            "capacity_factor": f"{self.capacity_factor:g}", **held})
 
     @property
     def local_experts(self) -> int:
