@@ -20,7 +20,9 @@ names the peers place their yields and stage points between)::
     post      x = h + (combine * scale + shared)                          compute
 
 (the sums in the model's order, so each ubatch's rows equal the unsplit model's up to the
-GEMMs' row count). A dense layer is one compute op. Every tensor a step makes is held by its
+GEMMs' row count). An op waits for the other stream only where it reads what that stream
+made (:attr:`Op.waits`: the sends wait for compute, ``experts`` and ``post`` for comm; the
+receives and the shared experts wait for nothing), so no false edge holds a stream back. A dense layer is one compute op. Every tensor a step makes is held by its
 :class:`UBatch` until the step's end (:meth:`Streams.join`), so that nothing made on one
 stream and read on the other is freed early (the allocator's cross-stream rule, DESIGN.md
 invariant 4), in eager runs and in a CUDA graph's private pool alike.
@@ -168,12 +170,15 @@ class Streams:
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One step of a ubatch's schedule: ``fn(ubatch)`` on ``stream``."""
+    """One step of a ubatch's schedule: ``fn(ubatch)`` on ``stream`` (``"compute"`` /
+    ``"comm"``), after the ubatch's work queued so far on ``waits`` (the other stream, whose
+    results it reads: an event edge), ``None``: it reads only what its own stream made."""
 
     name: str
     layer: int | None
     stream: str
     fn: Callable[[UBatch], None]
+    waits: str | None = None
 
 
 def layer_ops(model, spec: str, fault: str | None = None) -> list[Op]:
@@ -192,13 +197,14 @@ def layer_ops(model, spec: str, fault: str | None = None) -> list[Op]:
         m = layer.mlp
         ops += [
             Op("attn", i, "compute", lambda u, layer=layer: _attn(layer, u)),
-            Op("dispatch", i, "comm", lambda u, m=m: _dispatch(m, spec, u)),
+            Op("dispatch", i, "comm", lambda u, m=m: _dispatch(m, spec, u), "compute"),
             Op("d_recv", i, "comm", lambda u: comm_receive(u.state["dispatch"], spec)),
-            Op("experts", i, "compute", lambda u, m=m: u.put(y=m.experts(*u.state["dispatch"][:3]))),
-            Op("combine", i, "comm", lambda u, m=m, skip=skip: _combine(m, spec, u, skip)),
+            Op("experts", i, "compute", lambda u, m=m: _experts(m, u), "comm"),
+            Op("combine", i, "comm", lambda u, m=m, skip=skip: _combine(m, spec, u, skip),
+               "compute"),
             Op("shared", i, "compute", lambda u, m=m: _shared(m, u)),
             Op("c_recv", i, "comm", lambda u, skip=skip: _combine_recv(spec, u, skip)),
-            Op("post", i, "compute", lambda u, m=m: _post(m, u)),
+            Op("post", i, "compute", lambda u, m=m: _post(m, u), "comm"),
         ]
     ops.append(Op("head", None, "compute", lambda u: _head(model, u)))
     return ops
@@ -231,6 +237,10 @@ def _dispatch(m: MoE, spec: str, u: UBatch) -> None:
     u.put(dispatch=torch.ops.dbo.moe_dispatch(s["hn"], s["topk_ids"], s["topk_w"],
                                                m.num_experts, m.group_name, **_backend(spec),
                                                defer_receive=True))
+
+
+def _experts(m: MoE, u: UBatch) -> None:
+    u.put(y=m.experts(*u.state["dispatch"][:3]))
 
 
 def _combine(m: MoE, spec: str, u: UBatch, skip: bool) -> None:

@@ -8,7 +8,7 @@ ubatch runs its stages one at a time; the two executors are interleaved, the fir
 head start of ``delta`` stages (:data:`DELTA`: 2 in decode, 0 in prefill), then taking turns
 (ubatch 1, ubatch 0, ...), each ubatch keeping its own comm state (its dispatch / combine in
 flight). Each op runs on its stream (comm ops on the comm stream, the rest on the compute
-stream) with an event edge where a ubatch moves between them.
+stream) with an event edge where it reads what the other stream made (:attr:`Op.waits`).
 
 Split rule (:func:`split_point`): decode splits by request count (the halves of a
 uniform-decode step); prefill at the request boundary nearest the token midpoint, or inside a
@@ -65,11 +65,11 @@ def stages(ops: list[Op]) -> list[list[Op]]:
 
 
 class _Executor:
-    """Runs one ubatch's stages in order, tracking the stream its last op ran on."""
+    """Runs one ubatch's stages in order."""
 
     def __init__(self, u: UBatch, stage_list: list[list[Op]], streams: Streams):
         self.u, self.stages, self.streams = u, stage_list, streams
-        self.next_stage, self.cur = 0, "compute"
+        self.next_stage = 0
 
     @property
     def done(self) -> bool:
@@ -78,19 +78,12 @@ class _Executor:
     def step(self) -> None:
         s, i = self.streams, self.u.index
         for op in self.stages[self.next_stage]:
-            if op.stream != self.cur:
-                s.record(i, self.cur)
-                s.wait(i, self.cur, op.stream)
-                self.cur = op.stream
+            if op.waits is not None:
+                s.record(i, op.waits)
+                s.wait(i, op.waits, op.stream)
             with s.use(op.stream):
                 op.fn(self.u)
         self.next_stage += 1
-
-    def finish(self) -> None:
-        if self.cur != "compute":
-            self.streams.record(self.u.index, self.cur)
-            self.streams.wait(self.u.index, self.cur, "compute")
-            self.cur = "compute"
 
 
 class SglangTbo:
@@ -115,8 +108,6 @@ class SglangTbo:
                 for e in (e1, e0):
                     if not e.done:
                         e.step()
-            e0.finish()
-            e1.finish()
         s.join()
         out = torch.cat([u.out for u in ubatches])
         for u in ubatches:

@@ -95,26 +95,20 @@ class UBatchThread(threading.Thread):
             self.barrier.wait()
             if i != 0:
                 self.pp.wait_turn(i)
-            cur = "compute"
             with torch.no_grad():
                 for op in self.ops:
                     if op.name in _YIELD_BEFORE:
-                        s.record(i, cur)  # "compute done" before the CPU leaves
+                        s.record(i, op.waits)  # "compute done", before the CPU leaves
                         self.pp.yield_(i)
-                        s.wait(i, cur, "comm")
-                        cur = "comm"
-                        s.set_current(cur)
-                    elif op.stream != cur:
-                        s.record(i, cur)
-                        s.wait(i, cur, op.stream)
-                        cur = op.stream
-                        s.set_current(cur)
+                        s.wait(i, op.waits, op.stream)
+                    elif op.waits is not None:
+                        s.record(i, op.waits)
+                        s.wait(i, op.waits, op.stream)
+                    s.set_current(op.stream)
                     op.fn(u)
                     if op.name in _YIELD_AFTER:
                         self.pp.yield_(i)
-                if cur != "compute":
-                    s.record(i, cur)
-                    s.wait(i, cur, "compute")
+                s.set_current("compute")
         except BaseException as e:  # noqa: BLE001 - handed to the caller after the join
             self.error = e
         finally:
