@@ -14,6 +14,40 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "peers", "bench_peers.py")
 PEERS = ("vllm_dbo", "sglang_tbo")
+#: one MoE layer's ops of one ubatch, in the order each ubatch issues them (both peers)
+LAYER_OPS = ["attn", "dispatch", "d_recv", "experts", "combine", "shared", "c_recv", "post"]
+
+
+def _runs(order):
+    """``order`` ("UBATCH:OP", host order) as runs of consecutive ops of one ubatch."""
+    runs = []
+    for entry in order:
+        u, op = entry.split(":")
+        if runs and runs[-1][0] == u:
+            runs[-1][1].append(op)
+        else:
+            runs.append((u, [op]))
+    return runs
+
+
+def _check_host_order(phase, name, order):
+    for u in "01":  # each ubatch issues its own ops in the model's order
+        assert [e.split(":")[1] for e in order if e.startswith(u + ":")] == LAYER_OPS, order
+    pos = {e: i for i, e in enumerate(order)}
+    for op in LAYER_OPS:  # ubatch 0 first at every op (its KV writes before ubatch 1 reads)
+        assert pos["0:" + op] < pos["1:" + op], (name, order)
+    if name == "vllm_dbo":
+        # two threads ping-pong: the ubatches alternate, and the CPU changes hands only at
+        # the yields (before a dispatch / combine, after a dispatch / the shared experts)
+        runs = _runs(order)
+        assert [u for u, _ in runs] == ["0", "1"] * (len(runs) // 2), order
+        for _, ops in runs[:-2]:
+            assert ops[-1] in ("dispatch", "shared") or ops[-1] in ("attn", "experts"), order
+        assert pos["1:dispatch"] < pos["0:d_recv"], order  # hidden behind the other's send
+    elif phase == "decode":  # SGLang's head start: ubatch 0 runs 2 stages before ubatch 1
+        assert pos["1:attn"] > pos["0:shared"], order
+    else:  # no head start in prefill: ubatch 1's first stage right after ubatch 0's
+        assert order[:4] == ["0:attn", "0:dispatch", "1:attn", "1:dispatch"], order
 
 
 def _run(tmp_path, *extra):
@@ -44,6 +78,7 @@ def test_both_peers_equal_the_unsplit_model_and_every_row_is_complete(tmp_path):
             assert peer["t_eager_us"] > 0 and peer["t_as_runs_us"] > 0, (name, peer)
             assert peer["ours_vs_peer_as_runs"] > 0, (name, peer)
             assert "t_graph_us" not in peer  # the CPU smoke captures no graphs
+            _check_host_order(row["phase"], name, peer["host_order_first_moe_layer"])
     decode, prefill = rows
     # the peers' own split rules: vLLM splits at >= 32 decode / >= 512 prefill tokens, so
     # prefill 64 runs unsplit (the baseline); SGLang splits whatever has two halves, with a

@@ -147,7 +147,7 @@ def _load(static, ubatches) -> None:
             getattr(st.md, name).copy_(t)
 
 
-def bench_peer(args, name, peer, step, phase, n, ref, dtype, timer, baseline_us) -> dict:
+def bench_peer(args, name, peer, traced, step, phase, n, ref, dtype, timer, baseline_us) -> dict:
     ids, pos, md = step.input_ids, step.positions, step.attn_metadata
     qlens = [int(q) for q in step.num_scheduled_tokens]
     uniform = all(q == 1 for q in qlens)
@@ -164,7 +164,10 @@ def bench_peer(args, name, peer, step, phase, n, ref, dtype, timer, baseline_us)
         r["delta"] = peer.delta
     make = lambda: split_step(ids, pos, md, qlens, cut)  # noqa: E731
     with torch.no_grad():
-        r["num_eager"] = check_numerics(peer.run(make()), ref, dtype)
+        # the numerics run: the same schedule with its host order recorded
+        tpeer, order = traced(name)
+        r["num_eager"] = check_numerics(tpeer.run(make()), ref, dtype)
+        r["host_order_first_moe_layer"] = first_moe_layer(order)
         r["t_eager_us"] = timer(lambda: peer.run(make()))
         graphed = False
         if args.cuda:
@@ -192,13 +195,19 @@ def bench_peer(args, name, peer, step, phase, n, ref, dtype, timer, baseline_us)
     return r
 
 
+def first_moe_layer(order: list[str]) -> list[str]:
+    """``"UBATCH:OP"`` of the first MoE layer's ops, in the order the host issued them."""
+    layer = next((e.split(":")[2] for e in order if e.split(":")[1] == "dispatch"), None)
+    return [":".join(e.split(":")[:2]) for e in order if e.split(":")[2] == layer]
+
+
 def dataclass_clone(u):
     """A ubatch whose inputs are fresh copies (the static inputs of a captured graph)."""
     md = dataclasses.replace(u.md, **{k: t.clone() for k, t in u.md.tensors().items()})
     return type(u)(u.index, u.input_ids.clone(), u.positions.clone(), md)
 
 
-def bench_bucket(args, model, runner, step, phase, n, peers, timer) -> dict:
+def bench_bucket(args, model, runner, step, phase, n, peers, traced, timer) -> dict:
     ids, pos, md, qlens = (step.input_ids, step.positions, step.attn_metadata,
                            step.num_scheduled_tokens)
     b = runner.graphs[n]
@@ -216,7 +225,7 @@ def bench_bucket(args, model, runner, step, phase, n, peers, timer) -> dict:
     row["peers"] = {}
     for name, peer in peers.items():
         try:
-            r = bench_peer(args, name, peer, step, phase, n, ref, model.dtype, timer,
+            r = bench_peer(args, name, peer, traced, step, phase, n, ref, model.dtype, timer,
                            t["baseline"])
         except Exception as e:  # noqa: BLE001 - one peer's failure is its row's
             print(traceback.format_exc()[-3000:], flush=True)
@@ -256,13 +265,22 @@ def run_world(args, preset, w, gbps, buckets, device, timer, save) -> None:
                                                latency_us=args.latency_us))
     streams = Streams(device if args.cuda else torch.device("cpu"))
     ops = layer_ops(model, spec, args.fault)
+    order: list[str] = []
+    traced_ops = layer_ops(model, spec, args.fault, trace=order)
     print(f"[peers] {preset} W={w} {gbps:g} GB/s: ours captured in {capture_s:.1f} s; "
           f"{runner.describe()}", flush=True)
+    def make_peers(phase: str, op_list) -> dict:
+        return {"vllm_dbo": vllm_dbo.VllmDbo(op_list, streams, device),
+                "sglang_tbo": sglang_tbo.SglangTbo(op_list, streams, sglang_tbo.DELTA[phase])}
+
     for phase, n in buckets:
-        peers = {"vllm_dbo": vllm_dbo.VllmDbo(ops, streams, device),
-                 "sglang_tbo": sglang_tbo.SglangTbo(ops, streams, sglang_tbo.DELTA[phase])}
+        def traced(name: str, phase=phase):
+            order.clear()
+            return make_peers(phase, traced_ops)[name], order
+
         try:
-            row = bench_bucket(args, model, runner, steps[(phase, n)], phase, n, peers, timer)
+            row = bench_bucket(args, model, runner, steps[(phase, n)], phase, n,
+                               make_peers(phase, ops), traced, timer)
         except Exception as e:  # noqa: BLE001
             print(traceback.format_exc()[-3000:], flush=True)
             row = {"phase": phase, "tokens_per_rank": n, "numerics_ok": False,

@@ -181,11 +181,28 @@ class Op:
     waits: str | None = None
 
 
-def layer_ops(model, spec: str, fault: str | None = None) -> list[Op]:
+def layer_ops(model, spec: str, fault: str | None = None,
+              trace: list[str] | None = None) -> list[Op]:
     """The whole forward of one ubatch as a list of :class:`Op` (the module docstring's
     ops per MoE layer, an ``embed`` op first and a ``head`` op last), calling ``model``'s
     modules and the comm backend instance ``spec`` (the emulated world the compiled program
-    is bound to). ``fault``: one of :data:`FAULTS`, planted in ubatch 1."""
+    is bound to). ``fault``: one of :data:`FAULTS`, planted in ubatch 1. ``trace``: each op
+    appends ``"UBATCH:NAME:LAYER"`` to it when the host issues it (a separate op list: the
+    timed ones carry no wrapper)."""
+    ops = _ops(model, spec, fault)
+    if trace is None:
+        return ops
+    return [dataclasses.replace(op, fn=_traced(op, trace)) for op in ops]
+
+
+def _traced(op: Op, trace: list[str]) -> Callable[[UBatch], None]:
+    def fn(u: UBatch) -> None:
+        trace.append(f"{u.index}:{op.name}:{'' if op.layer is None else op.layer}")
+        op.fn(u)
+    return fn
+
+
+def _ops(model, spec: str, fault: str | None) -> list[Op]:
     moe_seen = 0
     ops = [Op("embed", None, "compute", lambda u: _embed(model, u))]
     for i, layer in enumerate(model.layers):

@@ -6,8 +6,10 @@ One thread. Each ubatch's forward is an op list (:func:`layer_ops.layer_ops`) cu
 the shared experts placed before the yield, beside the combine in flight). A stage executor per
 ubatch runs its stages one at a time; the two executors are interleaved, the first one given a
 head start of ``delta`` stages (:data:`DELTA`: 2 in decode, 0 in prefill), then taking turns
-(ubatch 1, ubatch 0, ...), each ubatch keeping its own comm state (its dispatch / combine in
-flight). Each op runs on its stream (comm ops on the comm stream, the rest on the compute
+(ubatch 0, ubatch 1, ...): ubatch 1 runs its stage ``k`` once ubatch 0 finished its stage
+``k + delta``, so that ubatch 0's ops of a layer always come first (its KV-cache writes before
+ubatch 1's attention reads them, DESIGN.md invariant 3). Each ubatch keeps its own comm state
+(its dispatch / combine in flight). Each op runs on its stream (comm ops on the comm stream, the rest on the compute
 stream) with an event edge where it reads what the other stream made (:attr:`Op.waits`).
 
 Split rule (:func:`split_point`): decode splits by request count (the halves of a
@@ -105,7 +107,7 @@ class SglangTbo:
                 if not e0.done:
                     e0.step()
             while not (e0.done and e1.done):
-                for e in (e1, e0):
+                for e in (e0, e1):
                     if not e.done:
                         e.step()
         s.join()
