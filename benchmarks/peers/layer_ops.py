@@ -20,12 +20,13 @@ names the peers place their yields and stage points between)::
     post      x = h + (combine * scale + shared)                          compute
 
 (the sums in the model's order, so each ubatch's rows equal the unsplit model's up to the
-GEMMs' row count). An op waits for the other stream only where it reads what that stream
-made (:attr:`Op.waits`: the sends wait for compute, ``experts`` and ``post`` for comm; the
-receives and the shared experts wait for nothing), so no false edge holds a stream back. A dense layer is one compute op. Every tensor a step makes is held by its
-:class:`UBatch` until the step's end (:meth:`Streams.join`), so that nothing made on one
-stream and read on the other is freed early (the allocator's cross-stream rule, DESIGN.md
-invariant 4), in eager runs and in a CUDA graph's private pool alike.
+GEMMs' row count). An op waits for the other stream only where it reads what that stream made
+(:attr:`Op.waits`: the sends wait for compute, ``experts`` and ``post`` for comm; the receives
+and the shared experts wait for nothing), so no false edge holds a stream back. A dense layer
+is one compute op. Every tensor a step makes is held by its :class:`UBatch` until the step's
+end (:meth:`Streams.join`), so that nothing made on one stream and read on the other is freed
+early (the allocator's cross-stream rule, DESIGN.md invariant 4), in eager runs and in a CUDA
+graph's private pool alike.
 
 The check every peer's output passes (:func:`check_numerics`) and the fault the smoke run
 can plant in a schedule (:data:`FAULTS`) live here too.

@@ -1,23 +1,24 @@
 """SGLang-style two-batch overlap (TBO), written from its published description
-(docs/references.md §SGLang two-batch overlap; SGLang's TBO blog post), never from its code.
+(docs/references.md §SGLang two-batch overlap), never from its code.
 
-One thread. Each ubatch's forward is an op list (:func:`layer_ops.layer_ops`) cut into
-*stages* at fixed yield points: after each dispatch send and after each combine send (with
-the shared experts placed before the yield, beside the combine in flight). A stage executor per
-ubatch runs its stages one at a time; the two executors are interleaved, the first one given a
-head start of ``delta`` stages (:data:`DELTA`: 2 in decode, 0 in prefill), then taking turns
-(ubatch 0, ubatch 1, ...): ubatch 1 runs its stage ``k`` once ubatch 0 finished its stage
-``k + delta``, so that ubatch 0's ops of a layer always come first (its KV-cache writes before
-ubatch 1's attention reads them, DESIGN.md invariant 3). Each ubatch keeps its own comm state
-(its dispatch / combine in flight). Each op runs on its stream (comm ops on the comm stream, the rest on the compute
-stream) with an event edge where it reads what the other stream made (:attr:`Op.waits`).
+One thread. Each ubatch's forward is an op list (:func:`layer_ops.layer_ops`) cut into *stages*
+at fixed yield points: after each dispatch send and after each combine send (with the shared
+experts placed before the yield, beside the combine in flight). A stage executor per ubatch
+runs its stages one at a time; the two executors are interleaved, the first one given a head
+start of ``delta`` stages (:data:`DELTA`: 2 in decode, 0 in prefill), then taking turns (ubatch
+0, ubatch 1, ...): ubatch 1 runs its stage ``k`` once ubatch 0 finished its stage ``k +
+delta``, so that ubatch 0's ops of a layer always come first (its KV-cache writes before ubatch
+1's attention reads them, DESIGN.md invariant 3). Each ubatch keeps its own comm state (its
+dispatch / combine in flight). Each op runs on its stream (comm ops on the comm stream, the
+rest on the compute stream) with an event edge where it reads what the other stream made
+(:attr:`Op.waits`).
 
 Split rule (:func:`split_point`): decode splits by request count (the halves of a
 uniform-decode step); prefill at the request boundary nearest the token midpoint, or inside a
 request at the midpoint when that boundary leaves less than 0.48 of the tokens on one side
-(SGLang's ``tbo_token_distribution_threshold``). A step splits when both ubatches get tokens
-(no token threshold). CUDA graphs: SGLang captures decode batches only (up to its
-``cuda_graph_max_bs``), prefill runs eagerly.
+(the references' figure). A step splits when both ubatches get tokens (the references name no
+token threshold). CUDA graphs: SGLang captures decode batches only (up to its
+``cuda_graph_max_bs``, ~160 per docs/references.md), prefill runs eagerly by default.
 """
 
 from __future__ import annotations

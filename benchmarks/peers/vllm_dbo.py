@@ -1,5 +1,5 @@
 """vLLM-style dual batch overlap, written from its published description (docs/references.md
-§vLLM DBO; vLLM's design page "Dual Batch Overlap"), never from its code.
+§vLLM DBO; the design page docs.vllm.ai/en/stable/design/dbo/), never from its code.
 
 Two Python threads, one per ubatch, each run the whole forward of its ubatch
 (:func:`layer_ops.layer_ops`) under its own per-ubatch context (:class:`UBatchThread`: its
@@ -17,9 +17,12 @@ modular kernel places them:
 
 Both threads start behind a barrier; ubatch 0 runs first. The ubatches' outputs are joined in
 ubatch order. Split rule (:func:`should_split`): a uniform-decode step splits at >= 32 tokens,
-any other at >= 512 (vLLM's ``dbo_decode_token_threshold`` / ``dbo_prefill_token_threshold``,
-compared with ``>=``). CUDA graphs (vLLM's full graph of the ubatched model) are captured with
-both threads running (:func:`capture_threads`) and replayed with none.
+any other at >= 512 (vLLM's decode / prefill token thresholds and their defaults, compared
+with ``>=``, docs/references.md). CUDA graphs (vLLM's full graph of the ubatched model) are
+captured with both threads running (``bench_peers.capture_peer``) and replayed with none.
+The threads are started for every step (a choice of this benchmark: a pool of parked threads
+would save their start, some tens of µs per step). The thread / event mechanics are this
+module's reading of the published design.
 
 Deviation, named: a thread that raises releases its sibling (vLLM's would hang at the yield),
 so that a failed step fails the benchmark instead of hanging it.
