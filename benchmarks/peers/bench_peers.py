@@ -9,7 +9,7 @@ Without CUDA: ``--smoke`` (tiny preset, decode:32 and prefill:64, no graphs; num
 
 The world is ``bench_moe.py --emulate-ep``'s (``benchmarks/bench_emulated.py``): the
 DeepSeek-shaped model of ``dbo_compile/models/deepseek.py`` as rank 0 of an emulated EP-W
-world, the link at ``--link-gbps``, the same buckets and steps (``moe_harness``). Per bucket:
+world, the link at ``--link-gbps``, the same buckets and steps (``dbo_compile.testing.moe``). Per bucket:
 
 - ``baseline``: the unsplit program in a CUDA graph (the runner's ``unsplit`` graph);
 - ours: the compiled model (default options) run by ``CudaGraphRunner``: ``ours graph`` =
@@ -55,7 +55,6 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 import bench_emulated as BE  # noqa: E402
 import harness  # noqa: E402
-import moe_harness as H  # noqa: E402
 import sglang_tbo  # noqa: E402
 import vllm_dbo  # noqa: E402
 from layer_ops import FAULTS, Streams, check_numerics, layer_ops, split_step  # noqa: E402
@@ -64,6 +63,8 @@ from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import emulated as E  # noqa: E402
 from dbo_compile.runtime.capture import run_draining  # noqa: E402
 from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner  # noqa: E402
+from dbo_compile.testing import moe as H  # noqa: E402
+from dbo_compile.testing.bench_cli import world_options  # noqa: E402
 
 PEERS = ("vllm_dbo", "sglang_tbo")
 GPU_BUCKETS = ("decode:64,decode:128,decode:256,decode:512,decode:1024,"
@@ -255,7 +256,7 @@ def run_world(args, preset, w, gbps, buckets, device, timer, save) -> None:
              for p, n in buckets}
     model.allocate_kv_cache(max(s.num_blocks for s in steps.values()), 16)
     width = max(int(s.attn_metadata.block_table.shape[1]) for s in steps.values())
-    cmodel = torch.compile(model, backend="dbo", options=BE.world_options(args, w, gbps))
+    cmodel = torch.compile(model, backend="dbo", options=world_options(args, w, gbps))
     runner = CudaGraphRunner(cmodel, sorted({n for _, n in buckets}), max_blocks_per_req=width,
                              block_size=16, vocab_size=cfg.vocab_size,
                              timing_iters=args.timing_iters, device=device)
