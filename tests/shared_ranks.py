@@ -19,8 +19,9 @@ Example::
     def test_a(request, kind):
         results = RANKS.results(request, _body, kind)   # per-rank results, rank order
 
-Under pytest-xdist a module's tests must stay on one worker (``--dist loadfile``), or each
-worker runs the bodies of all of them.
+Under pytest-xdist a module's tests share a group where they stay on one worker (``--dist
+loadfile`` or ``loadscope``); with another distribution each test launches its own body alone
+(a worker cannot know which of the module's tests it will be given).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from typing import Any, Callable, Sequence
 
 from dbo_compile.errors import MultirankError
 from dbo_compile.testing import run_multirank_each
+
+
+#: pytest-xdist's ``--dist`` modes that run a module's tests on one worker ("no": no xdist)
+_MODULE_ON_ONE_WORKER = ("no", "loadfile", "loadscope")
 
 
 class SharedRanks:
@@ -54,8 +59,10 @@ class SharedRanks:
             raise KeyError(f"{name}: calls has {self.calls.get(name)!r}, the test runs "
                            f"{(fn, tuple(args))!r}")
         if name not in self._outcomes:
-            selected = {item.name for item in request.session.items
-                        if getattr(item, "module", None) is request.module}
+            selected = set()
+            if getattr(request.config.option, "dist", "no") in _MODULE_ON_ONE_WORKER:
+                selected = {item.name for item in request.session.items
+                            if getattr(item, "module", None) is request.module}
             todo = {n: c for n, c in self.calls.items()
                     if (n in selected or n == name) and n not in self._outcomes}
             self._outcomes.update(run_multirank_each(todo, self.world_size, self.timeout_s))
