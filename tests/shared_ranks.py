@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from dbo_compile.backend import reset_artifacts
 from dbo_compile.errors import MultirankError
 from dbo_compile.testing import run_multirank_each
 
@@ -65,7 +66,8 @@ class SharedRanks:
                             if getattr(item, "module", None) is request.module}
             todo = {n: c for n, c in self.calls.items()
                     if (n in selected or n == name) and n not in self._outcomes}
-            self._outcomes.update(run_multirank_each(todo, self.world_size, self.timeout_s))
+            self._outcomes.update(run_multirank_each(todo, self.world_size, self.timeout_s,
+                                                     reset=reset_artifacts))
         out = self._outcomes[name]
         if isinstance(out, MultirankError):
             raise out

@@ -70,10 +70,13 @@ def _raise_on_rank_1(rank, world_size):
 
 @pytest.mark.multirank
 def test_each_body_runs_on_one_group_as_if_alone():
-    """run_multirank_each: every body gets its own per-rank results, and starts from an empty
-    artifact list and the rank's starting RNG state (what a fresh launch gives it)."""
+    """run_multirank_each: every body gets its own per-rank results, and starts from a reset
+    Dynamo, ``reset()`` (here: an empty artifact list) and the rank's starting RNG state (what a
+    fresh launch gives it)."""
+    from dbo_compile.backend import reset_artifacts
+
     out = run_multirank_each({"a": (_draw_and_compile, (1,)), "b": (_draw_and_compile, (10,))}, 2,
-                             timeout_s=120)
+                             timeout_s=120, reset=reset_artifacts)
     assert list(out) == ["a", "b"]
     assert [r[2] for r in out["a"]] == [3.0, 3.0] and [r[2] for r in out["b"]] == [21.0, 21.0]
     assert [r[0] for r in out["a"] + out["b"]] == [0, 0, 0, 0]  # the artifacts were reset

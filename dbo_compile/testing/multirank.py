@@ -157,17 +157,16 @@ def _launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeou
         return results
 
 
-def _each(rank: int, world_size: int, calls: Sequence[tuple[str, Callable, Sequence[Any]]]
-          ) -> list[tuple[str, str, Any]]:
+def _each(rank: int, world_size: int, calls: Sequence[tuple[str, Callable, Sequence[Any]]],
+          reset: Callable[[], Any] | None) -> list[tuple[str, str, Any]]:
     """One rank of :func:`run_multirank_each`: the bodies in order, each from a reset Dynamo,
-    an empty artifact list and the RNG state the rank started with; stops at the first error."""
-    from dbo_compile.backend import reset_artifacts
-
+    ``reset()`` and the RNG state the rank started with; stops at the first error."""
     rng = torch.get_rng_state()
     done = []
     for name, fn, args in calls:
         torch._dynamo.reset()
-        reset_artifacts()
+        if reset is not None:
+            reset()
         torch.set_rng_state(rng)
         try:
             done.append((name, "ok", fn(rank, world_size, *args)))
@@ -182,14 +181,16 @@ def _each(rank: int, world_size: int, calls: Sequence[tuple[str, Callable, Seque
 
 def run_multirank_each(calls: dict[str, tuple[Callable[..., Any], Sequence[Any]]],
                        world_size: int, timeout_s: float = 240.0,
-                       env: dict[str, str] | None = None, start_method: str | None = None
+                       env: dict[str, str] | None = None, start_method: str | None = None,
+                       reset: Callable[[], Any] | None = None
                        ) -> dict[str, list[Any] | MultirankError]:
     """Run several bodies on one group of ``world_size`` ranks, one after another.
 
     ``calls`` maps a name to ``(fn, args)``; each ``fn(rank, world_size, *args)`` runs as under
     :func:`run_multirank` (same environment and start method), in the order given, and starts
-    from a reset Dynamo (``torch._dynamo.reset()``), an empty
-    :func:`~dbo_compile.backend.compiled_artifacts` list and the torch RNG state the rank
+    from a reset Dynamo (``torch._dynamo.reset()``), after ``reset()`` (an importable
+    function, e.g. :func:`dbo_compile.backend.reset_artifacts`: the package's state a body
+    reads; this floor does not import the backend), and from the torch RNG state the rank
     started with, as a body launched alone would. ``timeout_s`` bounds each body: the whole run
     gets ``timeout_s`` times the number of bodies, a collective ``timeout_s``.
 
@@ -204,7 +205,7 @@ def run_multirank_each(calls: dict[str, tuple[Callable[..., Any], Sequence[Any]]
     _context(start_method)  # a bad start method raises here, not as every body's result
     ordered = [(name, fn, tuple(args)) for name, (fn, args) in calls.items()]
     try:
-        per_rank = _launch(_each, world_size, (ordered,), timeout_s * max(1, len(ordered)),
+        per_rank = _launch(_each, world_size, (ordered, reset), timeout_s * max(1, len(ordered)),
                            timeout_s, env, start_method)
     except MultirankError as e:
         return {name: e for name, _, _ in ordered}
