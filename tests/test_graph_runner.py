@@ -19,8 +19,8 @@ import torch
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
 from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, GraphRunnerError
-from dbo_compile.testing import run_multirank
 from moe_cases import CountingModel, eager_then_restore, model_state
+from shared_ranks import SharedRanks
 
 NUM_BLOCKS = 320
 BUCKETS = [16, 48]
@@ -88,8 +88,8 @@ def _runner_body(rank, world_size, split, num_steps):
 
 
 @pytest.mark.multirank
-def test_runner_matches_eager_and_never_recaptures():
-    results = run_multirank(_runner_body, 2, args=("always", 14), timeout_s=600)
+def test_runner_matches_eager_and_never_recaptures(request):
+    results = RANKS.results(request, _runner_body, "always", 14)
     kinds = set()
     for r in results:
         assert r["max_err"] <= 1e-5, r["max_err"]
@@ -104,8 +104,8 @@ def test_runner_matches_eager_and_never_recaptures():
 
 
 @pytest.mark.multirank
-def test_measured_table_is_identical_on_every_rank():
-    results = run_multirank(_runner_body, 2, args=("auto", 3), timeout_s=600)
+def test_measured_table_is_identical_on_every_rank(request):
+    results = RANKS.results(request, _runner_body, "auto", 3)
     assert results[0]["table"] == results[1]["table"]
     assert results[0]["times"] == results[1]["times"]  # max over the DP group
     for r in results:
@@ -329,10 +329,10 @@ def _wide_on_one_rank_body(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_a_step_that_fits_no_graph_on_one_rank_runs_eagerly_on_every_rank():
+def test_a_step_that_fits_no_graph_on_one_rank_runs_eagerly_on_every_rank(request):
     """Only rank 0's block table is too wide: every rank must take the eager path (graph
     replay on one rank and eager collectives on the other would hang)."""
-    results = run_multirank(_wide_on_one_rank_body, 2, timeout_s=300)
+    results = RANKS.results(request, _wide_on_one_rank_body)
     assert [r["eager_steps"] for r in results] == [1, 1]
     assert all(r["err"] <= 1e-5 for r in results)
 
@@ -758,14 +758,14 @@ def _number_on_one_rank_body(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_a_number_changed_on_one_rank_sends_every_rank_down_one_path():
+def test_a_number_changed_on_one_rank_sends_every_rank_down_one_path(request):
     """Rank 0's model changes its final norm's eps after capture (a number folded into the
     programs and baked into the graphs), rank 1's does not. Every rank runs the step eagerly
     (rank 0 Dynamo's graph, rank 1 its unsplit program, the same collectives), each equal to
     its eager model; where rank 0's step is the smaller one, Dynamo's graph could not keep the
     group's padding rows out of its expert-load counter, and every rank raises DpVoteError
     before any collective of the step; with the value back the graphs serve again."""
-    results = run_multirank(_number_on_one_rank_body, 2, timeout_s=500)
+    results = RANKS.results(request, _number_on_one_rank_body)
     print(results)
     for rank, (changed, padded, back) in enumerate(results):
         assert changed[0] == "ok" and changed[1] == "eager" and changed[2] <= 1e-5 and changed[3]
@@ -773,3 +773,14 @@ def test_a_number_changed_on_one_rank_sends_every_rank_down_one_path():
         assert ("compile the model again" in padded[1]) == (rank == 0)
         assert padded[2] == 3.0 * get_config("tiny").num_experts  # nothing of the step ran
         assert back[0] == "ok" and back[1] == 16 and back[2] <= 1e-5 and back[3], back
+
+
+# the two-rank tests' bodies run on one group of 2 ranks, launched once (tests/shared_ranks.py)
+RANKS = SharedRanks(2, timeout_s=600, calls={
+    "test_runner_matches_eager_and_never_recaptures": (_runner_body, ("always", 14)),
+    "test_measured_table_is_identical_on_every_rank": (_runner_body, ("auto", 3)),
+    "test_a_step_that_fits_no_graph_on_one_rank_runs_eagerly_on_every_rank":
+        (_wide_on_one_rank_body, ()),
+    "test_a_number_changed_on_one_rank_sends_every_rank_down_one_path":
+        (_number_on_one_rank_body, ()),
+})

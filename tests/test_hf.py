@@ -22,8 +22,8 @@ from dbo_compile.models.hf import (  # noqa: E402
     UnsupportedModelError,
     make_expert_parallel,
 )
-from dbo_compile.testing import run_multirank  # noqa: E402
 from dbo_compile.testing.hf import TINY_MODEL_TYPES, tiny_hf_model  # noqa: E402
+from shared_ranks import SharedRanks  # noqa: E402
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 BATCH, SEQ, MAX_CACHE = 5, 6, 16  # batch 5: ubatches of 2 and 3 requests; batch != seq
@@ -89,8 +89,8 @@ def _prefill_body(rank, world_size, model_type):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
-def test_two_rank_ep_prefill_split_equals_unmodified_model(model_type):
-    results = run_multirank(_prefill_body, 2, args=(model_type,), timeout_s=300)
+def test_two_rank_ep_prefill_split_equals_unmodified_model(request, model_type):
+    results = RANKS.results(request, _prefill_body, model_type)
     for rank, r in enumerate(results):
         assert r["kind"] == "SplitArtifact", r["reason"]
         assert r["artifacts"] == 1  # one graph: no graph break
@@ -147,23 +147,33 @@ def _decode_body(rank, world_size, model_type, num_steps, batch):
             "arts": [_artifact_facts(a) for a in arts]}
 
 
+# the two-rank tests' bodies run on one group of 2 ranks, launched once (tests/shared_ranks.py)
+RANKS = SharedRanks(2, timeout_s=300, calls={
+    **{f"test_two_rank_ep_prefill_split_equals_unmodified_model[{t}]": (_prefill_body, (t,))
+       for t in TINY_MODEL_TYPES},
+    **{f"test_two_rank_ep_static_cache_decode_split_equals_unmodified_model[{t}-{n}]":
+       (_decode_body, (t, n, 4)) for t, n in [("qwen3_moe", 3), ("gpt_oss", 4)]},
+    "test_two_rank_ep_static_cache_decode_odd_batch": (_decode_body, ("qwen3_moe", 2, 5)),
+})
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("model_type,num_steps", [("qwen3_moe", 3), ("gpt_oss", 4)])
-def test_two_rank_ep_static_cache_decode_split_equals_unmodified_model(model_type, num_steps):
+def test_two_rank_ep_static_cache_decode_split_equals_unmodified_model(request, model_type,
+                                                                       num_steps):
     """Decode steps (one new token per request) on a transformers StaticCache: the cache's
     step counter (a 0-dim tensor; GPT-OSS's sliding layers also a Python int) advances once per
     step, not once per ubatch, and the per-request cache rows are written in place.
     GPT-OSS crosses its sliding window (8) at step 3: Dynamo compiles 3 graphs, all split.
     Batch 4: an even batch is not padded by the DP vote (see the odd-batch test)."""
-    _check_decode(run_multirank(_decode_body, 2, args=(model_type, num_steps, 4), timeout_s=300),
-                  num_steps)
+    _check_decode(RANKS.results(request, _decode_body, model_type, num_steps, 4), num_steps)
 
 
 @pytest.mark.multirank
-def test_two_rank_ep_static_cache_decode_odd_batch():
+def test_two_rank_ep_static_cache_decode_odd_batch(request):
     """5 requests per rank: the DP vote pads to 6 (a multiple of num_ubatches); the padded
     StaticCache is a copy whose written rows must reach the caller's cache."""
-    _check_decode(run_multirank(_decode_body, 2, args=("qwen3_moe", 2, 5), timeout_s=300), 2)
+    _check_decode(RANKS.results(request, _decode_body, "qwen3_moe", 2, 5), 2)
 
 
 def _check_decode(results, num_steps):

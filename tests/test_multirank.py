@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dbo_compile.errors import MultirankError
-from dbo_compile.testing import run_multirank
+from dbo_compile.testing import run_multirank, run_multirank_each
 from dbo_compile.testing.multirank import START_METHODS
 
 
@@ -47,3 +47,48 @@ def test_each_rank_sees_the_callers_environment_now(start_method, monkeypatch):
 def test_an_unknown_start_method_is_an_error():
     with pytest.raises(MultirankError, match="start_method='fork'.*forkserver"):
         run_multirank(_threads, 2, start_method="fork")
+
+
+def _draw_and_compile(rank, world_size, x):
+    """A body that leaves state behind: an artifact, a Dynamo cache entry, a drawn RNG."""
+    import torch.distributed as dist
+
+    from dbo_compile.backend import compiled_artifacts
+
+    before = len(compiled_artifacts())
+    torch.compile(torch.nn.Linear(4, 4), backend="dbo")(torch.randn(3, 4))
+    t = torch.ones(1) * (rank + x)
+    dist.all_reduce(t)
+    return before, torch.rand(1).item(), t.item()
+
+
+def _raise_on_rank_1(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank 1 says no")
+    return rank
+
+
+@pytest.mark.multirank
+def test_each_body_runs_on_one_group_as_if_alone():
+    """run_multirank_each: every body gets its own per-rank results, and starts from a reset
+    Dynamo, ``reset()`` (here: an empty artifact list) and the rank's starting RNG state (what a
+    fresh launch gives it)."""
+    from dbo_compile.backend import reset_artifacts
+
+    out = run_multirank_each({"a": (_draw_and_compile, (1,)), "b": (_draw_and_compile, (10,))}, 2,
+                             timeout_s=120, reset=reset_artifacts)
+    assert list(out) == ["a", "b"]
+    assert [r[2] for r in out["a"]] == [3.0, 3.0] and [r[2] for r in out["b"]] == [21.0, 21.0]
+    assert [r[0] for r in out["a"] + out["b"]] == [0, 0, 0, 0]  # the artifacts were reset
+    assert out["a"][0][1] == out["b"][0][1]  # the same RNG state at each body's start
+
+
+@pytest.mark.multirank
+def test_a_failing_body_fails_itself_and_the_bodies_after_it_only():
+    out = run_multirank_each({"ok": (_env_var, ("HOME",)), "bad": (_raise_on_rank_1, ()),
+                              "after": (_env_var, ("HOME",))}, 2, timeout_s=60)
+    assert out["ok"] == [os.environ.get("HOME")] * 2
+    assert isinstance(out["bad"], MultirankError) and "rank 1 says no" in str(out["bad"])
+    assert isinstance(out["after"], MultirankError) and "did not run" in str(out["after"])
+    with pytest.raises(MultirankError, match="start_method='fork'"):
+        run_multirank_each({"ok": (_env_var, ("HOME",))}, 1, start_method="fork")

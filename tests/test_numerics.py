@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import last_artifact
-from dbo_compile.testing import run_multirank
 from moe_cases import DECODE_64, MIXED_CHUNKED, MIXED_CUT, build, eager_and_compiled
+from shared_ranks import SharedRanks
 
 CASES = {"decode64": DECODE_64, "mixed_cut": MIXED_CUT, "mixed_chunked": MIXED_CHUNKED}
 TOL = {torch.float32: dict(rtol=0, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=6e-2)}
@@ -68,8 +68,8 @@ def _two_rank_body(rank, world_size, case, dtype_name, options=None):
 @pytest.mark.multirank
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ["decode64", "mixed_cut"])
-def test_two_ranks_split_equals_eager(case, dtype):
-    results = run_multirank(_two_rank_body, 2, args=(case, dtype), timeout_s=300)
+def test_two_ranks_split_equals_eager(request, case, dtype):
+    results = RANKS.results(request, _two_rank_body, case, dtype)
     for r in results:
         assert r["split"] == 1 and r["comm"] == 4
         assert r["ok"], r["err"]
@@ -79,12 +79,20 @@ def test_two_ranks_split_equals_eager(case, dtype):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case,dtype", [("decode64", "float32"), ("mixed_cut", "bfloat16")])
-def test_two_ranks_joined_experts_equal_eager(case, dtype):
+def test_two_ranks_joined_experts_equal_eager(request, case, dtype):
     """``join_experts``: one routed-expert call per layer on both ubatches' rows, over Gloo."""
-    results = run_multirank(_two_rank_body, 2, timeout_s=300,
-                            args=(case, dtype, {"join_experts": True,
-                                                "schedule_candidates": False}))
+    results = RANKS.results(request, _two_rank_body, case, dtype, JOINED)
     for r in results:
         assert r["split"] == 1 and r["ok"], r["err"]
         assert sum(n.endswith("MLP") for n in r["units"]) == 2  # one per layer, no ubatch
     assert results[0]["code"] == results[1]["code"]
+
+
+# the two-rank tests' bodies run on one group of 2 ranks, launched once (tests/shared_ranks.py)
+JOINED = {"join_experts": True, "schedule_candidates": False}
+RANKS = SharedRanks(2, timeout_s=300, calls={
+    **{f"test_two_ranks_split_equals_eager[{c}-{d}]": (_two_rank_body, (c, d))
+       for c in ("decode64", "mixed_cut") for d in ("float32", "bfloat16")},
+    **{f"test_two_ranks_joined_experts_equal_eager[{c}-{d}]": (_two_rank_body, (c, d, JOINED))
+       for c, d in [("decode64", "float32"), ("mixed_cut", "bfloat16")]},
+})

@@ -15,6 +15,7 @@ from dbo_compile.runtime.engine import run_step
 from dbo_compile.metadata import AttentionMetadata
 from dbo_compile.testing import run_multirank
 from moe_cases import eager_then_restore
+from shared_ranks import SharedRanks
 
 NUM_BLOCKS = 320
 
@@ -162,8 +163,8 @@ def _mismatch_body(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_rank_with_a_different_program_fails_loudly():
-    results = run_multirank(_mismatch_body, 2, timeout_s=240)
+def test_rank_with_a_different_program_fails_loudly(request):
+    results = RANKS.results(request, _mismatch_body)
     assert results == ["DpVoteError", "DpVoteError"]
 
 
@@ -260,13 +261,13 @@ def _unsplittable_uneven_body(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_unsplittable_graph_still_votes_and_refuses_padding_that_would_change_it():
+def test_unsplittable_graph_still_votes_and_refuses_padding_that_would_change_it(request):
     """A graph compiled unsplit still issues collectives: it must vote like the split ones, or
     ranks with different token counts crash or deadlock in all_to_all. This one mixes tokens
     (``amax`` over the token dim), so padding a rank's rows to the group's count changes its
     real rows (it was padded, nothing said: issue 29): every rank raises the same
     ``DpVoteError`` naming the padded rank, none hangs; equal counts run."""
-    results = run_multirank(_unsplittable_uneven_body, 2, timeout_s=240)
+    results = RANKS.results(request, _unsplittable_uneven_body)
     for rank, (done, check) in enumerate(results):
         assert check == 3.0
         for (kind, msg), padded in zip(done[:2], ([0], [1])):
@@ -338,7 +339,7 @@ def _collectives_body(rank, world_size, path):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("path", sorted(_PATHS))
-def test_ranks_whose_models_differ_in_dtype_or_hidden_size_fail_the_vote(path):
+def test_ranks_whose_models_differ_in_dtype_or_hidden_size_fail_the_vote(request, path):
     """Two ranks whose models differ in dtype (fp32 / bf16) or hidden size (64 / 96) issue
     the same order of collectives, which is all the vote compared: Gloo then aborted one
     process in the first all-to-all (``EnforceNotMet``, SIGABRT) and the other got a
@@ -346,7 +347,7 @@ def test_ranks_whose_models_differ_in_dtype_or_hidden_size_fail_the_vote(path):
     collective, on the split path, the unsplit one and a graph compiled unsplit; equal models
     still run, also when a rank has 0 tokens or vetoes the split, and a rank compiled unsplit
     runs with one compiled split (the same collectives)."""
-    results = run_multirank(_collectives_body, 2, args=(path,), timeout_s=600)
+    results = RANKS.results(request, _collectives_body, path)
     for name in ("dtype", "hidden"):
         outcomes = [r[name][0] for r in results]
         assert outcomes[0] == outcomes[1], (name, outcomes)  # the same error on every rank
@@ -500,3 +501,13 @@ def test_runner_refuses_a_model_with_graph_breaks():
                                                r"the graph breaks"):
         runner.capture()
     assert not runner.graphs
+
+
+# the two-rank tests' bodies run on one group of 2 ranks, launched once (tests/shared_ranks.py)
+RANKS = SharedRanks(2, timeout_s=600, calls={
+    "test_rank_with_a_different_program_fails_loudly": (_mismatch_body, ()),
+    "test_unsplittable_graph_still_votes_and_refuses_padding_that_would_change_it":
+        (_unsplittable_uneven_body, ()),
+    **{f"test_ranks_whose_models_differ_in_dtype_or_hidden_size_fail_the_vote[{p}]":
+       (_collectives_body, (p,)) for p in sorted(_PATHS)},
+})

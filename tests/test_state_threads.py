@@ -18,10 +18,10 @@ from moe_cases import (
     model_state,
 )
 from dbo_compile.backend import compiled_artifacts
+from shared_ranks import SharedRanks
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, MoE, get_config
 from dbo_compile.runtime.engine import run_step
-from dbo_compile.testing import run_multirank
 
 
 def _routing(moe, x):
@@ -211,11 +211,11 @@ def _dp_body(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_dp_padding_rows_are_not_counted_on_any_rank():
+def test_dp_padding_rows_are_not_counted_on_any_rank(request):
     """Two ranks of 20 and 33 tokens: both pad to 34 and split; each rank's counter equals its
     eager one. A fold over the rows a dispatch received (other ranks' padding among them) is
     refused: padding could not be kept out of it."""
-    results = run_multirank(_dp_body, 2, timeout_s=300)
+    results = RANKS.results(request, _dp_body)
     print(results)
     for split, padded, same, err, reason in results:
         assert split and padded == 34 and same and err <= 1e-5
@@ -338,13 +338,13 @@ def _unpaddable_dp_body(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_dp_padding_of_an_unsplit_graph_that_cannot_be_padded_raises_on_every_rank():
+def test_dp_padding_of_an_unsplit_graph_that_cannot_be_padded_raises_on_every_rank(request):
     """Two DP ranks of 20 and 33 tokens running a graph compiled unsplit (it mixes tokens)
     with an expert-load counter: the vote padded rank 0 to 33 rows, whose logits came back off
     (the padding rows entered the mean) and whose counter counted the padding, nothing said.
     Every rank raises ``DpVoteError`` (rank 0's names why it cannot be padded), before any
     collective of the step; a step of equal counts is exact, counters bitwise."""
-    results = run_multirank(_unpaddable_dp_body, 2, timeout_s=400)
+    results = RANKS.results(request, _unpaddable_dp_body)
     print(results)
     for rank, (unequal, equal) in enumerate(results):
         assert unequal[0] == "DpVoteError", unequal
@@ -353,3 +353,11 @@ def test_dp_padding_of_an_unsplit_graph_that_cannot_be_padded_raises_on_every_ra
                 in unequal[1]) == (rank == 0)
         assert unequal[2:] == (3.0 * 8, 0)  # the state as it was: nothing of the step ran
         assert equal[0] == "ok" and equal[1] <= 1e-5 and equal[2], equal
+
+
+# the two-rank tests' bodies run on one group of 2 ranks, launched once (tests/shared_ranks.py)
+RANKS = SharedRanks(2, timeout_s=400, calls={
+    "test_dp_padding_rows_are_not_counted_on_any_rank": (_dp_body, ()),
+    "test_dp_padding_of_an_unsplit_graph_that_cannot_be_padded_raises_on_every_rank":
+        (_unpaddable_dp_body, ()),
+})

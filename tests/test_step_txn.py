@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from dbo_compile.testing import run_multirank
+from shared_ranks import SharedRanks
 
 # (what, failing rank, how, argument, split) per failing step
 CASES = [
@@ -100,8 +100,8 @@ def _body(rank, world_size, cases):
 
 
 @pytest.mark.multirank
-def test_one_rank_failing_ends_the_step_on_every_rank_with_the_same_error():
-    results = run_multirank(_body, 2, args=(CASES,), timeout_s=400)
+def test_one_rank_failing_ends_the_step_on_every_rank_with_the_same_error(request):
+    results = RANKS.results(request, _body, CASES)
     for i, (what, failing, how, _arg, _split) in enumerate(CASES):
         errs = [r[i][0] for r in results]
         print(what, "->", errs[0][0], errs[0][1][:100])
@@ -159,11 +159,11 @@ def _runner_body(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_runner_load_failure_on_one_rank_replays_padding_and_the_peer_is_right():
+def test_runner_load_failure_on_one_rank_replays_padding_and_the_peer_is_right(request):
     """A failure between the vote and the replay (copying the step into the static buffers)
     on one rank: it replays the graph with padding rows, so the peer's replay completes with
     the right output, and only the failing rank raises."""
-    results = run_multirank(_runner_body, 2, timeout_s=400)
+    results = RANKS.results(request, _runner_body)
     print(results)
     assert results[0][0] == "UBatchExecutionError" and "replayed with padding" in results[0][1]
     assert results[1][0] == "ok" and results[1][1] <= 1e-5
@@ -197,3 +197,11 @@ def test_unsplit_graphs_know_the_collectives_to_drain():
     assert [c.name for c in art.unsplit_plan][:1] and len(art.unsplit_plan) == 4
     x = art.unsplit_plan[0].args[0]
     assert isinstance(x, NullArg) and x.dims(10) == [10, cfg.hidden_size]
+
+
+# the two-rank tests' bodies run on one group of 2 ranks, launched once (tests/shared_ranks.py)
+RANKS = SharedRanks(2, timeout_s=400, calls={
+    "test_one_rank_failing_ends_the_step_on_every_rank_with_the_same_error": (_body, (CASES,)),
+    "test_runner_load_failure_on_one_rank_replays_padding_and_the_peer_is_right":
+        (_runner_body, ()),
+})

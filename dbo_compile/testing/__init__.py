@@ -4,6 +4,6 @@ the benchmarks' MoE model and stand-in kernels, :mod:`.moe`; their command lines
 no benchmark script."""
 
 from dbo_compile.testing.host_reads import HostReads, count_host_reads
-from dbo_compile.testing.multirank import run_multirank
+from dbo_compile.testing.multirank import run_multirank, run_multirank_each
 
-__all__ = ["HostReads", "count_host_reads", "run_multirank"]
+__all__ = ["HostReads", "count_host_reads", "run_multirank", "run_multirank_each"]

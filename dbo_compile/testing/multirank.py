@@ -13,6 +13,14 @@ Example::
 Without CUDA the ranks are forked from a fork server that imported torch, Dynamo and this
 package once per calling process (:data:`FORKSERVER_PRELOAD`): a spawned rank spends ~4 s of
 CPU importing them, every time. With CUDA each rank is spawned (a fresh interpreter).
+
+:func:`run_multirank_each` runs several bodies on one group of ranks, one after another: a
+rank's first compile in a process and the imports a body needs (transformers: seconds of CPU
+per rank) are paid once for all of them instead of once per body.
+
+The ranks meet through a file store in the call's own temporary directory, not a TCP port:
+a port found free and then bound by the ranks could be taken in between by another launcher
+(two pytest-xdist workers, another user's job).
 """
 
 from __future__ import annotations
@@ -20,7 +28,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -39,13 +46,7 @@ FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "dbo_compil
 START_METHODS = ("forkserver", "spawn")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],
+def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: Sequence[Any],
             result_dir: str, timeout_s: float, env: dict[str, str]) -> None:
     # the caller's environment now (a forked rank has the fork server's, from its start)
     os.environ.clear()
@@ -62,7 +63,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
     out_path = os.path.join(result_dir, f"rank{rank}.pkl")
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         result = fn(rank, world_size, *args)
@@ -107,15 +108,21 @@ def run_multirank(fn: Callable[..., Any], world_size: int, args: Sequence[Any] =
             finish within ``timeout_s`` seconds (a hang is reported, never waited out), or
             ``start_method`` is not one of :data:`START_METHODS`.
     """
+    return _launch(fn, world_size, args, timeout_s, timeout_s, env, start_method)
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout_s: float,
+            collective_timeout_s: float, env: dict[str, str] | None,
+            start_method: str | None) -> list[Any]:
     ctx = _context(start_method)
-    port = _free_port()
     env = dict(env or {})
     env.setdefault("OMP_NUM_THREADS", "1")
     env = {**os.environ, **env}
     with tempfile.TemporaryDirectory() as result_dir:
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), result_dir,
-                                              timeout_s, env), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, os.path.join(result_dir, "store"),
+                                              fn, tuple(args), result_dir,
+                                              collective_timeout_s, env), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
@@ -148,3 +155,71 @@ def run_multirank(fn: Callable[..., Any], world_size: int, args: Sequence[Any] =
         if errors:
             raise MultirankError("\n".join(errors))
         return results
+
+
+def _each(rank: int, world_size: int, calls: Sequence[tuple[str, Callable, Sequence[Any]]],
+          reset: Callable[[], Any] | None) -> list[tuple[str, str, Any]]:
+    """One rank of :func:`run_multirank_each`: the bodies in order, each from a reset Dynamo,
+    ``reset()`` and the RNG state the rank started with; stops at the first error."""
+    rng = torch.get_rng_state()
+    done = []
+    for name, fn, args in calls:
+        torch._dynamo.reset()
+        if reset is not None:
+            reset()
+        torch.set_rng_state(rng)
+        try:
+            done.append((name, "ok", fn(rank, world_size, *args)))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            # the other ranks may wait in a collective of this body: the group is not
+            # trusted for the next one
+            done.append((name, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            break
+    torch._dynamo.reset()
+    return done
+
+
+def run_multirank_each(calls: dict[str, tuple[Callable[..., Any], Sequence[Any]]],
+                       world_size: int, timeout_s: float = 240.0,
+                       env: dict[str, str] | None = None, start_method: str | None = None,
+                       reset: Callable[[], Any] | None = None
+                       ) -> dict[str, list[Any] | MultirankError]:
+    """Run several bodies on one group of ``world_size`` ranks, one after another.
+
+    ``calls`` maps a name to ``(fn, args)``; each ``fn(rank, world_size, *args)`` runs as under
+    :func:`run_multirank` (same environment and start method), in the order given, and starts
+    from a reset Dynamo (``torch._dynamo.reset()``), after ``reset()`` (an importable
+    function, e.g. :func:`dbo_compile.backend.reset_artifacts`: the package's state a body
+    reads; this floor does not import the backend), and from the torch RNG state the rank
+    started with, as a body launched alone would. ``timeout_s`` bounds each body: the whole run
+    gets ``timeout_s`` times the number of bodies, a collective ``timeout_s``.
+
+    Returns each name's per-rank results in rank order, or the :class:`MultirankError` of that
+    body: a rank raised (its traceback in the message), or the body did not run because an
+    earlier one failed (a rank that raised leaves the group where the others cannot follow, so
+    the run stops there), or the ranks did not finish in time (every unfinished body gets it).
+
+    Raises:
+        MultirankError: ``start_method`` is not one of :data:`START_METHODS`.
+    """
+    _context(start_method)  # a bad start method raises here, not as every body's result
+    ordered = [(name, fn, tuple(args)) for name, (fn, args) in calls.items()]
+    try:
+        per_rank = _launch(_each, world_size, (ordered, reset), timeout_s * max(1, len(ordered)),
+                           timeout_s, env, start_method)
+    except MultirankError as e:
+        return {name: e for name, _, _ in ordered}
+    out: dict[str, list[Any] | MultirankError] = {}
+    failed = None
+    for name, _, _ in ordered:
+        entries = [next((d for d in done if d[0] == name), None) for done in per_rank]
+        errors = [f"rank {r}: {d[2]}" for r, d in enumerate(entries) if d and d[1] == "error"]
+        if errors:
+            out[name] = MultirankError("\n".join(errors))
+            failed = failed or name
+        elif any(d is None for d in entries):
+            out[name] = MultirankError(f"{name!r} did not run: {failed!r} failed before it "
+                                       "on the same ranks")
+        else:
+            out[name] = [d[2] for d in entries]
+    return out
