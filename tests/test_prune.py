@@ -178,3 +178,25 @@ def test_a_calibration_predicts_every_candidate_at_the_buckets_size(tmp_path):
     assert all(large.us[k] > small.us[k] > 0 for k in small.us)
     assert small.error is None  # comm ops not covered by this calibration: never skip
     assert runner.graphs[16].prune.predicted_us is not None
+
+
+def test_a_warm_restart_prunes_from_the_stored_predictions(tmp_path):
+    """With cache_dir the predictions are stored beside the compile cache: an artifact read
+    back from it (no traced graph to predict from) plans as the cold compile did."""
+    cal = tmp_path / "cal.json"
+    figs = {c: {"tflops": 100.0, "gbps": 1000.0, "launch_us": 2.0}
+            for c in ("gemm", "experts", "attention", "other")}
+    cal.write_text(json.dumps({"figures": figs}))
+    options = dict(calibration=str(cal), cache_dir=str(tmp_path / "cache"))
+    plans = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        runner = CudaGraphRunner(_compiled(**options), [16], max_blocks_per_req=4,
+                                 timing_iters=1)
+        runner.capture()
+        b = runner.graphs[16]
+        plans.append((b.artifact.token_symbols is None, b.prune.to_dict()))
+    (cold_read, cold), (warm_read, warm) = plans
+    assert not cold_read and warm_read  # the second artifact came from the compile cache
+    assert cold["predicted_us"] is not None and warm == cold
+    assert (tmp_path / "cache" / "prune").is_dir()

@@ -178,6 +178,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         counters["dbo_compile"]["cache_hit" if found is not None else "cache_miss"] += 1
         if found is not None:
             found.compile_times = dict(manager.times)
+            found.cache_key = key
             return DboCompiledModule(found)
     try:
         record, programs = _compile_split(gm, state, manager, stages, t0)
@@ -188,6 +189,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     if key is not None:
         manager.time("cache_store", cache.store, config.cache_dir, key, record, programs)
     record.compile_times = dict(manager.times)
+    record.cache_key = key
     return DboCompiledModule(record)
 
 

@@ -165,6 +165,9 @@ class SplitRecord:
         split_gm: the (unjoined) split graph.
         token_symbols: the symbols of the token and request dims in those graphs (the cost
             model's, a calibration's).
+        cache_key: the compile-cache key of the graph (``None``: no ``cache_dir``); what is
+            stored beside the entry for it (the runner's predictions: :mod:`.prune`) is keyed
+            by it.
     """
 
     unsplit: Callable[..., Any]
@@ -186,6 +189,7 @@ class SplitRecord:
     lowered_gm: Any = None
     split_gm: Any = None
     token_symbols: frozenset | None = None
+    cache_key: str | None = None
 
 
 class DboCompiledModule(CompiledArtifact):
@@ -235,6 +239,7 @@ class DboCompiledModule(CompiledArtifact):
         self.lowered_gm = record.lowered_gm
         self.split_gm = record.split_gm
         self.token_symbols = record.token_symbols
+        self.cache_key = record.cache_key
 
     @property
     def code(self) -> str:

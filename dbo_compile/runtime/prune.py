@@ -18,15 +18,17 @@ config's link figures (``comm_latency_us``, ``link_gbps``: uncalibrated, so the 
 never skipped on them). A carve-out variant (``+smsN``) is predicted as its schedule (the
 cost model does not model the SMs it gives up): the margin and the measured comparison
 (``benchmarks/capture_time.py --prune-compare``) cover it. The predictions are maxed over
-every rank of the job, so every rank captures and times the same graphs.
+every rank of the job, so every rank captures and times the same graphs. With ``cache_dir``
+they are stored beside the compile cache (``cache_dir/prune/<key>.json``), so that a warm
+restart, whose artifact has no traced graph to predict from, prunes as the cold start did.
 
 **Rule** (:func:`plan`), with ``margin`` (``CudaGraphRunner(prune_margin=...)``) and the
 calibration's measured error ``err`` (its ``check.worst_abs_err``: the worst relative error of
 its whole-step predictions on its own rows):
 
-1. no prediction (no calibration, an artifact read from the compile cache, a CPU run
-   without one, a failed prediction), or ``margin is None``: every candidate is timed, as
-   before;
+1. no prediction (no calibration, an artifact read from the compile cache without a stored
+   prediction for the bucket, a failed prediction), or ``margin is None``: every candidate is
+   timed, as before;
 2. the predicted best split candidate and every candidate predicted within ``margin`` of it
    (``pred <= (1 + margin) * best``) are captured and timed; the others are pruned;
 3. with ``split="auto"`` the bucket captures no split graph at all when even an error of
@@ -40,8 +42,11 @@ Every decision is recorded with its reason (:class:`PrunePlan`, ``runner.stats``
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -180,8 +185,12 @@ def predict_bucket(artifact: Any, tokens: int, candidates: Sequence[str]) -> Buc
         return BucketPrediction(None, why=f"calibration unreadable: {e}")
     if cal is None:
         return BucketPrediction(None, why="no calibration (DboConfig.calibration)")
-    if getattr(artifact, "token_symbols", None) is None:
-        return BucketPrediction(None, why="artifact read from the compile cache: no traced graph")
+    memo = _memo_path(artifact)
+    if artifact.token_symbols is None:  # read from the compile cache: no traced graph
+        stored = _read_memo(memo, tokens, candidates) if memo else None
+        return stored or BucketPrediction(
+            None, why="artifact read from the compile cache, no prediction stored for this "
+                      "bucket")
     try:
         figs = cal["figures"]
         compute = {c: Figures(**{k: v for k, v in figs[c].items()
@@ -209,7 +218,53 @@ def predict_bucket(artifact: Any, tokens: int, candidates: Sequence[str]) -> Buc
         return BucketPrediction(None, why=f"prediction failed: {type(e).__name__}: {e}")
     err = (cal.get("check") or {}).get("worst_abs_err")
     error = float(err) if covered and isinstance(err, (int, float)) else None
-    return BucketPrediction(us, error)
+    prediction = BucketPrediction(us, error)
+    if memo:
+        _write_memo(memo, tokens, prediction)
+    return prediction
+
+
+def _memo_path(artifact: Any) -> str | None:
+    """Where the predictions of ``artifact``'s graph are kept for a warm restart, whose
+    artifact comes from the compile cache without the traced graphs they are made from:
+    ``cache_dir/prune/<compile-cache key>.json`` (the key sees the graph, the options, the
+    calibration's content and this package's source). ``None``: no ``cache_dir``."""
+    key, directory = artifact.cache_key, artifact.config.cache_dir
+    if not key or not directory:
+        return None
+    return os.path.join(os.path.expanduser(directory), "prune", f"{key}.json")
+
+
+def _read_memo(path: str, tokens: int, candidates: Sequence[str]) -> BucketPrediction | None:
+    try:
+        with open(path) as f:
+            entry = json.load(f).get(str(tokens))
+        us = {k: float(v) for k, v in entry["us"].items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if set(us) != {"unsplit", *candidates}:
+        return None
+    error = entry.get("error")
+    return BucketPrediction(us, float(error) if isinstance(error, (int, float)) else None)
+
+
+def _write_memo(path: str, tokens: int, prediction: BucketPrediction) -> None:
+    """Add bucket ``tokens``'s prediction to the file (a temporary file renamed into place:
+    two ranks writing leave one whole file; a directory that cannot be written only logs)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = {}
+        data[str(tokens)] = {"us": prediction.us, "error": prediction.error}
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.info("dbo graphs: predictions not stored in %s: %s", path, e)
 
 
 def agreed(prediction: BucketPrediction, names: Sequence[str],
