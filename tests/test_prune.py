@@ -177,7 +177,10 @@ def test_a_calibration_predicts_every_candidate_at_the_buckets_size(tmp_path):
     assert small.us is not None and set(small.us) == {"unsplit", *names}
     assert all(large.us[k] > small.us[k] > 0 for k in small.us)
     assert small.error is None  # comm ops not covered by this calibration: never skip
-    assert runner.graphs[16].prune.predicted_us is not None
+    # the runner on CPU makes none: a calibration is a GPU's; every candidate is timed
+    plan_cpu = runner.graphs[16].prune
+    assert plan_cpu.predicted_us is None and "calibration is a GPU's" in plan_cpu.why
+    assert predict_bucket(art, 16, names, device=torch.device("cpu")).us is None
 
 
 def test_a_warm_restart_prunes_from_the_stored_predictions(tmp_path):
@@ -188,15 +191,19 @@ def test_a_warm_restart_prunes_from_the_stored_predictions(tmp_path):
             for c in ("gemm", "experts", "attention", "other")}
     cal.write_text(json.dumps({"figures": figs}))
     options = dict(calibration=str(cal), cache_dir=str(tmp_path / "cache"))
-    plans = []
+    predictions = []
     for _ in range(2):
         torch._dynamo.reset()
         runner = CudaGraphRunner(_compiled(**options), [16], max_blocks_per_req=4,
                                  timing_iters=1)
         runner.capture()
-        b = runner.graphs[16]
-        plans.append((b.artifact.token_symbols is None, b.prune.to_dict()))
-    (cold_read, cold), (warm_read, warm) = plans
+        art = runner.graphs[16].artifact
+        predictions.append((art.token_symbols is None,
+                            predict_bucket(art, 16, list(art.candidates)),
+                            predict_bucket(art, 32, list(art.candidates))))
+    (cold_read, cold, cold_32), (warm_read, warm, warm_32) = predictions
     assert not cold_read and warm_read  # the second artifact came from the compile cache
-    assert cold["predicted_us"] is not None and warm == cold
+    assert cold.us is not None and warm == cold and warm_32 == cold_32
     assert (tmp_path / "cache" / "prune").is_dir()
+    # a bucket no cold run predicted has no prediction on a warm one
+    assert predict_bucket(art, 64, list(art.candidates)).us is None

@@ -80,6 +80,7 @@ tokens/rank).
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import time
@@ -159,7 +160,8 @@ class CudaGraphRunner:
             a bucket whose best split cannot win by ``min_gain`` even with the calibration's
             error is not split; ``None``: every candidate (as without a calibration).
         predictor: ``(artifact, tokens, candidates) -> BucketPrediction``, the predictions
-            the pruning rests on (default :func:`~.prune.predict_bucket`; tests).
+            the pruning rests on (default :func:`~.prune.predict_bucket` on ``device``: none
+            off CUDA or on a GPU the calibration was not measured on; tests).
         device: where the synthetic warm-up step lives (default: the current CUDA device, else
             CPU, where graphs are replaced by eager re-runs).
         model_kwargs: extra keyword arguments of every model call.
@@ -203,10 +205,10 @@ class CudaGraphRunner:
             raise GraphRunnerError(f"prune_margin must be None (off) or a fraction >= 0, got "
                                    f"{prune_margin!r}")
         self.prune_margin = prune_margin
-        self.predictor = predictor or predict_bucket
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        self.predictor = predictor or functools.partial(predict_bucket, device=self.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise GraphRunnerError(f"device {self.device} requested but CUDA is not available; "
                                    "use device='cpu' (graphs are then eager re-runs)")

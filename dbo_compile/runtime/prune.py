@@ -26,8 +26,9 @@ restart, whose artifact has no traced graph to predict from, prunes as the cold 
 calibration's measured error ``err`` (its ``check.worst_abs_err``: the worst relative error of
 its whole-step predictions on its own rows):
 
-1. no prediction (no calibration, an artifact read from the compile cache without a stored
-   prediction for the bucket, a failed prediction), or ``margin is None``: every candidate is
+1. no prediction (no calibration; graphs not on CUDA, or on a GPU other than the
+   calibration's ``machine``; an artifact read from the compile cache without a stored
+   prediction for the bucket; a failed prediction), or ``margin is None``: every candidate is
    timed, as before;
 2. the predicted best split candidate and every candidate predicted within ``margin`` of it
    (``pred <= (1 + margin) * best``) are captured and timed; the others are pruned;
@@ -173,11 +174,14 @@ def _comm_cost(cal: dict[str, Any], config: Any) -> tuple[Callable[[float], floa
     return (lambda nbytes: config.comm_latency_us + nbytes / (config.link_gbps * 1e3)), False
 
 
-def predict_bucket(artifact: Any, tokens: int, candidates: Sequence[str]) -> BucketPrediction:
+def predict_bucket(artifact: Any, tokens: int, candidates: Sequence[str],
+                   device: Any = None) -> BucketPrediction:
     """Predicted µs of the unsplit program and of each split candidate of ``artifact`` (a
     compiled :class:`~dbo_compile.runtime.program.DboCompiledModule`) at a bucket of
-    ``tokens`` rows per rank (the module docstring). Never raises: a prediction that cannot be
-    made is ``BucketPrediction(None, why=...)``."""
+    ``tokens`` rows per rank (the module docstring). ``device``: where the graphs run (the
+    runner's); a calibration is a GPU's, so none is made off CUDA, nor on a GPU whose name is
+    not in the calibration's ``machine``. Never raises: a prediction that cannot be made is
+    ``BucketPrediction(None, why=...)``."""
     config = artifact.config
     try:
         cal = config.calibration_data()
@@ -185,6 +189,9 @@ def predict_bucket(artifact: Any, tokens: int, candidates: Sequence[str]) -> Buc
         return BucketPrediction(None, why=f"calibration unreadable: {e}")
     if cal is None:
         return BucketPrediction(None, why="no calibration (DboConfig.calibration)")
+    other = _other_machine(cal, device)
+    if other:
+        return BucketPrediction(None, why=other)
     memo = _memo_path(artifact)
     if artifact.token_symbols is None:  # read from the compile cache: no traced graph
         stored = _read_memo(memo, tokens, candidates) if memo else None
@@ -222,6 +229,20 @@ def predict_bucket(artifact: Any, tokens: int, candidates: Sequence[str]) -> Buc
     if memo:
         _write_memo(memo, tokens, prediction)
     return prediction
+
+
+def _other_machine(cal: dict[str, Any], device: Any) -> str | None:
+    """Why the calibration does not describe ``device`` (``None``: it does, or no device)."""
+    if device is None:
+        return None
+    if device.type != "cuda":
+        return f"graphs on {device.type}: the calibration is a GPU's"
+    import torch
+
+    name, machine = torch.cuda.get_device_name(device), str(cal.get("machine", ""))
+    if name not in machine:
+        return f"the calibration was measured on {machine!r}, this is {name!r}"
+    return None
 
 
 def _memo_path(artifact: Any) -> str | None:
