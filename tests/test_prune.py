@@ -11,7 +11,8 @@ import torch
 from dbo_compile.errors import GraphRunnerError
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
 from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
-from dbo_compile.runtime.prune import BucketPrediction, agreed, plan, predict_bucket
+from dbo_compile.passes.predict import predict_bucket
+from dbo_compile.runtime.prune import BucketPrediction, agreed, plan
 
 CANDS = ["list", "list@link/16+sms16", "list+join", "list@link/16+join"]
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import logging
 import os
 
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
 log = logging.getLogger(__name__)
 
 __all__ = ["INDUCTOR_SUBDIR", "TRITON_SUBDIR", "cache_layout", "use_cache_dir"]
@@ -54,11 +56,7 @@ def cache_layout(cache_dir: str) -> dict[str, str]:
             "triton": os.path.join(root, TRITON_SUBDIR)}
 
 
-def _torch_default() -> str | None:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return None
+def _torch_default() -> str:
     return os.path.abspath(default_cache_dir())
 
 

@@ -63,6 +63,7 @@ from dbo_compile.passes import (
     token_dim,
 )
 from dbo_compile.passes.candidate_driver import compile_candidates, dump_programs
+from dbo_compile.passes.predict import predict_bucket
 from dbo_compile.passes.manager import (
     CompileState,
     GraphPass,
@@ -178,7 +179,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
         counters["dbo_compile"]["cache_hit" if found is not None else "cache_miss"] += 1
         if found is not None:
             found.compile_times = dict(manager.times)
-            found.cache_key = key
+            found.cache_key, found.predict = key, predict_bucket
             return DboCompiledModule(found)
     try:
         record, programs = _compile_split(gm, state, manager, stages, t0)
@@ -189,7 +190,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     if key is not None:
         manager.time("cache_store", cache.store, config.cache_dir, key, record, programs)
     record.compile_times = dict(manager.times)
-    record.cache_key = key
+    record.cache_key, record.predict = key, predict_bucket
     return DboCompiledModule(record)
 
 

@@ -80,7 +80,6 @@ tokens/rank).
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
 import time
@@ -113,7 +112,7 @@ from dbo_compile.runtime.context import (
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.runtime.numbers import InputNumbers
 from dbo_compile.runtime.padding import join_ubatch_outputs, pad_args
-from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, plan, predict_bucket
+from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
 from dbo_compile.runtime.vote import min_split_tokens
 
 log = logging.getLogger(__name__)
@@ -160,7 +159,8 @@ class CudaGraphRunner:
             a bucket whose best split cannot win by ``min_gain`` even with the calibration's
             error is not split; ``None``: every candidate (as without a calibration).
         predictor: ``(artifact, tokens, candidates) -> BucketPrediction``, the predictions
-            the pruning rests on (default :func:`~.prune.predict_bucket` on ``device``: none
+            the pruning rests on (default the artifact's,
+            :func:`dbo_compile.passes.predict.predict_bucket`, on ``device``: none
             off CUDA or on a GPU the calibration was not measured on; tests).
         device: where the synthetic warm-up step lives (default: the current CUDA device, else
             CPU, where graphs are replaced by eager re-runs).
@@ -208,7 +208,7 @@ class CudaGraphRunner:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.predictor = predictor or functools.partial(predict_bucket, device=self.device)
+        self.predictor = predictor or artifact_predictor(self.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise GraphRunnerError(f"device {self.device} requested but CUDA is not available; "
                                    "use device='cpu' (graphs are then eager re-runs)")

@@ -168,6 +168,9 @@ class SplitRecord:
         cache_key: the compile-cache key of the graph (``None``: no ``cache_dir``); what is
             stored beside the entry for it (the runner's predictions: :mod:`.prune`) is keyed
             by it.
+        predict: ``(artifact, tokens, candidates, device=None) -> BucketPrediction``, the
+            predictions the runner prunes its candidates by (:mod:`.prune`; set by the
+            compile: the runtime imports no compile stage).
     """
 
     unsplit: Callable[..., Any]
@@ -190,6 +193,7 @@ class SplitRecord:
     split_gm: Any = None
     token_symbols: frozenset | None = None
     cache_key: str | None = None
+    predict: Callable[..., Any] | None = None
 
 
 class DboCompiledModule(CompiledArtifact):
@@ -240,6 +244,7 @@ class DboCompiledModule(CompiledArtifact):
         self.split_gm = record.split_gm
         self.token_symbols = record.token_symbols
         self.cache_key = record.cache_key
+        self.predict = record.predict
 
     @property
     def code(self) -> str:
