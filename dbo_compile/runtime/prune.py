@@ -112,7 +112,7 @@ def plan(candidates: Sequence[str], prediction: BucketPrediction, *, margin: flo
 
     Args:
         candidates: the artifact's split candidates (names), in its order.
-        prediction: :func:`predict_bucket`'s for the bucket.
+        prediction: the artifact's prediction for the bucket (:func:`agreed` over the ranks).
         margin: fraction >= 0 (``None``: off, every candidate timed).
         min_gain: the runner's (fraction): a split must win by it.
         mode: ``DboConfig.split``; only ``"auto"`` skips a bucket's split graphs.
