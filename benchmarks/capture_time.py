@@ -41,6 +41,28 @@ timings (``times_us``); with two trees the script prints, per bucket, the graphs
 each and the after / before ratio of the warm-up timing of every split candidate both have
 (the kept candidates: their times must not move beyond noise).
 
+**Cold vs warm restart** (issue 26): ``--cache-dir DIR --runs 2`` runs this tree twice, each
+in a fresh ``torchrun`` process, on the same ``cache_dir`` (our compile cache, Inductor's and
+Triton's caches under it: ``dbo_compile/codegen/cache_dirs.py``; without ``--cache-dir`` a
+temporary one, deleted after): run 1 is cold (empty dir), run 2 warm; the table puts them side
+by side, part by part, with warm / cold. Each run's cache hits are printed
+(``counters["dbo_compile"]``, Inductor's ``fxgraph_cache_hit``)::
+
+    python benchmarks/capture_time.py --nproc 1 --compute-backend inductor --runs 2 \
+        --cache-dir $OUT/cache --buckets 2,4,8,16,32,64,128,256,512,1024,2048,4096 \
+        --json $OUT/capture_cold_warm.json
+
+**Pruned vs time-all** (issue 26): ``--prune-compare --calibration FILE`` runs this tree twice,
+each cold in a fresh process: every split candidate timed (``prune_margin=None``), then the
+pruned set (``--prune-margin``, default the runner's); it prints per bucket the candidates each
+captured, both picks, whether they agree, and where they do not the time-all run's timing of
+the pruned pick against its own (how much slower the pruned pick is), and the capture() time
+saved. ``--emulate-ep W`` runs as rank 0 of an emulated EP-W world (``--nproc 1``; link
+``--link-gbps``), as the calibration was measured.
+
+**Memory**: the runner's ``memory_report()`` (CUDA-graph pool growth per bucket, unsplit vs
+split graphs) is printed and kept in the JSON (``memory``).
+
 Figures are wall-clock seconds on this machine; compare trees only within one run. Other load
 on the machine only adds time: ``--repeat N`` alternates the trees N times and keeps each part's
 least time (the load average before and after each run is printed). With
@@ -64,6 +86,8 @@ from trees import first_attr, first_module, moe_harness
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
+sys.path.insert(0, _HERE)
+from flags import given_flags, refuse_unread  # noqa: E402
 
 #: (part, "module:qualname") in table order; a target a tree does not have is skipped; "a|b":
 #: the first of the modules (or classes) that the tree has (before 3f21f21 the runner was
@@ -149,15 +173,29 @@ def measure(args) -> None:
     timer.install()
     H.install_kernels(device.type, attention="fused")
     buckets = [int(b) for b in args.buckets.split(",")]
+    emulated = {} if not args.emulate_ep else {"emulated_world_size": args.emulate_ep}
     model = H.build_model(args.preset or ("deepseek-v2-lite" if cuda else "tiny"), args.layers,
-                          dist.group.WORLD, str(device), vocab_size=4096, first_k_dense_replace=0)
+                          None if emulated else dist.group.WORLD, str(device), vocab_size=4096,
+                          first_k_dense_replace=0, **emulated)
     step = H.make_bucket_step(model.config, "decode", max(buckets), device)
     model.allocate_kv_cache(step.num_blocks, step.block_size)
-    compiled = torch.compile(model, backend="dbo",
-                             options={"compute_backend": args.compute_backend})
+    options = {"compute_backend": args.compute_backend}
+    if args.emulate_ep:  # as bench_emulated.py's world_options
+        options.update(comm_backend="emulated", dp_group_name=None, link_gbps=args.link_gbps,
+                       comm_backend_options={"world_size": args.emulate_ep,
+                                             "link_gbps": args.link_gbps})
+    for name in ("cache_dir", "calibration"):
+        if getattr(args, name):
+            options[name] = getattr(args, name)
+    compiled = torch.compile(model, backend="dbo", options=options)
+    extra = {}
+    if args.prune_margin is not None:  # a tree without pruning refuses the keyword
+        extra["prune_margin"] = None if args.prune_margin == "off" else float(args.prune_margin)
     runner = CudaGraphRunner(compiled, buckets, max_blocks_per_req=int(step.attn_metadata.block_table.shape[1]),
                              block_size=step.block_size, vocab_size=4096,
-                             timing_iters=args.timing_iters, device=device)
+                             timing_iters=args.timing_iters, device=device, **extra)
+    from torch._dynamo.utils import counters
+
     dist.barrier()
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -187,6 +225,9 @@ def measure(args) -> None:
                "graphs_per_bucket": {t: len(getattr(b.artifact, "candidates", {}) or {}) + 1
                                      for t, b in runner.graphs.items()},
                "runner_stats": getattr(runner, "stats", None),
+               "memory": runner.memory_report() if hasattr(runner, "memory_report") else None,
+               "cache_counters": {k: {n: c for n, c in counters[k].items() if "cache" in n}
+                                  for k in ("dbo_compile", "inductor")},
                "inductor_runs": len(compiled), "dynamo": _dynamo_times()}
         with open(args.out, "w") as f:
             json.dump(doc, f)
@@ -249,17 +290,30 @@ def _runner_report(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _run_tree(args, root: str, label: str) -> dict:
+def _run_tree(args, root: str, label: str, cache_dir: str | None = None,
+              prune_margin: str | None = None) -> dict:
+    """One fresh ``torchrun`` run of the tree at ``root``; ``cache_dir``: the compile option
+    (Inductor's cache under it, kept); else with Inductor a fresh cache (unless
+    ``--warm-cache``); ``prune_margin``: the runner's (``"off"``: time all)."""
     out = tempfile.mktemp(suffix=".json", prefix="capture_time_")
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cache = None
-    if args.compute_backend == "inductor" and not args.warm_cache:
+    if cache_dir is not None:  # the option points Inductor's and Triton's caches under it
+        for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            env.pop(var, None)
+    elif args.compute_backend == "inductor" and not args.warm_cache:
         cache = tempfile.mkdtemp(prefix="inductor_cache_")
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    prune_margin = prune_margin if prune_margin is not None else args.prune_margin
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
            os.path.abspath(__file__), "--_measure", "--out", out, "--buckets", args.buckets,
            "--compute-backend", args.compute_backend, "--timing-iters", str(args.timing_iters),
            "--layers", str(args.layers)] + (["--preset", args.preset] if args.preset else [])
+    cmd += ["--cache-dir", cache_dir] if cache_dir else []
+    cmd += ["--calibration", os.path.abspath(args.calibration)] if args.calibration else []
+    cmd += ["--prune-margin", prune_margin] if prune_margin is not None else []
+    cmd += (["--emulate-ep", str(args.emulate_ep), "--link-gbps", str(args.link_gbps)]
+            if args.emulate_ep else [])
     print(f"[capture_time] {label}: {root} ...", flush=True)
     load = os.getloadavg()[0]
     subprocess.run(cmd, env=env, check=True, cwd=root, timeout=args.timeout_s)
@@ -320,6 +374,79 @@ def table(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def _mib(v) -> str:
+    return "-" if v is None else f"{v / 2**20:,.1f}"
+
+
+def memory_table(doc: dict) -> str:
+    """The runner's ``memory_report()``: per bucket the pool growth of its unsplit graph and
+    of its split graphs (kept, and every one captured), MiB."""
+    mem = doc.get("memory")
+    if not mem:
+        return ""
+    lines = ["| bucket | unsplit MiB | split MiB (kept) | split MiB (all captured) |",
+             "|---|---|---|---|"]
+    for t, b in sorted(mem["buckets"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {t} | {_mib(b['unsplit'])} | {_mib(b['split'])} | {_mib(b['split_all'])} |")
+    tot = mem["total"]
+    lines.append(f"| all | {_mib(tot['unsplit'])} | {_mib(tot['split'])} | {_mib(tot['split_all'])} |")
+    return "\n".join(lines) + f"\n\none pool shared by every bucket's graphs: {mem['pool_shared']}"
+
+
+def prune_report(time_all: dict, pruned: dict) -> tuple[str, dict]:
+    """Per bucket: the candidates each run captured, both picks, whether they agree, and the
+    time-all run's timing of the pruned pick over its own pick (where it timed both); the
+    summary (JSON-able)."""
+    sa, sp = time_all["runner_stats"]["buckets"], pruned["runner_stats"]["buckets"]
+    lines = ["| bucket | time-all graphs | time-all pick | pruned graphs | pruned pick | same | "
+             "pruned pick / time-all pick (time-all timings) | pruned: why |",
+             "|---|---|---|---|---|---|---|---|"]
+    worst, same, rows = 1.0, 0, {}
+    for t in sorted(sa, key=int):
+        a, b = sa[t], sp[str(t)] if str(t) in sp else sp[t]
+        ta = time_all["times_us"].get(str(t), time_all["times_us"].get(t, {}))
+        pa, pp = a["choice"], b["choice"]
+        ratio = ta[pp] / ta[pa] if pp in ta and pa in ta else None
+        if pp == pa:
+            same += 1
+            ratio = 1.0
+        if ratio is not None:
+            worst = max(worst, ratio)
+        why = (b.get("prune") or {}).get("skip_split") or (b.get("prune") or {}).get("why", "-")
+        rows[t] = {"time_all": pa, "pruned": pp, "ratio": ratio,
+                   "graphs_time_all": sorted(a["graph_s"]), "graphs_pruned": sorted(b["graph_s"]),
+                   "prune": b.get("prune")}
+        lines.append(f"| {t} | {len(a['graph_s'])} | {pa} | {len(b['graph_s'])} | {pp} | "
+                     f"{'yes' if pp == pa else 'no'} | "
+                     f"{'-' if ratio is None else f'{ratio:.3f}'} | {why} |")
+    summary = {"buckets": len(sa), "same_pick": same, "worst_ratio": worst,
+               "total_s": {"time_all": time_all["total"], "pruned": pruned["total"]},
+               "graphs": {"time_all": sum(len(a["graph_s"]) for a in sa.values()),
+                          "pruned": sum(len(b["graph_s"]) for b in sp.values())},
+               "rows": rows}
+    saved = time_all["total"] - pruned["total"]
+    lines += ["", f"picks agree at {same} of {len(sa)} buckets; worst pruned pick / time-all "
+              f"pick (time-all's timings) {worst:.3f}; graphs captured {summary['graphs']['time_all']}"
+              f" -> {summary['graphs']['pruned']}; capture() {time_all['total']:.1f} s -> "
+              f"{pruned['total']:.1f} s (saved {saved:.1f} s, {saved / time_all['total']:.0%})"]
+    return "\n".join(lines), summary
+
+
+def _cache_runs(args) -> list[tuple[str, dict]]:
+    """``--runs N``: this tree N times, each a fresh process, on one cache dir."""
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="dbo_cache_")
+    cold = not os.path.isdir(cache) or not os.listdir(cache)
+    runs = []
+    try:
+        for i in range(args.runs):
+            label = f"run {i + 1}" + (" (cold)" if i == 0 and cold else " (warm)" if i else "")
+            runs.append((label, _run_tree(args, _ROOT, label, cache_dir=cache)))
+    finally:
+        if not args.cache_dir:
+            subprocess.run(["rm", "-rf", cache], check=False)
+    return runs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--buckets", default="32,64", help="token counts (tokens per rank)")
@@ -341,17 +468,42 @@ def main(argv=None) -> int:
                    help="measure each tree this many times, alternating, and keep each part's "
                         "least time (other load on the machine only adds time)")
     p.add_argument("--json", default=None, help="write every run's figures here")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="compile option cache_dir (our cache, Inductor's and Triton's under it)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="run this tree N times, each a fresh process, on one cache dir "
+                        "(--cache-dir, else a temporary one): cold, then warm")
+    p.add_argument("--calibration", default=None, help="compile option calibration (a JSON)")
+    p.add_argument("--prune-margin", default=None, metavar="FRACTION|off",
+                   help="CudaGraphRunner(prune_margin=...); off: time every candidate "
+                        "(default: the runner's)")
+    p.add_argument("--prune-compare", action="store_true",
+                   help="run this tree twice, cold: every candidate timed, then pruned "
+                        "(--prune-margin); compare picks and capture() time (needs --calibration)")
+    p.add_argument("--emulate-ep", type=int, default=None, metavar="W",
+                   help="rank 0 of an emulated EP-W world on one device (--nproc 1)")
+    p.add_argument("--link-gbps", type=float, default=50.0,
+                   help="with --emulate-ep: the emulated link, GB/s per direction")
     p.add_argument("--_measure", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._measure:
         measure(args)
         return 0
+    check_flags(p, args, given_flags(p, argv))
     head = subprocess.run(["git", "-C", _ROOT, "describe", "--always", "--dirty"],
                           capture_output=True, text=True).stdout.strip()
     other = args.compare or args.before
     label = "after" if other else "this tree"
     all_runs: dict[str, list[dict]] = {}
+    if args.prune_compare or args.runs > 1:
+        if args.prune_compare:
+            margin = args.prune_margin if args.prune_margin is not None else "0.10"
+            runs = [("time all", _run_tree(args, _ROOT, "time all", prune_margin="off")),
+                    (f"pruned {margin}", _run_tree(args, _ROOT, "pruned", prune_margin=margin))]
+        else:
+            runs = _cache_runs(args)
+        return report(args, head, runs, {name: [doc] for name, doc in runs})
     with _tree(args.compare) as old:
         old = os.path.abspath(args.before) if args.before else old
         for _ in range(args.repeat):
@@ -360,6 +512,11 @@ def main(argv=None) -> int:
                     _run_tree(args, old, "before"))
             all_runs.setdefault(label, []).append(_run_tree(args, _ROOT, label))
     runs = [(name, best_of(docs)) for name, docs in all_runs.items()]
+    return report(args, head, runs, all_runs)
+
+
+def report(args, head: str, runs: list[tuple[str, dict]], all_runs: dict) -> int:
+    """Print the runs' tables (and the comparisons their mode asks for); ``--json``."""
     print(f"\ncapture() by part, seconds (exclusive; max over ranks; least of {args.repeat} "
           f"run(s) per tree, alternating); buckets {args.buckets}, "
           f"compute_backend={args.compute_backend}, timing_iters={args.timing_iters}, "
@@ -375,14 +532,55 @@ def main(argv=None) -> int:
         if report:
             print(f"\n{name}: CudaGraphRunner's own warm-up report (runner.stats, seconds)\n")
             print(report)
-    if len(runs) == 2:
+    for name, doc in runs:
+        mem = memory_table(doc)
+        if mem:
+            print(f"\n{name}: CUDA-graph memory (runner.memory_report(), pool growth)\n")
+            print(mem)
+        if doc.get("cache_counters"):
+            print(f"\n{name}: cache counters {doc['cache_counters']}")
+    out: dict = {"runs": all_runs}
+    if args.prune_compare:
+        text, out["prune_compare"] = prune_report(runs[0][1], runs[1][1])
+        print("\npruned vs time-all, per bucket\n")
+        print(text)
+    elif len(runs) == 2:
         print("\nper bucket: graphs captured, and the kept candidates' warm-up timing\n")
         print(_kept_candidates(runs))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(all_runs, f, indent=1)
+            json.dump(out if args.prune_compare or args.runs > 1 else all_runs, f, indent=1)
     return 0
+
+
+def check_flags(p: argparse.ArgumentParser, args, given: set[str]) -> None:
+    """Refuse flag combinations a mode would ignore or misreport (``flags.py``)."""
+    if args.runs < 1:
+        p.error(f"--runs must be >= 1, got {args.runs}")
+    if args.prune_compare or args.runs > 1:
+        mode = "with --prune-compare" if args.prune_compare else "with --runs"
+        refuse_unread(p, args, given, ["--compare", "--before", "--repeat"], mode)
+    if args.prune_compare:
+        refuse_unread(p, args, given, ["--cache-dir", "--runs"], "with --prune-compare (each "
+                      "run is cold)")
+        if not args.calibration:
+            p.error("--prune-compare needs --calibration FILE: without predictions nothing is "
+                    "pruned")
+        if args.prune_margin == "off":
+            p.error("--prune-compare: --prune-margin off would time every candidate twice")
+    if args.cache_dir:
+        refuse_unread(p, args, given, ["--warm-cache"], "with --cache-dir (Inductor's cache "
+                      "is under it)")
+    if args.emulate_ep and args.nproc != 1:
+        p.error("--emulate-ep: one process is rank 0 of the emulated world: give --nproc 1")
+    if not args.emulate_ep:
+        refuse_unread(p, args, given, ["--link-gbps"], "without --emulate-ep")
+    if args.prune_margin not in (None, "off"):
+        try:
+            float(args.prune_margin)
+        except ValueError:
+            p.error(f"--prune-margin {args.prune_margin!r}: a fraction or off")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from dbo_compile import lowering, register  # register: re-exported (backend.register())
+from dbo_compile.codegen.cache_dirs import use_cache_dir
 from dbo_compile.codegen.stages import stage_compiler
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import UnsplittableGraphError
@@ -68,6 +69,8 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     # torch imports this package while parsing TORCH_LOGS and then adds its handler again
     drop_duplicate_handlers(logging.getLogger("dbo_compile"))
     config = pipeline.resolve_device_defaults(DboConfig.from_options(options), example_inputs)
+    if config.cache_dir:  # Inductor's and Triton's caches under it too, before any stage compiles
+        use_cache_dir(config.cache_dir)
     manager = PassManager()
     # one flat graph for every pass: nested compile regions (a decoder layer Dynamo traced
     # once and called per layer) are inlined first

@@ -439,8 +439,11 @@ class DebugConfig(OptionGroup):
             failed compile.
         cache_dir: the persistent compile cache (:mod:`dbo_compile.codegen.cache`), a
             directory (``~`` expanded) a later process with the same Dynamo graph, options,
-            torch and package reads its compiled graphs back from. ``None``: off (an entry is
-            pickled code run on load, so a directory is a trust decision: ``docs/config.md``).
+            torch and package reads its compiled graphs back from; Inductor's and Triton's
+            caches go under it too (``inductor/``, ``triton/``;
+            :mod:`dbo_compile.codegen.cache_dirs`: an explicit ``TORCHINDUCTOR_CACHE_DIR`` /
+            ``TRITON_CACHE_DIR`` wins). ``None``: off (an entry is pickled code run on load,
+            so a directory is a trust decision: ``docs/config.md``).
         check_host_mirrors: compare the host mirrors of the attention metadata
             (:mod:`dbo_compile.metadata`) with their device tensors every step, a device read
             per mirrored field (debugging an engine's mirrors). ``False``: trusted.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -26,8 +28,15 @@ def pytest_configure(config):
 def _fresh_dynamo():
     torch._dynamo.reset()
     reset_artifacts()
+    # a compile with cache_dir points Inductor's and Triton's caches under it (process-wide)
+    env = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     yield
     torch._dynamo.reset()
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def pytest_collection_modifyitems(config, items):

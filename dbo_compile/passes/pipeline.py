@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import counters
 
 import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.* and their records)
 from dbo_compile import lowering
@@ -62,6 +63,7 @@ from dbo_compile.passes import (
     token_dim,
 )
 from dbo_compile.passes.candidate_driver import compile_candidates, dump_programs
+from dbo_compile.passes.predict import predict_bucket
 from dbo_compile.passes.manager import (
     CompileState,
     GraphPass,
@@ -147,7 +149,9 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
 
     With ``config.cache_dir``, a graph compiled before (by this or another process) is read
     back from the compile cache instead (:mod:`dbo_compile.codegen.cache`; passes
-    ``cache_key`` and ``cache_load`` in the times), and a graph compiled here is written to it.
+    ``cache_key`` and ``cache_load`` in the times; counted in
+    ``torch._dynamo.utils.counters["dbo_compile"]``, ``cache_hit`` / ``cache_miss``), and a
+    graph compiled here is written to it.
     The key is taken after the bind pass: it sees the comm and experts backends each op is
     bound to (what ``"auto"`` chose from the packages present, the emulated world's
     instance), and the config fingerprint the calibration's content.
@@ -171,8 +175,11 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
                            user_pass_keys())
         found = manager.time("cache_load", _from_cache, key, gm, config, stages,
                              lowering.folded_floats(gm, example_inputs))
+        # counted where Inductor counts its own (torch._dynamo.utils.counters)
+        counters["dbo_compile"]["cache_hit" if found is not None else "cache_miss"] += 1
         if found is not None:
             found.compile_times = dict(manager.times)
+            found.cache_key, found.predict = key, predict_bucket
             return SplitArtifact(found)
     try:
         record, programs = _compile_split(gm, state, manager, stages, t0)
@@ -183,6 +190,7 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     if key is not None:
         manager.time("cache_store", cache.store, config.cache_dir, key, record, programs)
     record.compile_times = dict(manager.times)
+    record.cache_key, record.predict = key, predict_bucket
     return SplitArtifact(record)
 
 

@@ -9,7 +9,8 @@ buffers (:mod:`~dbo_compile.runtime.cudagraph_runner` captures and replays them)
   padded with zero-length requests to the captured request capacity;
 - :class:`OutputMap`: the model's return value in terms of the graph's flat outputs, cut to the
   step's real token rows on replay;
-- :func:`serving_buckets`: a serving engine's bucket list (decode sizes, then prefill sizes).
+- :func:`serving_buckets`: a serving engine's bucket list (decode sizes, then prefill sizes);
+- :func:`memory_report`: the CUDA-graph memory of the captured buckets.
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ class BucketGraphs:
             ``"static"`` (compiled for this bucket's shapes) or ``"aten"`` (its traced ATen
             ops: a compile limit or an Inductor failure, warned at capture); empty with
             ``compute_backend="aten"``.
+        prune: which split candidates were captured and timed, which pruned and why
+            (:class:`~dbo_compile.runtime.prune.PrunePlan`; ``None``: no split graph asked).
+        graph_bytes: per captured graph, the memory pool's growth by its capture (bytes;
+            ``None`` off CUDA).
     """
 
     tokens: int
@@ -119,6 +124,8 @@ class BucketGraphs:
     out_map: OutputMap | None = None
     numbers: InputNumbers | None = None
     stage_kinds: dict[str, str] = field(default_factory=dict)
+    prune: Any = None
+    graph_bytes: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def use_split(self) -> bool:
@@ -305,3 +312,26 @@ def graph_args(b: BucketGraphs, ids: torch.Tensor, pos: torch.Tensor,
     if valid is not None:  # every row of the step is real; the bucket's padding is not
         args[valid] = torch.ones(int(ids.shape[0]), dtype=torch.bool, device=ids.device)
     return args
+
+
+def memory_report(graphs: dict[int, BucketGraphs], cuda: bool) -> dict[str, Any]:
+    """CUDA-graph memory of the captured set (bytes; ``None`` off CUDA, where no graph holds
+    memory): per bucket the pool's growth by the capture of its ``unsplit`` graph and of its
+    split graphs (``split``: the kept ones; ``split_all``: every candidate captured, the
+    dropped ones included), per graph (``graphs``), and the ``total`` over the buckets. The
+    runner captures every graph of every bucket into one memory pool (``pool_shared``, as
+    vLLM's), largest bucket first, so a graph costs what the pool had to grow for it: a
+    later graph reuses blocks the earlier ones freed, and ``split`` is what DBO's graphs cost
+    over the unsplit ones (:func:`~dbo_compile.runtime.capture.capture`'s ``pool_bytes``)."""
+    buckets: dict[int, dict[str, Any]] = {}
+    for t, b in sorted(graphs.items()):
+        by = b.graph_bytes
+        split_all = [v or 0 for k, v in by.items() if k != "unsplit"]
+        split_kept = [v or 0 for k, v in by.items() if k != "unsplit" and k in b.graphs]
+        buckets[t] = {"unsplit": by.get("unsplit") if cuda else None,
+                      "split": sum(split_kept) if cuda else None,
+                      "split_all": sum(split_all) if cuda else None,
+                      "graphs": dict(by)}
+    total = {k: sum(v[k] or 0 for v in buckets.values()) if cuda else None
+             for k in ("unsplit", "split", "split_all")}
+    return {"pool_shared": True, "buckets": buckets, "total": total}

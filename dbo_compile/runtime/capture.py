@@ -19,10 +19,11 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from dbo_compile.ops.comm import abort_pending_receives
 
-__all__ = ["capture", "run_draining", "state_kept"]
+__all__ = ["EagerGraph", "capture", "reserved_bytes", "run_draining", "state_kept"]
 
 
 @contextlib.contextmanager
@@ -61,7 +62,10 @@ def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
 
     Args:
         times: if given, gets ``"warmup_s"`` (the eager calls, synchronised: where Inductor
-            stages compile for a new signature) and ``"capture_s"`` (the capture), seconds.
+            stages compile for a new signature) and ``"capture_s"`` (the capture), seconds,
+            and ``"pool_bytes"``: what the allocator reserved more after the capture than
+            before it (bytes; the new segments of the graph's pool: a graph that reuses blocks
+            of a shared pool that earlier graphs freed costs less than its own footprint).
 
     Returns:
         ``(graph, static_out)``: ``graph.replay()`` rewrites ``static_out`` in place.
@@ -75,6 +79,7 @@ def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
+    before = reserved_bytes(True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = run_draining(fn)
@@ -82,4 +87,30 @@ def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
     if times is not None:
         times["warmup_s"] = t1 - t0
         times["capture_s"] = time.perf_counter() - t1
+        times["pool_bytes"] = reserved_bytes(True) - before
     return graph, out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+class EagerGraph:
+    """CPU stand-in for a CUDA graph: ``replay()`` re-runs the function on the same static
+    inputs and copies its outputs into the static outputs (tests the buffer plumbing)."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.out = run_draining(fn)
+
+    def replay(self) -> None:
+        for dst, src in zip(_tensors(self.out), _tensors(run_draining(self.fn))):
+            dst.copy_(src)
+
+
+def reserved_bytes(cuda: bool) -> int | None:
+    """Bytes the CUDA caching allocator holds on the current device (every pool, the CUDA
+    graphs' private ones included: ``reserved_bytes.all.current``); ``None`` off CUDA."""
+    if not cuda:
+        return None
+    return int(torch.cuda.memory_stats().get("reserved_bytes.all.current", 0))

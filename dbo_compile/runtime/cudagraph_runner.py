@@ -14,9 +14,12 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
    compiles it; the runner records the artifact and its graph inputs, which become the bucket's
    static input buffers), and a prefill-shaped one that must reach the same compiled graph
    (Inductor compiles nothing for it: :func:`~dbo_compile.runtime.context.traced_only`);
-2. captures the **unsplit** program and, when the graph was split, every **split** (DBO)
-   program candidate the backend compiled (``schedule_candidates``, ``sm_carveout_candidates``)
-   as one CUDA graph each, after warm-up calls on a side stream, all into one memory pool;
+2. captures the **unsplit** program and, when the graph was split, the **split** (DBO)
+   program candidates the backend compiled (``schedule_candidates``, ``sm_carveout_candidates``)
+   that can win at this bucket (with a calibration, those the cost model predicts within
+   ``prune_margin`` of the best, none where no split can win by ``min_gain``: :mod:`.prune`;
+   else every one) as one CUDA graph each, after warm-up calls on a side stream, all buckets'
+   graphs into one memory pool (:meth:`CudaGraphRunner.memory_report`);
 3. times the graphs by replaying them (``timing_iters`` replays each, interleaved rounds,
    median, CUDA events), takes the max over every rank of the job and keeps the fastest split
    candidate; with ``split="auto"`` the bucket splits only where that candidate is faster than the
@@ -85,23 +88,23 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
 from dbo_compile.errors import GraphRunnerError, UBatchExecutionError
 from dbo_compile.metadata import AttentionMetadata, HostCounts
 from dbo_compile.ops.comm import run_watched
 from dbo_compile.runtime.artifact import CompiledArtifact
-from dbo_compile.runtime.bucket_timing import decide, time_graphs, timed_graphs
+from dbo_compile.runtime.bucket_timing import decide, max_over_ranks, time_graphs, timed_graphs
 from dbo_compile.runtime.buckets import (
     WARMUP_PARTS,
     BucketGraphs,
     OutputMap,
     check_artifact,
     copy_into,
+    memory_report,
     graph_args,
     map_inputs,
 )
-from dbo_compile.runtime.capture import capture, run_draining, state_kept
+from dbo_compile.runtime.capture import EagerGraph, capture, state_kept
 from dbo_compile.runtime.context import (
     record_calls,
     record_stage_calls,
@@ -113,6 +116,7 @@ from dbo_compile.runtime.context import (
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.runtime.numbers import InputNumbers
 from dbo_compile.runtime.padding import join_ubatch_outputs, pad_args
+from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
 from dbo_compile.runtime.vote import min_split_tokens
 
 log = logging.getLogger(__name__)
@@ -125,23 +129,6 @@ MIN_GAIN = 0.03
 
 __all__ = ["BucketGraphs", "CudaGraphRunner", "EagerGraph", "GraphRunnerError", "OutputMap",
            "WARMUP_PARTS", "split_program_fn"]
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-class EagerGraph:
-    """CPU stand-in for a CUDA graph: ``replay()`` re-runs the function on the same static
-    inputs and copies its outputs into the static outputs (tests the buffer plumbing)."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        self.fn = fn
-        self.out = run_draining(fn)
-
-    def replay(self) -> None:
-        for dst, src in zip(_tensors(self.out), _tensors(run_draining(self.fn))):
-            dst.copy_(src)
 
 
 class CudaGraphRunner:
@@ -174,6 +161,16 @@ class CudaGraphRunner:
             ``t_split <= (1 - min_gain) * t_unsplit`` (fraction, default :data:`MIN_GAIN`
             = 0.03: the warm-up timing's noise, so that a split chosen by a margin inside it
             never runs slower than the unsplit graph).
+        prune_margin: time only the split candidates that can win (:mod:`~.prune`): with a
+            calibration, the unsplit graph, the candidate the cost model predicts fastest at
+            the bucket's token count and every one predicted within this fraction of it
+            (default :data:`~.prune.DEFAULT_PRUNE_MARGIN` = 0.10) are captured and timed, and
+            a bucket whose best split cannot win by ``min_gain`` even with the calibration's
+            error is not split; ``None``: every candidate (as without a calibration).
+        predictor: ``(artifact, tokens, candidates) -> BucketPrediction``, the predictions
+            the pruning rests on (default the artifact's,
+            :func:`dbo_compile.passes.predict.predict_bucket`, on ``device``: none
+            off CUDA or on a GPU the calibration was not measured on; tests).
         device: where the synthetic warm-up step lives (default: the current CUDA device, else
             CPU, where graphs are replaced by eager re-runs).
         model_kwargs: extra keyword arguments of every model call.
@@ -187,7 +184,9 @@ class CudaGraphRunner:
                  max_blocks_per_req: int, block_size: int | None = None, timing_iters: int = 10,
                  min_gain: float | None = None, device: torch.device | str | None = None,
                  vocab_size: int | None = None, keep_candidates: bool = False,
-                 static_buckets: Sequence[int] = (), **model_kwargs: Any):
+                 static_buckets: Sequence[int] = (),
+                 prune_margin: float | None = DEFAULT_PRUNE_MARGIN,
+                 predictor: Callable[..., Any] | None = None, **model_kwargs: Any):
         buckets = list(buckets)
         bad = [b for b in buckets if isinstance(b, bool) or not _is_int(b) or int(b) < 1]
         if not buckets or bad:
@@ -216,9 +215,15 @@ class CudaGraphRunner:
                 or not 0.0 <= min_gain < 1.0):
             raise GraphRunnerError(f"min_gain must be a fraction in [0, 1), got {min_gain!r}")
         self.min_gain = float(min_gain)
+        if prune_margin is not None and (isinstance(prune_margin, bool) or not isinstance(
+                prune_margin, (int, float)) or not 0.0 <= prune_margin < 10.0):
+            raise GraphRunnerError(f"prune_margin must be None (off) or a fraction >= 0, got "
+                                   f"{prune_margin!r}")
+        self.prune_margin = prune_margin
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        self.predictor = predictor or artifact_predictor(self.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise GraphRunnerError(f"device {self.device} requested but CUDA is not available; "
                                    "use device='cpu' (graphs are then eager re-runs)")
@@ -353,17 +358,27 @@ class CudaGraphRunner:
     @property
     def stats(self) -> dict[str, Any]:
         """What the runner did: ``warmup_s`` (:meth:`warmup_s`), per bucket its
-        ``warmup_s`` by part, the graphs it captured and timed, its choice and how many of its
-        Inductor stages run dynamic / static / ATen code (``buckets``), and ``eager_steps`` (steps that fit no bucket since)."""
+        ``warmup_s`` by part, the graphs it captured and timed, its choice, how many of its
+        Inductor stages run dynamic / static / ATen code (``stage_kinds``) and ``prune``
+        (which split candidates were captured or pruned and why, :class:`~.prune.PrunePlan`),
+        per bucket (``buckets``), ``eager_steps`` (steps that fit no bucket since) and
+        ``memory`` (:meth:`memory_report`)."""
         return {
             "warmup_s": self.warmup_s(),
             "buckets": {t: {"warmup_s": dict(b.warmup_s), "graph_s": dict(b.graph_s),
                             "graphs_captured": len(b.graph_s), "timed": sorted(b.times_us),
                             "choice": b.choice,
-                            "stage_kinds": dict(collections.Counter(b.stage_kinds.values()))}
+                            "stage_kinds": dict(collections.Counter(b.stage_kinds.values())),
+                            "prune": None if b.prune is None else b.prune.to_dict()}
                         for t, b in sorted(self.graphs.items())},
             "eager_steps": self.eager_steps,
+            "memory": self.memory_report(),
         }
+
+    def memory_report(self) -> dict[str, Any]:
+        """CUDA-graph memory of the captured set per bucket, unsplit vs split graphs (bytes;
+        ``None`` off CUDA): :func:`~.buckets.memory_report`."""
+        return memory_report(self.graphs, self.device.type == "cuda")
 
     def _capture_bucket(self, b: BucketGraphs, cuda: bool) -> None:
         art = b.artifact
@@ -373,8 +388,15 @@ class CudaGraphRunner:
         never = (b.tokens < min_split_tokens(art.config)
                  or b.tokens % art.config.num_ubatches != 0)
         if art.is_split and not never:
-            b.split_args = art.split_args(b.args, [1] * b.tokens)
-            for name, program in art.candidates.items():
+            names = list(art.candidates)
+            prediction = (None if self.prune_margin is None
+                          else agreed(self.predictor(art, b.tokens, names), names, max_over_ranks))
+            b.prune = plan(names, prediction, margin=self.prune_margin, min_gain=self.min_gain,
+                           mode=art.config.split)
+            if b.prune.timed:
+                b.split_args = art.split_args(b.args, [1] * b.tokens)
+            for name in b.prune.timed:
+                program = art.candidates[name]
                 self._graph(b, name, split_program_fn(program, b.split_args, art, b.tokens), cuda)
         t0 = time.perf_counter()
         b.times_us = self._time(b, timed_graphs(b, art.config.split))
@@ -390,6 +412,7 @@ class CudaGraphRunner:
             b.graphs[name], b.outs[name] = g, g.out
             times["capture_s"] = time.perf_counter() - t0
         b.graph_s[name] = time.perf_counter() - t0
+        b.graph_bytes[name] = int(times["pool_bytes"]) if cuda else None
         for part, key in (("warmup_runs", "warmup_s"), ("capture", "capture_s")):
             b.warmup_s[part] = b.warmup_s.get(part, 0.0) + times[key]
 

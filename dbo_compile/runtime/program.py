@@ -168,6 +168,12 @@ class SplitRecord:
         split_gm: the (unjoined) split graph.
         token_symbols: the symbols of the token and request dims in those graphs (the cost
             model's, a calibration's).
+        cache_key: the compile-cache key of the graph (``None``: no ``cache_dir``); what is
+            stored beside the entry for it (the runner's predictions: :mod:`.prune`) is keyed
+            by it.
+        predict: ``(artifact, tokens, candidates, device=None) -> BucketPrediction``, the
+            predictions the runner prunes its candidates by (:mod:`.prune`; set by the
+            compile: the runtime imports no compile stage).
     """
 
     unsplit: Callable[..., Any]
@@ -189,6 +195,8 @@ class SplitRecord:
     lowered_gm: Any = None
     split_gm: Any = None
     token_symbols: frozenset | None = None
+    cache_key: str | None = None
+    predict: Callable[..., Any] | None = None
 
 
 class SplitArtifact(CompiledArtifact):
@@ -238,6 +246,8 @@ class SplitArtifact(CompiledArtifact):
         self.lowered_gm = record.lowered_gm
         self.split_gm = record.split_gm
         self.token_symbols = record.token_symbols
+        self.cache_key = record.cache_key
+        self.predict = record.predict
 
     @property
     def code(self) -> str:
