@@ -87,7 +87,7 @@ from trees import first_attr, first_module, moe_harness
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 sys.path.insert(0, _HERE)
-from flags import given_flags, refuse_unread  # noqa: E402
+from dbo_compile.testing.bench_cli import given_flags, refuse_unread  # noqa: E402
 
 #: (part, "module:qualname") in table order; a target a tree does not have is skipped; "a|b":
 #: the first of the modules (or classes) that the tree has (before 3f21f21 the runner was
