@@ -23,6 +23,12 @@ reference cast of every row (the adapter before), plus both casts alone; needs D
     python benchmarks/bench_experts.py --fp8-cast --tokens 64,256,1024 --json fp8_cast.json
 
 (default shapes with ``--fp8-cast``: v2lite-ep8, v3-ep32; target: ``fp8_over_bf16`` <= 1.3).
+Accuracy, on the rows below the counts only (the op writes no other row): each path's output
+(the CUDA graph's, and one eager call's) against a float32 torch reference of the same SwiGLU
+(``bf16_rel_err``, ``fp8_rel_err``, ``*_eager_rel_err``), and FP8 against bf16
+(``fp8_rel_err_vs_bf16``): a wrong bf16 reference shows as a large ``bf16_rel_err``, not as an
+FP8 error. ``--expected-m N`` passes DeepGEMM's ``expected_m`` to both paths (default: the
+backend's, an eighth of the rows per expert).
 """
 
 from __future__ import annotations
@@ -71,6 +77,22 @@ def make_expert_major(shape: str, tokens: int, device, seed: int = 0):
     return x, counts, ranges, w13, w2
 
 
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``|got - want| / |want|`` (Frobenius norms), float32."""
+    return float((got.float() - want).norm() / want.norm())
+
+
+def swiglu_reference(x, counts, w13, w2) -> torch.Tensor:
+    """The expert op on the expert-major rows below the counts, float32 torch (``[sum(counts),
+    H]``, experts in order): ``silu(x W1^T) * (x W3^T) W2^T`` per expert."""
+    inter = w2.shape[2]
+    out = []
+    for e, n in enumerate(counts.tolist()):
+        h = x[e, :n].float() @ w13[e].float().t()
+        out.append((torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].float().t())
+    return torch.cat(out)
+
+
 def fp8_cast_rows(args) -> list[dict]:
     """``--fp8-cast`` (module docstring): per shape and tokens, µs per call in CUDA graphs."""
     from dbo_compile.ops import deep_gemm as dg
@@ -78,8 +100,9 @@ def fp8_cast_rows(args) -> list[dict]:
     from dbo_compile.ops.fp8_cast import per_token_cast_fp8, per_token_cast_fp8_masked
 
     device = torch.device("cuda")
-    bf16 = get_experts_backend("deep_gemm")
-    fp8 = get_experts_backend("deep_gemm:fp8=true")
+    extra = f",expected_m={args.expected_m}" if args.expected_m else ""
+    bf16 = get_experts_backend("deep_gemm:fp8=false" + extra)
+    fp8 = get_experts_backend("deep_gemm:fp8=true" + extra)
     rows = []
     for shape in args.shapes.split(","):
         for tokens in map(int, args.tokens.split(",")):
@@ -101,21 +124,31 @@ def fp8_cast_rows(args) -> list[dict]:
             row["cast_masked_us"], _ = t(lambda: per_token_cast_fp8_masked(x, counts))
             row["cast_all_rows_us"], _ = t(lambda: per_token_cast_fp8(x))
             pick = [(e, int(n)) for e, n in enumerate(counts.tolist())]
-            a = torch.cat([ref[e, :n] for e, n in pick]).float()
-            b = torch.cat([got[e, :n] for e, n in pick]).float()
-            row["fp8_rel_err_vs_bf16"] = float((b - a).norm() / a.norm())
+            exact = swiglu_reference(x, counts, w13, w2)
+            eager_ref = bf16.run(x, counts, ranges, w13, w2)
+            eager_got = fp8.run(x, counts, ranges, w13, w2)
+            a, b, ea, eb = (torch.cat([y[e, :n] for e, n in pick]).float()
+                            for y in (ref, got, eager_ref, eager_got))
+            row["fp8_rel_err_vs_bf16"] = rel_err(b, a)
+            row["bf16_rel_err"] = rel_err(a, exact)
+            row["fp8_rel_err"] = rel_err(b, exact)
+            row["bf16_eager_rel_err"] = rel_err(ea, exact)
+            row["fp8_eager_rel_err"] = rel_err(eb, exact)
             row["fp8_finite"] = bool(torch.isfinite(b).all())
+            row["bf16_finite"] = bool(torch.isfinite(a).all())
             row["fp8_over_bf16"] = round(row["fp8_us"] / row["bf16_us"], 3)
             row["fp8_all_rows_over_bf16"] = round(row["fp8_all_rows_us"] / row["bf16_us"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n{'shape':12s} {'T':>5s} {'valid/rows':>12s} {'bf16':>8s} {'fp8':>8s} {'ratio':>6s} "
-          f"{'fp8 all':>8s} {'ratio':>6s} {'cast':>7s} {'cast all':>8s}")
+          f"{'fp8 all':>8s} {'ratio':>6s} {'cast':>7s} {'cast all':>8s} {'bf16 err':>8s} "
+          f"{'fp8 err':>8s}")
     for r in rows:
         print(f"{r['shape']:12s} {r['tokens']:5d} {r['valid_rows']:>5d}/{r['rows'] * r['experts']:<6d} "
               f"{r['bf16_us']:8.1f} {r['fp8_us']:8.1f} {r['fp8_over_bf16']:6.2f} "
               f"{r['fp8_all_rows_us']:8.1f} {r['fp8_all_rows_over_bf16']:6.2f} "
-              f"{r['cast_masked_us']:7.1f} {r['cast_all_rows_us']:8.1f}")
+              f"{r['cast_masked_us']:7.1f} {r['cast_all_rows_us']:8.1f} "
+              f"{r['bf16_rel_err']:8.4f} {r['fp8_rel_err']:8.4f}")
     return rows
 
 
@@ -162,10 +195,15 @@ def main(argv=None) -> int:
     p.add_argument("--fp8-cast", action="store_true",
                    help="the deep_gemm masked expert op, bf16 vs FP8 with the masked cast "
                         "(shapes with an expert-major layout: " + ",".join(EP_RANKS) + ")")
+    p.add_argument("--expected-m", type=int, default=None,
+                   help="with --fp8-cast: DeepGEMM's expected_m for both paths (default: the "
+                        "backend's)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    given = given_flags(p, argv)
+    if not args.fp8_cast:
+        refuse_unread(p, args, given, ("--expected-m",), "without --fp8-cast")
     if args.fp8_cast:
-        given = given_flags(p, argv)
         refuse_unread(p, args, given, ("--sweep", "--max-slots"), "with --fp8-cast")
         if "shapes" not in given:
             args.shapes = "v2lite-ep8,v3-ep32"

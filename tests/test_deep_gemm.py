@@ -139,6 +139,35 @@ def test_fp8_weights_are_quantised_once(fake):
     assert len(impl._weights) == 3
 
 
+def test_fp8_weights_at_a_reused_address_are_cast_again(fake):
+    """A weight freed and a new one at its address (same shape, version 0: what the CUDA
+    caching allocator does between bench_experts' calls) is not served the freed one's cast."""
+    e, h, inter = 2, 256, 128
+    buf = bytearray(e * 2 * inter * h * 2)  # one block of memory, two weights in turn
+
+    def weight_in_buf(seed):
+        fill = torch.frombuffer(buf, dtype=torch.bfloat16)
+        fill.copy_((torch.randn(fill.numel(), generator=torch.Generator().manual_seed(seed))
+                    * 0.05).bfloat16())
+        del fill
+        return torch.frombuffer(buf, dtype=torch.bfloat16).view(e, 2 * inter, h)  # version 0
+
+    _, w2 = _weights(e, h, inter)
+    x, counts, ranges = _expert_major(e, h=h)
+    backend = get_experts_backend("deep_gemm:fp8=true")
+    first = weight_in_buf(0)
+    key = (first.data_ptr(), first._version)
+    backend.run(x, counts, ranges, first, w2)
+    del first
+    second = weight_in_buf(1)
+    assert (second.data_ptr(), second._version) == key  # the address and version collide
+    got = backend.run(x, counts, ranges, second, w2)
+    experts.clear_configured_experts_backends()
+    want = get_experts_backend("deep_gemm:fp8=true").run(x, counts, ranges, second, w2)
+    for i, n in enumerate(counts.tolist()):
+        torch.testing.assert_close(got[i, :n], want[i, :n], rtol=0, atol=0)
+
+
 def test_casts_follow_the_block_scale_rule():
     from dbo_compile.ops.deep_gemm import per_block_cast_fp8, per_token_cast_fp8
 

@@ -80,17 +80,17 @@ def fp8_cast_kernels(triton, tl):
                 rm = i < n
                 for gi in tl.static_range(GPP):
                     g = tl.program_id(2) * GPP + gi
-                    m = rm[:, None] & (g < NUM_GROUPS) & (c[None, :] < BLOCK)
-                    cols = g.to(tl.int64) * BLOCK + c[None, :]
-                    v = tl.load(x_ptr + e * stride_e + i[:, None] * stride_m + cols, mask=m,
-                                other=0.0).to(tl.float32)
-                    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
-                    scale = tl.math.div_rn(amax, FP8_MAX)  # IEEE division, as torch's
-                    q = tl.math.div_rn(v, scale[:, None])
-                    tl.store(q_ptr + (e * M + i[:, None]) * K + cols,
-                             q.to(q_ptr.dtype.element_ty), mask=m)
-                    tl.store(s_ptr + (e * NUM_GROUPS + g) * M + i, scale,
-                             mask=rm & (g < NUM_GROUPS))
+                    if g < NUM_GROUPS:  # a scalar branch: no scalar int1 in the masks
+                        m = rm[:, None] & (c[None, :] < BLOCK)
+                        cols = g.to(tl.int64) * BLOCK + c[None, :]
+                        v = tl.load(x_ptr + e * stride_e + i[:, None] * stride_m + cols,
+                                    mask=m, other=0.0).to(tl.float32)
+                        amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
+                        scale = tl.math.div_rn(amax, FP8_MAX)  # IEEE division, as torch's
+                        q = tl.math.div_rn(v, scale[:, None])
+                        tl.store(q_ptr + (e * M + i[:, None]) * K + cols,
+                                 q.to(q_ptr.dtype.element_ty), mask=m)
+                        tl.store(s_ptr + (e * NUM_GROUPS + g) * M + i, scale, mask=rm)
 
     return triton, fp8_cast_masked_kernel
 
