@@ -26,6 +26,7 @@ import torch
 
 import dbo_compile.ops  # noqa: F401
 from dbo_compile import DboConfig
+from dbo_compile.candidates import UNSPLIT_GRAPHS, UNSPLIT_OVERLAP
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops import comm as _comm
 from dbo_compile.ops.comm import packing
@@ -232,3 +233,21 @@ def time_graph(fn, iters: int, reps: int = 1) -> tuple[float, Any]:
     ``iters`` CUDA-event-timed replays in µs per call, and the last call's output
     (:func:`harness.graph_us`)."""
     return graph_us(fn, iters, reps=reps)
+
+
+def baseline(t: dict) -> tuple[float, float, str]:
+    """(serial unsplit graph's time, the baseline's time, the baseline's graph): the faster of
+    the serial unsplit graph and ``unsplit-overlap`` (where captured) on the benchmark's step,
+    so that DBO speedups are against the best unsplit program (issue 28 item 6)."""
+    serial = t["graph:unsplit"]
+    overlap = t.get(f"graph:{UNSPLIT_OVERLAP}")
+    if overlap is not None and overlap < serial:
+        return serial, overlap, UNSPLIT_OVERLAP
+    return serial, serial, "unsplit"
+
+
+def variants(t: dict) -> dict:
+    """The split candidates' graph times (``graph:NAME`` keys, the unsplit graphs left out)."""
+    return {k[6:]: v for k, v in t.items()
+            if k.startswith("graph:") and k[6:] not in UNSPLIT_GRAPHS}
+
