@@ -381,11 +381,11 @@ class CudaGraphRunner:
         rows = []
         for t in sorted(self.graphs):
             b = self.graphs[t]
-            unsplit, split = ("-" if v is None else f"{v:.0f}" for v in (b.t_unsplit_us, b.t_split_us))
-            overlap = b.times_us.get(UNSPLIT_OVERLAP)
-            extra = "" if overlap is None else f", {UNSPLIT_OVERLAP} {overlap:.0f} us"
-            pick = b.choice if b.unsplit_choice == "unsplit" else f"{b.choice} ({b.unsplit_choice})"
-            rows.append(f"{t}: unsplit {unsplit} us{extra}, split {split} us -> {pick}")
+            unsplit, split, overlap = ("-" if v is None else f"{v:.0f}" for v in (
+                b.t_unsplit_us, b.t_split_us, b.times_us.get(UNSPLIT_OVERLAP)))
+            extra = "" if b.artifact.unsplit_overlap is None else f", {UNSPLIT_OVERLAP} {overlap} us"
+            rows.append(f"{t}: unsplit {unsplit} us{extra}, split {split} us -> {b.choice}"
+                        + ("" if b.unsplit_choice == "unsplit" else f" ({b.unsplit_choice})"))
         return "; ".join(rows)
 
     # -- serving path ---------------------------------------------------------------------
