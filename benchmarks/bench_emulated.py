@@ -201,11 +201,13 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
     ids, pos, md, qlens = step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens
     if b.split_args is None:
         row["errors"].append(f"not split: {getattr(art, 'reason', None)}")
+        if len(b.graphs) > 1:  # the unsplit graphs side by side (unsplit_overlap)
+            _unsplit_rows(row, runner, b, step, ref, timer)
         return row
     world = _world_of(art)
     row.update(world=world.name, fanout=world.fanout,
                remote_ranks_per_token=round(world.remote_ranks_per_token(), 3),
-               chosen=b.choice, dbo_variant=b.best_candidate,
+               chosen=b.choice, dbo_variant=b.best_candidate, unsplit_choice=b.unsplit_choice,
                warmup_us={k: round(v, 1) for k, v in b.times_us.items()},
                schedules={k: round(p.schedule.predicted_step_us, 1) for k, p in art.candidates.items()})
     t: dict = {}
@@ -215,7 +217,7 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
             got = run_step(cmodel, ids, pos, md, qlens, block_size=16)
             row["num_eager_vs_reference"] = H.rel_err(got.float(), want)
             for name, g in b.graphs.items():
-                runner.load_step(n, ids, pos, md, qlens, split=name != "unsplit")
+                runner.load_step(n, ids, pos, md, qlens, split=name not in H.UNSPLIT_GRAPHS)
                 g.replay()
                 _sync()
                 row[f"num_{name}_vs_reference"] = H.rel_err(b.outs[name][0][:n].float(), want)
@@ -274,9 +276,9 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
                 str(k): round(v, 2) for k, v in time_units(
                     program, b.split_args, art.signature.outputs, timer, args.unit_reps).items()}
             row["calib"] = calib
-    base_t = t["graph:unsplit"]
+    serial_base_t, base_t, base = H.baseline(t)
     dbo_t = t[f"graph:{b.best_candidate}"]
-    chosen_t = t[f"graph:{b.choice}"]
+    chosen_t = t[f"graph:{b.choice if b.use_split else b.unsplit_choice}"]
     serial_t, nocomm_t, comm_t, ops_t = (t.get(k) for k in ("split_serial", "split_nocomm",
                                                              "comm", "comm_ops"))
     hideable = max(nocomm_t, comm_t) if nocomm_t and comm_t else None
@@ -284,9 +286,12 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
     ops_bound = max(nocomm_t, ops_t) if nocomm_t and ops_t else None
     row.update({
         "t_unsplit_eager_us": t.get("unsplit_eager"), "t_baseline_us": base_t,
+        "t_baseline_serial_us": serial_base_t, "baseline_graph": base,
+        "t_unsplit_overlap_us": t.get(f"graph:{H.UNSPLIT_OVERLAP}"),
+        "speedup_vs_serial_unsplit": serial_base_t / dbo_t,
         "t_split_serial_us": serial_t, "t_split_nocomm_us": nocomm_t, "t_comm_us": comm_t,
         "t_dbo_eager_us": t.get("dbo_eager"), "t_dbo_graph_us": dbo_t,
-        "t_variants_us": {k[6:]: v for k, v in t.items() if k.startswith("graph:") and k != "graph:unsplit"},
+        "t_variants_us": H.variants(t),
         "t_runner_step_us": t["runner_step"], "t_chosen_us": chosen_t,
         "speedup": base_t / dbo_t, "chosen_vs_baseline": base_t / chosen_t,
         "bound": base_t / hideable if hideable else None,
@@ -299,6 +304,30 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
         "experts_paths": experts_path_choices(),
     })
     return row
+
+
+def _unsplit_rows(row: dict, runner, b, step, ref, timer) -> None:
+    """A bucket that is not split: its unsplit graphs (the serial one and ``unsplit-overlap``)
+    timed side by side on the step, their numerics against the reference, and the runner's
+    pick (``unsplit_choice``)."""
+    n = b.tokens
+    ids, pos, md, qlens = step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens
+    t: dict = {}
+    with torch.no_grad():
+        want = ref(ids, pos, md).float() if ref is not None else None
+        runner.load_step(n, ids, pos, md, qlens, split=False)
+        for name, g in b.graphs.items():
+            g.replay()
+            _sync()
+            if want is not None:
+                row[f"num_{name}_vs_reference"] = H.rel_err(b.outs[name][0][:n].float(), want)
+            t[f"graph:{name}"] = timer(g.replay)
+        t["runner_step"] = timer(lambda: runner(ids, pos, md, qlens), iters=5)
+    serial_base_t, base_t, base = H.baseline(t)
+    row.update(unsplit_choice=b.unsplit_choice, warmup_us={k: round(v, 1) for k, v in b.times_us.items()},
+               t_baseline_us=base_t, t_baseline_serial_us=serial_base_t, baseline_graph=base,
+               t_unsplit_overlap_us=t.get(f"graph:{H.UNSPLIT_OVERLAP}"),
+               t_chosen_us=t[f"graph:{b.unsplit_choice}"], t_runner_step_us=t["runner_step"])
 
 
 def _kernel_tables(args, b, nocomm_graph, phase: str, n: int) -> None:

@@ -27,6 +27,10 @@ graphs, times them at warm-up and decides. Then, on the benchmark's own step:
 - ``unsplit_eager``: the model run eagerly, unsplit.
 - ``baseline``: the runner's unsplit graph (THE baseline; with compute_backend "inductor", the
   default on CUDA, the unsplit program compiled by Inductor, like the split program's stages).
+  With ``--unsplit-overlap`` the runner also captures the unsplit program on two streams
+  (``unsplit-overlap``: the shared experts beside the dispatch) and the baseline is the faster
+  of the two on the step (``baseline_graph``; the serial one's time is
+  ``t_baseline_serial_us``, its speedup ``speedup_vs_serial_unsplit``).
 - ``inductor`` (``--inductor``): the unsplit model compiled by Inductor, in a CUDA graph.
 - ``split_serial``: the DBO schedule with its comm stream replaced by the compute stream
   (``dbo_compile.testing.measure.serial_comm``): same kernels, same order, no overlap.
@@ -166,7 +170,8 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     sched_cand = H.candidate_names(args.candidates)
     options = {"scheduler": args.scheduler, "comm_sms": args.comm_sms,
                "sm_carveout_candidates": cand, "schedule_candidates": sched_cand,
-               "compute_backend": args.compute_backend, "dp_group_name": args.vote_group_name}
+               "compute_backend": args.compute_backend, "dp_group_name": args.vote_group_name,
+               "unsplit_overlap": args.unsplit_overlap}
     if args.calibration:
         options["calibration"] = args.calibration
     cmodel = torch.compile(model, backend="dbo", options=options)
@@ -192,7 +197,8 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
                         for name, p in art.candidates.items()}
     row["warmup_us"] = {k: round(v, 1) for k, v in b.times_us.items()}
     row["chosen"] = "split" if b.use_split else "unsplit"
-    row["chosen_graph"] = b.choice
+    row["chosen_graph"] = b.choice if b.use_split else b.unsplit_choice
+    row["unsplit_choice"] = b.unsplit_choice
     row["dbo_variant"] = b.best_candidate
     t: dict = {}
     with torch.no_grad():
@@ -249,7 +255,10 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     runner = b = None  # free the graphs before the next bucket
     torch.cuda.empty_cache() if cuda else None
     t = max_over_ranks(t, device)
-    base_t = t["graph:unsplit"]
+    serial_base_t, base_t, base = H.baseline(t)
+    row.update(t_baseline_serial_us=serial_base_t, baseline_graph=base,
+               t_unsplit_overlap_us=t.get(f"graph:{H.UNSPLIT_OVERLAP}"),
+               unsplit_choice=row.pop("unsplit_choice"))
     dbo_t = t[f"graph:{row['dbo_variant']}"]
     chosen_t = t[f"graph:{row['chosen_graph']}"] if f"graph:{row['chosen_graph']}" in t else None
     serial_t, nocomm_t, comm_t = t["split_serial"], t["split_nocomm"], t["comm"]
@@ -261,11 +270,11 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
         "t_split_serial_us": serial_t, "t_split_nocomm_us": nocomm_t, "t_comm_us": comm_t,
         "t_split_nocomm_streams_us": streams,
         "t_dbo_eager_us": t["dbo_eager"], "t_dbo_graph_us": dbo_t,
-        "t_variants_us": {k[6:]: v for k, v in t.items() if k.startswith("graph:") and k != "graph:unsplit"},
+        "t_variants_us": H.variants(t),
         "t_runner_step_us": t["runner_step"],
         "t_runner_step_no_mirrors_us": t["runner_step_no_mirrors"],
         "t_chosen_us": chosen_t,
-        "speedup": base_t / dbo_t,
+        "speedup": base_t / dbo_t, "speedup_vs_serial_unsplit": serial_base_t / dbo_t,
         "chosen_vs_baseline": base_t / chosen_t if chosen_t else None,
         "eta": (serial_t - dbo_t) / denom if denom > 0 else None,
         "eta_vs_nocomm_streams": ((serial_t - dbo_t) / (serial_t - max(streams, comm_t))

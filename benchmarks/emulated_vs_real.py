@@ -193,7 +193,7 @@ def _chosen_t(r: dict) -> float | None:
 
 def _chosen_name(r: dict) -> str:
     c = r.get("chosen_graph") or r.get("chosen")
-    return "unsplit" if c == "unsplit" else f"split ({c})" if c != "split" else "split"
+    return c if c in ("unsplit", "unsplit-overlap") else f"split ({c})" if c != "split" else "split"
 
 
 def print_compare(real: dict, emulated: list[tuple[str, dict]], rows: list[dict], tol: float) -> None:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dbo_compile.config import DboConfig
 
-__all__ = ["CANDIDATES", "DEFAULT_CANDIDATES", "SCHEDULE_CANDIDATES", "Candidate",
+__all__ = ["CANDIDATES", "DEFAULT_CANDIDATES", "SCHEDULE_CANDIDATES", "UNSPLIT_GRAPHS",
+           "UNSPLIT_OVERLAP", "Candidate",
            "candidate_programs", "candidates_of", "carveout_sms", "primary_candidate",
            "program_variants", "split_carveout"]
 
@@ -76,6 +77,12 @@ SCHEDULE_CANDIDATES: tuple[str, ...] = tuple(c.name for c in CANDIDATES)
 #: docstring of ``DboConfig.schedule_candidates`` has the data). With the primary (``list``)
 #: 4 split graphs per bucket instead of 12.
 DEFAULT_CANDIDATES: tuple[str, ...] = ("list@link/16+sms16", "list+join", "list@link/16+join")
+#: the name of the unsplit program on the two streams (``DboConfig.unsplit_overlap``,
+#: :mod:`dbo_compile.passes.unsplit_overlap`) among a bucket's graphs
+UNSPLIT_OVERLAP = "unsplit-overlap"
+#: the names of the unsplit graphs a bucket may capture (the serial one first): what runs a
+#: step that is not split; the runner keeps the faster
+UNSPLIT_GRAPHS: tuple[str, ...] = ("unsplit", UNSPLIT_OVERLAP)
 _CARVEOUT_SUFFIX = re.compile(r"^(?P<base>.+)\+sms(?P<sms>[1-9][0-9]*)$")
 
 

@@ -62,6 +62,14 @@ class ScheduleConfig(OptionGroup):
             where torch has ``torch._C._set_sm_carveout_experimental``; cap the NCCL side with
             :func:`dbo_compile.runtime.streams.new_ep_group`). ``None``: none (vLLM's default
             is 20; it did not help on 2x H200: ``docs/config.md``).
+        unsplit_overlap: also compile the unsplit program on the two streams (one ubatch,
+            :mod:`dbo_compile.passes.unsplit_overlap`): each comm op on the comm stream, the
+            compute that does not depend on it (the shared experts beside the dispatch) on
+            the compute stream at the same time; the CUDA-graph runner times it beside the
+            serial unsplit graph at every bucket and runs the faster where a step is not
+            split (``min_gain`` as for the split). The eager path runs the serial one. Off by
+            default until measured on a GPU; while off, it is outside the fingerprint (the
+            programs and their dumps are those of before).
 
     Raises:
         DboConfigError: an unknown scheduler or candidate name, a value of the wrong type.
@@ -72,9 +80,21 @@ class ScheduleConfig(OptionGroup):
     sm_carveout_candidates: tuple | None = None
     join_experts: bool = False
     comm_sms: int | None = None
+    unsplit_overlap: bool = False
+
+    def fingerprint_data(self) -> dict[str, Any]:
+        """The fields that can change the compiled program; ``unsplit_overlap`` only when on
+        (off, the programs are those of a config without the option: the same fingerprint,
+        the same compile-cache entries and dump names)."""
+        data = super().fingerprint_data()
+        if not self.unsplit_overlap:
+            del data["unsplit_overlap"]
+        return data
 
     def __post_init__(self) -> None:
         self._check_choice("scheduler", _SCHEDULERS)
+        if not isinstance(self.unsplit_overlap, bool):
+            raise self.error("unsplit_overlap", "must be a bool")
         if self.comm_sms is not None and (not isinstance(self.comm_sms, int)
                                           or isinstance(self.comm_sms, bool) or self.comm_sms < 1):
             raise self.error("comm_sms", "must be None or a positive int (SMs)")

@@ -22,6 +22,8 @@ each pass is its module's ``PASS``, run by :class:`~dbo_compile.passes.manager.P
                     stream_assign  stages, list schedule on two streams, events
                     codegen        the generated wrapper (codegen/wrapper.py)
     unsplit         unsplit        the lowered graph as the unsplit program (codegen/stages.py)
+                    unsplit_overlap (``unsplit_overlap`` on) the lowered graph as one ubatch
+                                   on the two streams (passes/unsplit_overlap.py)
 
 A new pass is one module exporting its ``PASS`` and one entry in a list below (or, from
 outside the package, :func:`~dbo_compile.passes.manager.register_pass`). The candidates
@@ -61,6 +63,7 @@ from dbo_compile.passes import (
     state_threads,
     stream_assign,
     token_dim,
+    unsplit_overlap,
 )
 from dbo_compile.passes.candidate_driver import compile_candidates, dump_programs
 from dbo_compile.passes.predict import predict_bucket
@@ -107,10 +110,11 @@ def pipeline_passes() -> list[GraphPass]:
 def pass_names() -> list[str]:
     """The name of every step the compile times, in pipeline order, as the keys of
     ``artifact.compile_times`` (a candidate's without its ``[candidate]`` tag): the backend's
-    ``inline_regions``, the passes of the lists (user passes included), ``codegen`` and
-    ``unsplit``; with ``cache_dir`` also ``cache_key``, ``cache_load`` and ``cache_store``,
-    which are not listed."""
-    return ["inline_regions", *(p.name for p in pipeline_passes()), "codegen", "unsplit"]
+    ``inline_regions``, the passes of the lists (user passes included), ``codegen``,
+    ``unsplit`` and (``unsplit_overlap`` on) ``unsplit_overlap``; with ``cache_dir`` also
+    ``cache_key``, ``cache_load`` and ``cache_store``, which are not listed."""
+    return ["inline_regions", *(p.name for p in pipeline_passes()), "codegen", "unsplit",
+            "unsplit_overlap"]
 
 
 def _check_passes(config: DboConfig) -> None:
@@ -170,7 +174,9 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     gm = manager.run(gm, BIND_PASSES, state)
     stages = stage_compiler(config)
     key = None
-    if config.cache_dir:
+    if config.cache_dir and config.unsplit_overlap:  # an entry stores no overlapped program
+        log.info("dbo: compile cache not used: unsplit_overlap's program is not stored in it")
+    elif config.cache_dir:
         key = manager.time("cache_key", cache.cache_key, gm, example_inputs, config, input_kinds,
                            user_pass_keys())
         found = manager.time("cache_load", _from_cache, key, gm, config, stages,
@@ -224,6 +230,13 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, manager: PassManager
     # the unsplit program is the lowered graph: symbolic in the token dim, so it also runs at
     # the padded token count the DP vote agrees on
     unsplit = manager.time("unsplit", stages.unsplit, lowered_gm)
+    overlapped = None
+    if config.unsplit_overlap:
+        try:
+            overlapped = manager.time("unsplit_overlap", unsplit_overlap.unsplit_overlap,
+                                      lowered_gm, state, stages.compile_stage)
+        except UnsplittableGraphError as e:  # a result pool no one-ubatch order honours
+            log.info("dbo: %s dropped: %s", unsplit_overlap.UNSPLIT_OVERLAP, e)
     log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
              "(%.2f s)", config.num_ubatches, len(state.comms), len(schedule.units),
              len(schedule.event_edges), time.perf_counter() - t0)
@@ -238,7 +251,7 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, manager: PassManager
         state_inputs=state_threads.state_inputs(lowered_gm.graph, state.specs),
         split_collectives=comm_fingerprint(primary_gm.graph, schedule),
         unsplit_collectives=comm_fingerprint(lowered_gm.graph),
-        lowered_gm=lowered_gm, split_gm=split_gm,
+        unsplit_overlap=overlapped, lowered_gm=lowered_gm, split_gm=split_gm,
         token_symbols=state.token_symbols)  # the cost model's (and a calibration's)
     return record, cands.programs
 

@@ -163,6 +163,10 @@ class CompiledArtifact:
         unsplit: the unsplit program, a callable over the graph inputs at any token count
             (fixed to the traced count for a static graph: ``fixed_num_tokens``).
         split_program: the primary split program (``None``: not split).
+        unsplit_overlap: the unsplit program on the comm and compute streams
+            (:class:`~dbo_compile.passes.unsplit_overlap.OverlappedUnsplit`; called as
+            ``unsplit``), which the CUDA-graph runner times beside it (``None``: not compiled,
+            ``DboConfig.unsplit_overlap`` off or no comm op).
         candidates: every compiled split program by schedule-candidate name, the primary
             first (empty: not split).
         signature: how the split program's inputs and outputs map to the graph's (``None``:
@@ -226,6 +230,7 @@ class CompiledArtifact:
         self.reason = reason
         self.row_local = row_local
         self.split_program = split_program
+        self.unsplit_overlap: Callable[..., Any] | None = None
         self.candidates: dict[str, Any] = dict(candidates or {})
         self.signature = signature
         self.compile_times: dict[str, float] = dict(compile_times or {})

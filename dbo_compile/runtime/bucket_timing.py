@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from dbo_compile.candidates import UNSPLIT_GRAPHS, UNSPLIT_OVERLAP
 from dbo_compile.runtime.buckets import BucketGraphs
 from dbo_compile.runtime.vote import vote_device
 from dbo_compile.timing import samples_us
@@ -19,9 +20,17 @@ log = logging.getLogger(__name__)
 
 
 def timed_graphs(b: BucketGraphs, mode: str) -> list[str]:
-    """The graphs of ``b`` whose times can change its choice (``split`` mode ``mode``): the
-    split candidates, and with ``"auto"`` the unsplit graph; none where fewer than two remain."""
-    names = [k for k in b.graphs if k != "unsplit" or mode == "auto"]
+    """The graphs of ``b`` whose times can change its choice (``split`` mode ``mode``), in
+    capture order: the split candidates where there are several, or with ``"auto"`` (they
+    race the unsplit graph); the unsplit graphs where there are two (the serial one and
+    ``"unsplit-overlap"``), or with ``"auto"`` and a split candidate; none where fewer than
+    two remain."""
+    split = [k for k in b.graphs if k not in UNSPLIT_GRAPHS]
+    unsplit = [k for k in b.graphs if k in UNSPLIT_GRAPHS]
+    races = mode == "auto" and bool(split)
+    names = set(split if len(split) > 1 or races else ()) | set(
+        unsplit if len(unsplit) > 1 or races else ())
+    names = [k for k in b.graphs if k in names]
     return names if len(names) > 1 else []
 
 
@@ -57,12 +66,20 @@ def time_graphs(b: BucketGraphs, names: Sequence[str], iters: int, cuda: bool
 
 
 def decide(b: BucketGraphs, min_gain: float, keep_candidates: bool) -> None:
-    """The fastest split candidate, and whether it runs at all (``split`` mode); the other
-    candidates' graphs are dropped at once (unless ``keep_candidates``), so that later
-    captures reuse their memory; ``min_gain``: see :class:`~.cudagraph_runner.CudaGraphRunner`."""
+    """The unsplit graph a step that is not split runs (``"unsplit-overlap"`` where it beats
+    the serial one by ``min_gain``), the fastest split candidate, and whether it runs at all
+    (``split`` mode; with ``"auto"`` it must beat the unsplit graph chosen by ``min_gain``);
+    the other graphs are dropped at once (unless ``keep_candidates``; the serial unsplit
+    graph is always kept), so that later captures reuse their memory; ``min_gain``: see
+    :class:`~.cudagraph_runner.CudaGraphRunner`."""
     mode = b.artifact.config.split
-    split = [k for k in b.graphs if k != "unsplit"]
-    best = min(split, key=lambda k: (b.times_us[k], k)) if len(split) > 1 else (
+    times = b.times_us
+    b.unsplit_choice = "unsplit"
+    if (UNSPLIT_OVERLAP in times and "unsplit" in times
+            and times[UNSPLIT_OVERLAP] <= (1.0 - min_gain) * times["unsplit"]):
+        b.unsplit_choice = UNSPLIT_OVERLAP
+    split = [k for k in b.graphs if k not in UNSPLIT_GRAPHS]
+    best = min(split, key=lambda k: (times[k], k)) if len(split) > 1 else (
         split[0] if split else None)
     b.best_candidate = best
     if best is None or mode == "never":
@@ -70,8 +87,8 @@ def decide(b: BucketGraphs, min_gain: float, keep_candidates: bool) -> None:
     elif mode == "always":
         b.choice = best
     else:
-        faster = b.times_us[best] <= (1.0 - min_gain) * b.times_us["unsplit"]
+        faster = times[best] <= (1.0 - min_gain) * times[b.unsplit_choice]
         b.choice = best if faster else "unsplit"
     if not keep_candidates:
-        for name in [k for k in b.graphs if k not in ("unsplit", best)]:
+        for name in [k for k in b.graphs if k not in ("unsplit", b.unsplit_choice, best)]:
             del b.graphs[name], b.outs[name]

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from dbo_compile.candidates import UNSPLIT_GRAPHS
 from dbo_compile.errors import GraphRunnerError
 from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata
 from dbo_compile.runtime.artifact import CompiledArtifact
@@ -77,14 +78,18 @@ class BucketGraphs:
             :class:`~dbo_compile.runtime.artifact.CompiledArtifact`).
         args: the static graph inputs (token rows = ``tokens``; ``tokens`` requests).
         split_args: the split program's static per-ubatch inputs (``None``: not split).
-        graphs / outs: ``"unsplit"`` and each split schedule candidate's graph and static
-            outputs (after the choice only ``"unsplit"`` and the chosen candidate are kept).
+        graphs / outs: ``"unsplit"``, ``"unsplit-overlap"`` (the unsplit program on the two
+            streams, where the artifact has one: ``DboConfig.unsplit_overlap``) and each split
+            schedule candidate's graph and static outputs (after the choice only
+            ``"unsplit"``, ``unsplit_choice`` and the chosen candidate are kept).
         times_us: replay time (µs, median, max over the DP group) of each graph whose time
             can change the choice: the split candidates, and with ``split="auto"`` the unsplit
             graph; nothing where there is one graph to choose from (no split graph, or
             ``"always"`` with one candidate).
         choice: ``"unsplit"`` or the name of the split candidate this bucket runs when the vote
             splits.
+        unsplit_choice: the unsplit graph this bucket runs when the step is not split:
+            ``"unsplit"`` or, where it was faster by ``min_gain``, ``"unsplit-overlap"``.
         best_candidate: the fastest split candidate (``None``: not split), chosen or not.
         input_pos: graph-input position of each step input (``input_ids``, ``positions``,
             metadata fields) in ``args``.
@@ -117,6 +122,7 @@ class BucketGraphs:
     outs: dict[str, Any] = field(default_factory=dict)
     times_us: dict[str, float] = field(default_factory=dict)
     choice: str = "unsplit"
+    unsplit_choice: str = "unsplit"
     best_candidate: str | None = None
     input_pos: dict[str, int] = field(default_factory=dict)
     warmup_s: dict[str, float] = field(default_factory=dict)
@@ -137,9 +143,15 @@ class BucketGraphs:
         return self.times_us.get("unsplit")
 
     @property
+    def t_unsplit_best_us(self) -> float | None:
+        """The time (µs) of the unsplit graph this bucket runs (``unsplit_choice``): the
+        baseline of its speedup; ``None`` when it was not timed."""
+        return self.times_us.get(self.unsplit_choice)
+
+    @property
     def t_split_us(self) -> float | None:
         """The fastest split candidate's time (µs), ``None`` when none was timed."""
-        split = [t for k, t in self.times_us.items() if k != "unsplit"]
+        split = [t for k, t in self.times_us.items() if k not in UNSPLIT_GRAPHS]
         return min(split) if split else None
 
 

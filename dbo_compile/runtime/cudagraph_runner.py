@@ -14,7 +14,8 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
    compiles it; the runner records the artifact and its graph inputs, which become the bucket's
    static input buffers), and a prefill-shaped one that must reach the same compiled graph
    (Inductor compiles nothing for it: :func:`~dbo_compile.runtime.context.traced_only`);
-2. captures the **unsplit** program and, when the graph was split, the **split** (DBO)
+2. captures the **unsplit** program (and, with ``unsplit_overlap``, the unsplit program on the
+   two streams, ``"unsplit-overlap"``: the shared experts beside the dispatch) and, when the graph was split, the **split** (DBO)
    program candidates the backend compiled (``schedule_candidates``, ``sm_carveout_candidates``)
    that can win at this bucket (with a calibration, those the cost model predicts within
    ``prune_margin`` of the best, none where no split can win by ``min_gain``: :mod:`.prune`;
@@ -22,8 +23,10 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
    graphs into one memory pool (:meth:`CudaGraphRunner.memory_report`);
 3. times the graphs by replaying them (``timing_iters`` replays each, interleaved rounds,
    median, CUDA events), takes the max over every rank of the job and keeps the fastest split
-   candidate; with ``split="auto"`` the bucket splits only where that candidate is faster than the
-   unsplit graph by ``min_gain`` (fraction, default 3 %: :data:`MIN_GAIN`) or more. The table
+   candidate, and ``"unsplit-overlap"`` for the steps that are not split where it beats the
+   serial unsplit graph by ``min_gain``; with ``split="auto"`` the bucket splits only where that
+   candidate is faster than the unsplit graph kept by ``min_gain`` (fraction, default 3 %:
+   :data:`MIN_GAIN`) or more. The table
    is therefore identical on every rank. ``split="always"``/``"never"`` force it (``"never"``
    captures no split graph). Only graphs whose time can change the choice are timed: none in
    a bucket with one candidate, not the unsplit graph with ``"always"``.
@@ -89,6 +92,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dbo_compile.candidates import UNSPLIT_OVERLAP
 from dbo_compile.errors import GraphRunnerError, UBatchExecutionError
 from dbo_compile.metadata import AttentionMetadata, HostCounts
 from dbo_compile.ops.comm import run_watched
@@ -367,7 +371,7 @@ class CudaGraphRunner:
             "warmup_s": self.warmup_s(),
             "buckets": {t: {"warmup_s": dict(b.warmup_s), "graph_s": dict(b.graph_s),
                             "graphs_captured": len(b.graph_s), "timed": sorted(b.times_us),
-                            "choice": b.choice,
+                            "choice": b.choice, "unsplit_choice": b.unsplit_choice,
                             "stage_kinds": dict(collections.Counter(b.stage_kinds.values())),
                             "prune": None if b.prune is None else b.prune.to_dict()}
                         for t, b in sorted(self.graphs.items())},
@@ -383,6 +387,9 @@ class CudaGraphRunner:
     def _capture_bucket(self, b: BucketGraphs, cuda: bool) -> None:
         art = b.artifact
         self._graph(b, "unsplit", lambda: run_watched(art.unsplit, *b.args), cuda)
+        if art.unsplit_overlap is not None:  # the same inputs, outputs and collectives
+            self._graph(b, UNSPLIT_OVERLAP, lambda: run_watched(art.unsplit_overlap, *b.args),
+                        cuda)
         # no step of this bucket can split (the vote's own thresholds; a split step is padded
         # to a multiple of num_ubatches, so it never runs in another bucket): no split graph
         never = (b.tokens < min_split_tokens(art.config)
@@ -425,8 +432,11 @@ class CudaGraphRunner:
         rows = []
         for t in sorted(self.graphs):
             b = self.graphs[t]
-            unsplit, split = ("-" if v is None else f"{v:.0f}" for v in (b.t_unsplit_us, b.t_split_us))
-            rows.append(f"{t}: unsplit {unsplit} us, split {split} us -> {b.choice}")
+            unsplit, split, overlap = ("-" if v is None else f"{v:.0f}" for v in (
+                b.t_unsplit_us, b.t_split_us, b.times_us.get(UNSPLIT_OVERLAP)))
+            extra = "" if b.artifact.unsplit_overlap is None else f", {UNSPLIT_OVERLAP} {overlap} us"
+            rows.append(f"{t}: unsplit {unsplit} us{extra}, split {split} us -> {b.choice}"
+                        + ("" if b.unsplit_choice == "unsplit" else f" ({b.unsplit_choice})"))
         return "; ".join(rows)
 
     # -- serving path ---------------------------------------------------------------------
@@ -511,7 +521,7 @@ class CudaGraphRunner:
         b = self.graphs[tokens]
         split = decision.should_split and b.use_split
         self.last_choice = (tokens, "split" if split else "unsplit")
-        name = b.choice if split else "unsplit"
+        name = b.choice if split else b.unsplit_choice
         self.last_graph = name
         try:
             self._load(tokens, input_ids, positions, attn_metadata, decision.qlens, split,

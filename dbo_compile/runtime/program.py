@@ -164,6 +164,8 @@ class SplitRecord:
         split_collectives / unsplit_collectives: the fingerprints of the collectives the
             primary split program / ``unsplit`` issue, in issue order: ops, dtypes, static
             sizes, constants (:func:`~dbo_compile.ops.registry.comm_fingerprint`).
+        unsplit_overlap: the unsplit program on the two streams
+            (:mod:`~dbo_compile.passes.unsplit_overlap`; ``None``: not compiled).
         lowered_gm: the lowered graph (a cache entry's may be rebuilt at its first use).
         split_gm: the (unjoined) split graph.
         token_symbols: the symbols of the token and request dims in those graphs (the cost
@@ -192,6 +194,7 @@ class SplitRecord:
     state_inputs: Sequence[int] = ()
     split_collectives: str | None = None
     unsplit_collectives: str | None = None
+    unsplit_overlap: Callable[..., Any] | None = None
     lowered_gm: Any = None
     split_gm: Any = None
     token_symbols: frozenset | None = None
@@ -239,6 +242,7 @@ class SplitArtifact(CompiledArtifact):
                          unsplit_collectives=record.unsplit_collectives,
                          float_guards=record.float_guards, guard_fallback=record.guard_fallback)
         self.split_collectives = record.split_collectives
+        self.unsplit_overlap = record.unsplit_overlap
         self.fingerprint = f"{split_program.schedule.fingerprint()}/{record.split_collectives}"
         self.kv_block_sizes = record.kv_block_sizes
         self._warned_block_size = False

@@ -119,6 +119,9 @@ def moe_parser(description: str | None = None, json_default: str | None = None
                         "default (NCCL) group, whose vote table goes through the GPU and syncs "
                         "the host every step (the runs up to 2026-11-30)")
     p.add_argument("--calibration", default=None, help="option calibration (a JSON file)")
+    p.add_argument("--unsplit-overlap", action="store_true",
+                   help="option unsplit_overlap: the runner also captures the unsplit program on "
+                        "two streams (graph 'unsplit-overlap'); baseline = the faster unsplit graph")
     p.add_argument("--inductor", action="store_true",
                    help="also time the unsplit model compiled by Inductor, in a CUDA graph")
     e = p.add_argument_group("emulated EP world on one GPU (benchmarks/bench_emulated.py)")
@@ -199,13 +202,14 @@ def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, An
     process (``--scheduler``, ``--comm-sms``: the split program's SM carve-out, as the
     emulated comm kernels would hold them; ``--compute-backend``, ``--carveout-candidates``,
     ``--candidates``, ``--calibration``, ``--latency-us``, ``--hold-sms``: the SMs each
-    transfer holds)."""
+    transfer holds; ``--unsplit-overlap``)."""
     emulated = {"world_size": w, "link_gbps": gbps}
     options = {"comm_backend": "emulated", "comm_backend_options": emulated,
                "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
                "scheduler": args.scheduler, "compute_backend": args.compute_backend,
                "sm_carveout_candidates": args.carveouts,
-               "schedule_candidates": args.candidate_names, "dp_group_name": None}
+               "schedule_candidates": args.candidate_names, "dp_group_name": None,
+               "unsplit_overlap": args.unsplit_overlap}
     if args.comm_sms is not None:
         options["comm_sms"] = args.comm_sms
     if args.latency_us:

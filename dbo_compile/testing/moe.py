@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dbo_compile.config import DboConfig
+from dbo_compile.candidates import UNSPLIT_GRAPHS, UNSPLIT_OVERLAP
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops import comm as _comm
 from dbo_compile.ops import emulated as _emulated
@@ -300,3 +301,21 @@ def comm_ops_fn(world: _emulated.EmulatedWorld, cfg: Any, dtype: torch.dtype,
     def run():
         two_in_flight(calls, backend.receive)
     return run
+
+
+def baseline(t: dict) -> tuple[float, float, str]:
+    """(serial unsplit graph's time, the baseline's time, the baseline's graph): the faster of
+    the serial unsplit graph and ``unsplit-overlap`` (where captured) on the benchmark's step,
+    so that DBO speedups are against the best unsplit program (issue 28 item 6)."""
+    serial = t["graph:unsplit"]
+    overlap = t.get(f"graph:{UNSPLIT_OVERLAP}")
+    if overlap is not None and overlap < serial:
+        return serial, overlap, UNSPLIT_OVERLAP
+    return serial, serial, "unsplit"
+
+
+def variants(t: dict) -> dict:
+    """The split candidates' graph times (``graph:NAME`` keys, the unsplit graphs left out)."""
+    return {k[6:]: v for k, v in t.items()
+            if k.startswith("graph:") and k[6:] not in UNSPLIT_GRAPHS}
+
