@@ -227,6 +227,40 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> dict:
             "finite": bool(torch.isfinite(a).all())}
 
 
+def noise_floor(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: Any, ref: torch.Tensor, *, fraction: float = 0.05,
+                seed: int = 0) -> dict:
+    """How far the unsplit model's own answer moves under a change of rounding alone:
+    :func:`rel_err` against ``ref`` (``[T, vocab]`` fp32, the model's answer for this step) of
+    the model run eagerly again with the hidden state entering its first layer moved by one
+    ulp of its dtype on ``fraction`` of the elements (drawn with ``seed``), what a GEMM of
+    another row count (a ubatch) or a fused kernel legitimately changes.
+
+    Fine-grained top-k routing turns such a change into a different expert for the tokens
+    whose K-th and (K+1)-th gate logits are within a few ulps of each other: in bf16 with
+    DeepSeek-V3's routing (8 of 256 experts, renormalised, x2.5) about a tenth of the tokens,
+    a max_rel of 0.1-0.3 on the logits (V2-Lite's 6 of 64: about 0.03); see docs/emulated.md,
+    "Numerics at V3 routing". A split program's error at or under this floor is a different
+    rounding, not a wrong answer. The model writes its KV cache again (the same slots);
+    nothing else changes (the hook is removed on return)."""
+    first = model.layers[0]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def nudge(_module, args):
+        x = args[0]
+        moved = (torch.rand(x.shape, generator=gen) < fraction).to(x.device)
+        up = x.to(torch.float32) * (1.0 + torch.finfo(x.dtype).eps)
+        return (torch.where(moved, up.to(x.dtype), x), *args[1:])
+
+    handle = first.register_forward_pre_hook(nudge)
+    try:
+        with torch.no_grad():
+            out = model(input_ids, positions, attn_metadata)
+    finally:
+        handle.remove()
+    return rel_err(out, ref)
+
+
 def time_graph(fn, iters: int, reps: int = 1) -> tuple[float, Any]:
     """Capture ``reps`` calls of ``fn`` as one CUDA graph (after warm-up calls); the median of
     ``iters`` CUDA-event-timed replays in µs per call, and the last call's output
