@@ -10,6 +10,7 @@ import logging
 import operator
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -88,10 +89,30 @@ def _entries(tmp_path):
     return sorted(p for p in os.listdir(tmp_path) if p.endswith(".pkl"))
 
 
-def test_in_process_hit_and_a_config_change_misses(tmp_path):
-    first = _compile(tmp_path)
+@pytest.fixture(scope="module")
+def hit(tmp_path_factory):
+    """One cold compile into a fresh cache dir and one in-process hit after a Dynamo reset:
+    ``(dir, first, again)``. The tests only read them; a test that writes entries works in a
+    copy of the dir (:func:`_copy_of`)."""
+    path = tmp_path_factory.mktemp("hit")
     torch._dynamo.reset()
-    again = _compile(tmp_path)
+    first = _compile(path)
+    torch._dynamo.reset()
+    again = _compile(path)
+    torch._dynamo.reset()
+    return path, first, again
+
+
+def _copy_of(hit, tmp_path):
+    """``tmp_path`` holding a copy of the entries of the ``hit`` fixture's dir."""
+    for name in _entries(hit[0]):
+        shutil.copyfile(hit[0] / name, tmp_path / name)
+    return tmp_path
+
+
+def test_in_process_hit_and_a_config_change_misses(hit, tmp_path):
+    _, first, again = hit
+    tmp_path = _copy_of(hit, tmp_path)
     assert "cache_load" in again.compile_times and "lower" not in again.compile_times
     assert again.code == first.code and again.split_gm is None
     assert len(_entries(tmp_path)) == 1
@@ -100,14 +121,12 @@ def test_in_process_hit_and_a_config_change_misses(tmp_path):
     assert "lower" in other.compile_times and len(_entries(tmp_path)) == 2
 
 
-def test_an_entry_keeps_what_the_step_guards_need(tmp_path):
+def test_an_entry_keeps_what_the_step_guards_need(hit):
     """An artifact read back carries the KV block sizes (the prefix-read veto), the output
     specs (the model's structure at the real token count) and both programs' drain plans
     (the step transaction) as compiled: without them a cached program would split a
     shared-prefix step or hang its peers when a rank fails (issue 16's guards)."""
-    first = _compile(tmp_path)
-    torch._dynamo.reset()
-    again = _compile(tmp_path)
+    _, first, again = hit
     assert "cache_load" in again.compile_times
     assert first.kv_block_sizes and again.kv_block_sizes == first.kv_block_sizes
     assert first.output_specs and again.output_specs == first.output_specs
@@ -116,14 +135,14 @@ def test_an_entry_keeps_what_the_step_guards_need(tmp_path):
         assert made and read == made, plan
 
 
-def test_the_key_sees_the_bound_comm_backend(tmp_path, monkeypatch):
+def test_the_key_sees_the_bound_comm_backend(hit, tmp_path, monkeypatch):
     """The key is taken after the bind pass: the same options that bind another backend (what
     ``comm_backend="auto"`` picks depends on the packages present) read no entry of the first."""
     from dbo_compile.ops.comm import CommBackend, get_comm_backend, register_comm_backend
     from dbo_compile.ops.registry import bound_backend, comm_kind
     from dbo_compile.passes import bind
 
-    _compile(tmp_path)
+    tmp_path = _copy_of(hit, tmp_path)  # the entry of these options, bound as by default
     local = get_comm_backend("local")
     register_comm_backend(CommBackend("cache_test", local.dispatch, local.combine, "test"))
     monkeypatch.setattr(bind, "_choose_comm", lambda gm, config, nodes: "cache_test")
@@ -146,8 +165,9 @@ def _recompile(tmp_path, caplog):
     return art, caplog.text
 
 
-def test_corrupt_and_stale_entries_are_ignored_with_a_log_line(tmp_path, caplog):
-    first = _compile(tmp_path)
+def test_corrupt_and_stale_entries_are_ignored_with_a_log_line(hit, tmp_path, caplog):
+    _, first, _ = hit
+    tmp_path = _copy_of(hit, tmp_path)
     (name,) = _entries(tmp_path)
     path = tmp_path / name
     good = path.read_bytes()
@@ -266,7 +286,16 @@ def _served(eps, cache_dir=None, runner=True):
     return out, art, served
 
 
-def test_folded_floats_are_part_of_the_key(tmp_path, caplog):
+@pytest.fixture(scope="module")
+def served_without_cache():
+    """What a process without the cache serves for ``rms_eps=1e-6``: ``(logits, served)``
+    (the reference of the tests below; it reads and writes no cache dir)."""
+    out, _, served = _served(1e-6)
+    torch._dynamo.reset()
+    return out.clone(), served
+
+
+def test_folded_floats_are_part_of_the_key(tmp_path, caplog, served_without_cache):
     """Under ``dynamic=True`` the norms' eps are folded into the lowered and split programs
     (``float_guards``). A process whose model has ``rms_eps=1e-6`` read the entry written for
     ``1e-2``: its CUDA-graph runner served the ``1e-2`` programs (logits off), and ``run_step``
@@ -281,7 +310,7 @@ def test_folded_floats_are_part_of_the_key(tmp_path, caplog):
     assert "changed from the value" not in caplog.text
     assert art.split_by_run_step == 1, art.stats.last_decision
     assert 1e-6 in dict(art.float_guards).values() and 1e-2 not in dict(art.float_guards).values()
-    want_out, _, want_served = _served(1e-6)
+    want_out, want_served = served_without_cache
     torch.testing.assert_close(out, want_out, rtol=0, atol=0)
     torch.testing.assert_close(served, want_served, rtol=0, atol=0)
     # and the same eps again reads its own entry
@@ -291,7 +320,8 @@ def test_folded_floats_are_part_of_the_key(tmp_path, caplog):
     torch.testing.assert_close(served, want_served, rtol=0, atol=0)
 
 
-def test_an_entry_folding_other_floats_is_not_read(tmp_path, caplog, monkeypatch):
+def test_an_entry_folding_other_floats_is_not_read(tmp_path, caplog, monkeypatch,
+                                                   served_without_cache):
     """Checked on read as well: an entry whose programs fold other floats than this graph's
     inputs hold (a key that missed them: here every graph gets one key) is ignored with a
     WARNING, and the graph is compiled (and split) with its own."""
@@ -303,7 +333,7 @@ def test_an_entry_folding_other_floats_is_not_read(tmp_path, caplog, monkeypatch
     assert "does not rebuild" in caplog.text and "fold the floats" in caplog.text
     assert art.split_by_run_step == 1
     assert 1e-6 in dict(art.float_guards).values() and 1e-2 not in dict(art.float_guards).values()
-    want, _, _ = _served(1e-6, runner=False)
+    want, _ = served_without_cache
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 

@@ -167,14 +167,23 @@ def test_without_compile_regions_the_graph_is_inlined_to_nothing(monkeypatch):
     assert seen["calls"] == 0
 
 
-def _compiled_matches_eager(model, step, calls=1, before_call=None):
+def _compiled_matches_eager(model, step, calls=1, before_call=None, on_graph=None):
     """Compile ``model`` with the default options; per call (``before_call(k)`` first) the
-    logits equal eager's; returns the artifacts."""
-    from dbo_compile.backend import compiled_artifacts, reset_artifacts
+    logits equal eager's; returns the artifacts. ``on_graph(gm)`` (if given) sees each Dynamo
+    graph before the backend does (one Dynamo trace for both)."""
+    from dbo_compile.backend import compiled_artifacts, dbo_backend, reset_artifacts
 
     torch._dynamo.reset()
     reset_artifacts()
-    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    options = {"split": "always"}
+    if on_graph is None:
+        compiled = torch.compile(model, backend="dbo", options=options)
+    else:
+        def backend(gm, example_inputs):
+            on_graph(gm)
+            return dbo_backend(gm, example_inputs, options=options)
+
+        compiled = torch.compile(model, backend=backend)
     for k in range(calls):
         if before_call is not None:
             before_call(k)
@@ -198,8 +207,9 @@ def test_more_distinct_layers_than_dynamo_reuses_by_default_compile():
 def test_a_float_attribute_that_changes_between_calls():
     """A float attribute the region reads changes: Dynamo recompiles with it as a tensor, and
     its stamp-out of the reused region passes the later layers the float itself; the inlining
-    reads the float where the subgraph read the tensor (a crash before)."""
-    model, step = build(MIXED_CUT, layers=4)
+    reads the float where the subgraph read the tensor (a crash before). Two layers: the
+    second is the stamp-out."""
+    model, step = build(MIXED_CUT, layers=2)
 
     def scale(k):
         for layer in model.layers:
@@ -220,12 +230,17 @@ def test_dense_first_layers_are_a_second_kind_of_region(monkeypatch):
     _, step = build(MIXED_CUT, layers=5)
     model.allocate_kv_cache(step.num_blocks, step.block_size)
     fill_kv_cache(model, step, seed=0)
-    if deepseek._decoder_layer_region is not None:
-        gm, _ = _dynamo_graph(model, (step.input_ids, step.positions, step.attn_metadata))
+    seen = []
+
+    def regions(gm):  # Dynamo's graph, before the backend inlines its regions
         calls = list(gm.graph.find_nodes(op="call_function",
                                          target=torch.ops.higher_order.invoke_subgraph))
-        assert len(calls) == 5 and len({c.args[0].target for c in calls}) == 2
-    arts = _compiled_matches_eager(model, step)
+        seen.append((len(calls), len({c.args[0].target for c in calls})))
+
+    arts = _compiled_matches_eager(model, step, on_graph=regions)
+    if deepseek._decoder_layer_region is not None:
+        (counts,) = seen
+        assert counts[0] == 5 and counts[1] == 2
     assert len(arts) == 1 and arts[0].is_split
 
 
