@@ -30,7 +30,8 @@ outside the package, :func:`~dbo_compile.passes.manager.register_pass`). The can
 (:mod:`dbo_compile.candidates`) are compiled by :mod:`~dbo_compile.passes.candidate_driver`;
 the config is never rewritten: a fact found on the way (no routed-expert call to join) is
 written into the schedule's ``meta``. With ``cache_dir`` the compile cache
-(:mod:`dbo_compile.codegen.cache`) is read first and written after.
+(:mod:`dbo_compile.codegen.cache`) is read first (:mod:`~dbo_compile.passes.cache_lookup`)
+and written after.
 """
 
 from __future__ import annotations
@@ -41,10 +42,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch._dynamo.utils import counters
 
 import dbo_compile.ops  # noqa: F401  (registers torch.ops.dbo.* and their records)
-from dbo_compile import lowering
 from dbo_compile.codegen import cache
 from dbo_compile.codegen.stages import StageCompiler, stage_compiler
 from dbo_compile.codegen.wrapper import SplitProgram
@@ -65,7 +64,8 @@ from dbo_compile.passes import (
     token_dim,
     unsplit_overlap,
 )
-from dbo_compile.passes.candidate_driver import compile_candidates, dump_programs
+from dbo_compile.passes.cache_lookup import cache_lookup
+from dbo_compile.passes.candidate_driver import compile_candidates
 from dbo_compile.passes.predict import predict_bucket
 from dbo_compile.passes.manager import (
     CompileState,
@@ -74,7 +74,6 @@ from dbo_compile.passes.manager import (
     check_disabled,
     dump_graph,
     registered_passes,
-    user_pass_keys,
     with_user_passes,
 )
 from dbo_compile.runtime.drain import drain_plan
@@ -173,20 +172,11 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     dump_graph("input", gm)
     gm = manager.run(gm, BIND_PASSES, state)
     stages = stage_compiler(config)
-    key = None
-    if config.cache_dir and config.unsplit_overlap:  # an entry stores no overlapped program
-        log.info("dbo: compile cache not used: unsplit_overlap's program is not stored in it")
-    elif config.cache_dir:
-        key = manager.time("cache_key", cache.cache_key, gm, example_inputs, config, input_kinds,
-                           user_pass_keys())
-        found = manager.time("cache_load", _from_cache, key, gm, config, stages,
-                             lowering.folded_floats(gm, example_inputs))
-        # counted where Inductor counts its own (torch._dynamo.utils.counters)
-        counters["dbo_compile"]["cache_hit" if found is not None else "cache_miss"] += 1
-        if found is not None:
-            found.compile_times = dict(manager.times)
-            found.cache_key, found.predict = key, predict_bucket
-            return SplitArtifact(found)
+    key, found = cache_lookup(gm, example_inputs, config, input_kinds, manager, stages)
+    if found is not None:
+        found.compile_times = dict(manager.times)
+        found.cache_key, found.predict = key, predict_bucket
+        return SplitArtifact(found)
     try:
         record, programs = _compile_split(gm, state, manager, stages, t0)
     except UnsplittableGraphError as e:
@@ -198,18 +188,6 @@ def compile_split(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Dbo
     record.compile_times = dict(manager.times)
     record.cache_key, record.predict = key, predict_bucket
     return SplitArtifact(record)
-
-
-def _from_cache(key: str, gm: fx.GraphModule, config: DboConfig, stages: StageCompiler,
-                folds: tuple[tuple[int, float], ...]) -> SplitRecord | None:
-    """The record of ``key``'s entry (:func:`~dbo_compile.codegen.cache.load`), its
-    schedules dumped as a compile's are."""
-    loaded = cache.load(config.cache_dir, key, gm, config, stages, folds)
-    if loaded is None:
-        return None
-    record, programs = loaded
-    dump_programs(programs, config)
-    return record
 
 
 def _compile_split(gm: fx.GraphModule, state: CompileState, manager: PassManager,
@@ -230,13 +208,8 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, manager: PassManager
     # the unsplit program is the lowered graph: symbolic in the token dim, so it also runs at
     # the padded token count the DP vote agrees on
     unsplit = manager.time("unsplit", stages.unsplit, lowered_gm)
-    overlapped = None
-    if config.unsplit_overlap:
-        try:
-            overlapped = manager.time("unsplit_overlap", unsplit_overlap.unsplit_overlap,
-                                      lowered_gm, state, stages.compile_stage)
-        except UnsplittableGraphError as e:  # a result pool no one-ubatch order honours
-            log.info("dbo: %s dropped: %s", unsplit_overlap.UNSPLIT_OVERLAP, e)
+    overlapped = unsplit_overlap.overlapped_unsplit(lowered_gm, state, manager,
+                                                    stages.compile_stage)
     log.info("dbo: split into %d ubatches, %d comm ops per ubatch, %d units, %d event edges "
              "(%.2f s)", config.num_ubatches, len(state.comms), len(schedule.units),
              len(schedule.event_edges), time.perf_counter() - t0)

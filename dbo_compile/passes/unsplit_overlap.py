@@ -36,16 +36,17 @@ import torch.fx as fx
 
 from dbo_compile.candidates import UNSPLIT_OVERLAP, Candidate
 from dbo_compile.codegen.wrapper import SplitProgram
+from dbo_compile.errors import UnsplittableGraphError
 from dbo_compile.passes import stream_assign
 from dbo_compile.passes.insert_yields import insert_yields
-from dbo_compile.passes.manager import CompileState
+from dbo_compile.passes.manager import CompileState, PassManager
 from dbo_compile.passes.split_ubatch import split_ubatch
 from dbo_compile.schedule import Schedule
 from dbo_compile.signature import SplitSignature
 
 log = logging.getLogger(__name__)
 
-__all__ = ["UNSPLIT_OVERLAP", "OverlappedUnsplit", "unsplit_overlap"]
+__all__ = ["UNSPLIT_OVERLAP", "OverlappedUnsplit", "overlapped_unsplit", "unsplit_overlap"]
 
 class OverlappedUnsplit:
     """The unsplit program scheduled on the comm and compute streams (one ubatch).
@@ -109,3 +110,22 @@ def unsplit_overlap(lowered_gm: fx.GraphModule, state: CompileState,
              UNSPLIT_OVERLAP, len(schedule.units), len(schedule.event_edges),
              schedule.predicted_step_us, schedule.serial_us)
     return OverlappedUnsplit(program, signature)
+
+
+def overlapped_unsplit(lowered_gm: fx.GraphModule, state: CompileState, manager: PassManager,
+                       compile_stage: Callable[[fx.GraphModule, Any], Callable] | None
+                       ) -> OverlappedUnsplit | None:
+    """:func:`unsplit_overlap` as the pipeline runs it: ``None`` unless
+    ``state.config.unsplit_overlap``, timed by ``manager`` as ``unsplit_overlap``, and
+    dropped (``None``, logged) where no one-ubatch order honours a comm backend's result pool.
+
+    Raises:
+        ScheduleError: the unit graph has a cycle.
+    """
+    if not state.config.unsplit_overlap:
+        return None
+    try:
+        return manager.time("unsplit_overlap", unsplit_overlap, lowered_gm, state, compile_stage)
+    except UnsplittableGraphError as e:  # a result pool no one-ubatch order honours
+        log.info("dbo: %s dropped: %s", UNSPLIT_OVERLAP, e)
+        return None

@@ -10,24 +10,29 @@ buffers (:mod:`~dbo_compile.runtime.cudagraph_runner` captures and replays them)
 - :class:`OutputMap`: the model's return value in terms of the graph's flat outputs, cut to the
   step's real token rows on replay;
 - :func:`serving_buckets`: a serving engine's bucket list (decode sizes, then prefill sizes);
-- :func:`memory_report`: the CUDA-graph memory of the captured buckets.
+- :func:`memory_report`: the CUDA-graph memory of the captured buckets; :func:`bucket_stats`,
+  :func:`describe`, :func:`warmup_text`: the runner's per-bucket report;
+- :func:`dummy_step`: the synthetic warm-up step; :func:`copy_plan`: which static inputs a
+  step is copied into; :func:`split_program_fn`: a split candidate as the callable captured.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
-from dbo_compile.candidates import UNSPLIT_GRAPHS
+from dbo_compile.candidates import UNSPLIT_GRAPHS, UNSPLIT_OVERLAP
 from dbo_compile.errors import GraphRunnerError
 from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata
 from dbo_compile.runtime.artifact import CompiledArtifact
 from dbo_compile.runtime.context import last_outputs
 from dbo_compile.runtime.numbers import InputNumbers
+from dbo_compile.runtime.padding import join_ubatch_outputs
 
 log = logging.getLogger(__name__)
 
@@ -347,3 +352,91 @@ def memory_report(graphs: dict[int, BucketGraphs], cuda: bool) -> dict[str, Any]
     total = {k: sum(v[k] or 0 for v in buckets.values()) if cuda else None
              for k in ("unsplit", "split", "split_all")}
     return {"pool_shared": True, "buckets": buckets, "total": total}
+
+
+def dummy_step(tokens: int, device: torch.device, max_blocks_per_req: int,
+               vocab_size: int | None, prefill: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """A synthetic step of ``tokens`` rows whose KV writes go nowhere (slot -1):
+    ``tokens`` one-token requests, or (``prefill``) two requests of half the tokens each.
+
+    Returns ``(input_ids, positions, attn_metadata, qlens)`` on ``device``: ``[tokens]`` int64
+    ids (random below ``vocab_size``, seeded by ``tokens``, when given; else zeros), ``[tokens]``
+    int64 zero positions, metadata with a ``max_blocks_per_req``-wide zero block table, and the
+    tokens per request (host ints). The CUDA-graph runner's warm-up steps."""
+    dev = device
+    i32 = dict(dtype=torch.int32, device=dev)
+    qlens = [tokens // 2, tokens - tokens // 2] if prefill else [1] * tokens
+    qsl = torch.tensor([0] + qlens, **i32).cumsum(0, dtype=torch.int32)
+    md = AttentionMetadata(
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(qlens, **i32),
+        num_computed_tokens=torch.zeros(len(qlens), **i32),
+        block_table=torch.zeros(len(qlens), max_blocks_per_req, **i32),
+        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
+        max_query_len=max(qlens, default=0), max_seq_len=max(qlens, default=0))
+    if vocab_size:
+        gen = torch.Generator().manual_seed(tokens)
+        ids = torch.randint(0, vocab_size, (tokens,), generator=gen).to(dev)
+    else:
+        ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+    return ids, torch.zeros(tokens, dtype=torch.int64, device=dev), md, qlens
+
+
+def bucket_stats(graphs: dict[int, BucketGraphs]) -> dict[int, dict[str, Any]]:
+    """Per bucket (sorted): its ``warmup_s`` by part, the graphs it captured (``graph_s``,
+    seconds, and ``graphs_captured``) and timed, its choices, how many of its Inductor stages
+    run dynamic / static / ATen code (``stage_kinds``) and ``prune``
+    (:class:`~dbo_compile.runtime.prune.PrunePlan`): the runner's ``stats["buckets"]``."""
+    return {t: {"warmup_s": dict(b.warmup_s), "graph_s": dict(b.graph_s),
+                "graphs_captured": len(b.graph_s), "timed": sorted(b.times_us),
+                "choice": b.choice, "unsplit_choice": b.unsplit_choice,
+                "stage_kinds": dict(collections.Counter(b.stage_kinds.values())),
+                "prune": None if b.prune is None else b.prune.to_dict()}
+            for t, b in sorted(graphs.items())}
+
+
+def describe(graphs: dict[int, BucketGraphs]) -> str:
+    """One line per bucket (sorted): replay times (µs) and the choice."""
+    rows = []
+    for t in sorted(graphs):
+        b = graphs[t]
+        unsplit, split, overlap = ("-" if v is None else f"{v:.0f}" for v in (
+            b.t_unsplit_us, b.t_split_us, b.times_us.get(UNSPLIT_OVERLAP)))
+        extra = "" if b.artifact.unsplit_overlap is None else f", {UNSPLIT_OVERLAP} {overlap} us"
+        rows.append(f"{t}: unsplit {unsplit} us{extra}, split {split} us -> {b.choice}"
+                    + ("" if b.unsplit_choice == "unsplit" else f" ({b.unsplit_choice})"))
+    return "; ".join(rows)
+
+
+def copy_plan(b: BucketGraphs, split: bool
+              ) -> tuple[Sequence[tuple[int, int | None]], Sequence[Any], list[int]]:
+    """:func:`copy_into`'s ``inputs``, ``specs`` and ``positions`` for the unsplit graph of
+    ``b`` (``split=False``) or its split program: only the positions a step can change (the
+    step's own inputs, token-indexed inputs, which are padded per step, and whatever is cut
+    per ubatch); the others (weights, KV caches) are the captured objects themselves."""
+    art = b.artifact
+    step = set(b.input_pos.values()) | {s.index for s in art.specs if s.kind == "token"}
+    if split:
+        inputs = art.signature.inputs
+        positions = [pos for pos, (index, ubatch) in enumerate(inputs)
+                     if ubatch is not None or index in step]
+    else:
+        inputs = tuple((i, None) for i in range(len(b.args)))
+        positions = sorted(step)
+    return inputs, art.specs, positions
+
+
+def warmup_text(seconds: dict[str, float]) -> str:
+    """Warm-up ``seconds`` by part, in :data:`WARMUP_PARTS` order, for the log."""
+    return ", ".join(f"{part} {seconds[part]:.2f} s" for part in WARMUP_PARTS if part in seconds)
+
+
+def split_program_fn(program: Any, split_args: list[Any], art: CompiledArtifact,
+                     tokens: int) -> Callable[[], Any]:
+    """``program`` (a split schedule candidate of ``art``) as a zero-argument callable over the
+    static per-ubatch inputs ``split_args`` (a bucket's ``BucketGraphs.split_args``); its
+    outputs concatenated in ubatch order, token-indexed ones at the bucket's ``tokens`` rows:
+    what the runner captures per candidate, and what the benchmarks time beside it."""
+    outputs, specs = art.signature.outputs, art.output_specs
+    return lambda: join_ubatch_outputs(program(*split_args), outputs, specs, tokens)

@@ -83,7 +83,6 @@ tokens/rank).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import operator
@@ -102,11 +101,17 @@ from dbo_compile.runtime.buckets import (
     WARMUP_PARTS,
     BucketGraphs,
     OutputMap,
+    bucket_stats,
     check_artifact,
     copy_into,
-    memory_report,
+    copy_plan,
+    describe,
+    dummy_step,
     graph_args,
     map_inputs,
+    memory_report,
+    split_program_fn,
+    warmup_text,
 )
 from dbo_compile.runtime.capture import EagerGraph, capture, state_kept
 from dbo_compile.runtime.context import (
@@ -118,8 +123,8 @@ from dbo_compile.runtime.context import (
     uncounted,
 )
 from dbo_compile.runtime.engine import run_step
-from dbo_compile.runtime.numbers import InputNumbers
-from dbo_compile.runtime.padding import join_ubatch_outputs, pad_args
+from dbo_compile.runtime.numbers import InputNumbers, changed_reason
+from dbo_compile.runtime.padding import pad_args
 from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
 from dbo_compile.runtime.vote import min_split_tokens
 
@@ -243,33 +248,12 @@ class CudaGraphRunner:
         self._copy_plans: dict[tuple[int, bool], tuple[Any, Any, list[int]]] = {}
 
     # -- warm-up --------------------------------------------------------------------------
-    def _dummy_step(self, tokens: int, prefill: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """A synthetic step of ``tokens`` rows whose KV writes go nowhere (slot -1):
-        ``tokens`` one-token requests, or (``prefill``) two requests of half the tokens each."""
-        dev = self.device
-        i32 = dict(dtype=torch.int32, device=dev)
-        qlens = [tokens // 2, tokens - tokens // 2] if prefill else [1] * tokens
-        qsl = torch.tensor([0] + qlens, **i32).cumsum(0, dtype=torch.int32)
-        md = AttentionMetadata(
-            query_start_loc=qsl,
-            seq_lens=torch.tensor(qlens, **i32),
-            num_computed_tokens=torch.zeros(len(qlens), **i32),
-            block_table=torch.zeros(len(qlens), self.max_blocks_per_req, **i32),
-            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
-            max_query_len=max(qlens, default=0), max_seq_len=max(qlens, default=0))
-        if self.vocab_size:
-            gen = torch.Generator().manual_seed(tokens)
-            ids = torch.randint(0, self.vocab_size, (tokens,), generator=gen).to(dev)
-        else:
-            ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
-        return ids, torch.zeros(tokens, dtype=torch.int64, device=dev), md, qlens
-
     def _record(self, tokens: int, prefill: bool
                 ) -> tuple[Any, list[Any], dict[str, int], OutputMap]:
         """Run one synthetic step through the compiled model; its artifact, graph args, the
         positions of the step's inputs among them, and where the model's outputs come from."""
-        ids, pos, md, qlens = self._dummy_step(tokens, prefill)
+        ids, pos, md, qlens = dummy_step(tokens, self.device, self.max_blocks_per_req,
+                                         self.vocab_size, prefill)
         with torch.no_grad(), record_calls() as calls, uncounted():
             ret = run_step(self.compiled, ids, pos, md, qlens, block_size=self.block_size,
                            **self.model_kwargs)
@@ -312,9 +296,9 @@ class CudaGraphRunner:
                             "ops, not Inductor's code (%s): see the warnings above for why",
                             tokens, len(aten), ", ".join(aten[:8]) + (" ..." if len(aten) > 8 else ""))
             log.info("dbo graphs: warm-up of bucket %d: %s", tokens,
-                     _parts(self.graphs[tokens].warmup_s))
+                     warmup_text(self.graphs[tokens].warmup_s))
         log.info("dbo graphs: %s", self.describe())
-        log.info("dbo graphs: warm-up %s", _parts(self.warmup_s()))
+        log.info("dbo graphs: warm-up %s", warmup_text(self.warmup_s()))
         return self.graphs
 
     def _capture_one(self, tokens: int, cuda: bool) -> None:
@@ -334,7 +318,8 @@ class CudaGraphRunner:
                     "max_query_len or the request count); a replayed CUDA graph would "
                     "ignore that. Keep layout-dependent host values out of the model")
         check_artifact(art, tokens, args)
-        ids, pos, md, _ = self._dummy_step(tokens)
+        ids, pos, md, _ = dummy_step(tokens, self.device, self.max_blocks_per_req,
+                                     self.vocab_size)
         numbers = InputNumbers(self.compiled, art.specs, args, (ids, pos, md),
                                self.model_kwargs)
         bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map,
@@ -369,12 +354,7 @@ class CudaGraphRunner:
         ``memory`` (:meth:`memory_report`)."""
         return {
             "warmup_s": self.warmup_s(),
-            "buckets": {t: {"warmup_s": dict(b.warmup_s), "graph_s": dict(b.graph_s),
-                            "graphs_captured": len(b.graph_s), "timed": sorted(b.times_us),
-                            "choice": b.choice, "unsplit_choice": b.unsplit_choice,
-                            "stage_kinds": dict(collections.Counter(b.stage_kinds.values())),
-                            "prune": None if b.prune is None else b.prune.to_dict()}
-                        for t, b in sorted(self.graphs.items())},
+            "buckets": bucket_stats(self.graphs),
             "eager_steps": self.eager_steps,
             "memory": self.memory_report(),
         }
@@ -429,15 +409,7 @@ class CudaGraphRunner:
 
     def describe(self) -> str:
         """One line per bucket: times and the choice."""
-        rows = []
-        for t in sorted(self.graphs):
-            b = self.graphs[t]
-            unsplit, split, overlap = ("-" if v is None else f"{v:.0f}" for v in (
-                b.t_unsplit_us, b.t_split_us, b.times_us.get(UNSPLIT_OVERLAP)))
-            extra = "" if b.artifact.unsplit_overlap is None else f", {UNSPLIT_OVERLAP} {overlap} us"
-            rows.append(f"{t}: unsplit {unsplit} us{extra}, split {split} us -> {b.choice}"
-                        + ("" if b.unsplit_choice == "unsplit" else f" ({b.unsplit_choice})"))
-        return "; ".join(rows)
+        return describe(self.graphs)
 
     # -- serving path ---------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -511,7 +483,7 @@ class CudaGraphRunner:
             elif width > self.max_blocks_per_req:
                 reason = f"block table width {width} > max_blocks_per_req {self.max_blocks_per_req}"
             elif changed:
-                reason = self._changed_reason(changed)
+                reason = changed_reason(changed)
             else:
                 reason = (f"the DP vote padded the step to {padded} tokens (> largest bucket "
                           f"{self.buckets[-1]}): another rank's step fits no captured graph, "
@@ -542,7 +514,8 @@ class CudaGraphRunner:
         as its peers, who replay the same graph, expect (a replay cannot stop halfway). The
         buffers the programs write in place are put back (a step counter: the step did not
         happen on this rank)."""
-        ids, pos, md, qlens = self._dummy_step(0)
+        ids, pos, md, qlens = dummy_step(0, self.device, self.max_blocks_per_req,
+                                         self.vocab_size)
         self._load(b.tokens, ids, pos, md, qlens, split, None, validated=False)
         with state_kept([b.args[i] for i in b.artifact.state_inputs]):
             b.graphs[name].replay()
@@ -558,17 +531,6 @@ class CudaGraphRunner:
             seen.add(id(b.artifact))
             out += [(*c, b.artifact) for c in b.numbers.changed(step, self.model_kwargs)]
         return out
-
-    @staticmethod
-    def _changed_reason(changed: list[tuple[int, str, Any, Any, Any]]) -> str:
-        """The eager path's reason for numbers that changed after capture, and what to do."""
-        folded = any(i in dict(art.float_guards) for i, _, _, _, art in changed)
-        what = ", ".join(f"{src} {old!s} -> {new!s}" for _, src, old, new, _ in changed)
-        fix = ("compile the model again (torch._dynamo.reset(), then torch.compile: the "
-               "backend folded it into its programs) and capture() again" if folded
-               else "capture() again")
-        return (f"the model changed numbers or replaced tensors the captured graphs bake in "
-                f"({what}); steps run eagerly until you {fix}")
 
     def load_step(self, tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
                   attn_metadata: AttentionMetadata, num_scheduled_tokens: Sequence[int], *,
@@ -612,23 +574,11 @@ class CudaGraphRunner:
 
     def _copy_plan(self, b: BucketGraphs, split: bool
                    ) -> tuple[Sequence[tuple[int, int | None]], Sequence[Any], list[int]]:
-        """:func:`~.buckets.copy_into`'s ``inputs``, ``specs`` and ``positions`` for the unsplit
-        graph of ``b`` or its split program: only the positions a step can change (the step's own
-        inputs, token-indexed inputs, which are padded per step, and whatever is cut per
-        ubatch); the others (weights, KV caches) are the captured objects themselves. Worked
-        out once per bucket: a large model has hundreds of inputs."""
+        """:func:`~.buckets.copy_plan` of ``b``, worked out once per bucket and kind of graph:
+        a large model has hundreds of inputs."""
         key = (b.tokens, split)
         if key not in self._copy_plans:
-            art = b.artifact
-            step = set(b.input_pos.values()) | {s.index for s in art.specs if s.kind == "token"}
-            if split:
-                inputs = art.signature.inputs
-                positions = [pos for pos, (index, ubatch) in enumerate(inputs)
-                             if ubatch is not None or index in step]
-            else:
-                inputs = tuple((i, None) for i in range(len(b.args)))
-                positions = sorted(step)
-            self._copy_plans[key] = (inputs, art.specs, positions)
+            self._copy_plans[key] = copy_plan(b, split)
         return self._copy_plans[key]
 
     def _eager(self, reason: str, ids, pos, md, ctx) -> Any:
@@ -639,23 +589,9 @@ class CudaGraphRunner:
         return run_step(self.compiled, ids, pos, md, **ctx, **self.model_kwargs)
 
 
-def _parts(seconds: dict[str, float]) -> str:
-    return ", ".join(f"{part} {seconds[part]:.2f} s" for part in WARMUP_PARTS if part in seconds)
-
-
 def _is_int(value: Any) -> bool:
     try:
         operator.index(value)
         return True
     except TypeError:
         return False
-
-
-def split_program_fn(program: Any, split_args: list[Any], art: CompiledArtifact,
-                     tokens: int) -> Callable[[], Any]:
-    """``program`` (a split schedule candidate of ``art``) as a zero-argument callable over the
-    static per-ubatch inputs ``split_args`` (a bucket's ``BucketGraphs.split_args``); its
-    outputs concatenated in ubatch order, token-indexed ones at the bucket's ``tokens`` rows:
-    what the runner captures per candidate, and what the benchmarks time beside it."""
-    outputs, specs = art.signature.outputs, art.output_specs
-    return lambda: join_ubatch_outputs(program(*split_args), outputs, specs, tokens)

@@ -35,7 +35,7 @@ from dbo_compile.signature import InputSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InputNumbers"]
+__all__ = ["InputNumbers", "changed_reason"]
 
 
 class InputNumbers:
@@ -172,3 +172,16 @@ def _is_number(value: Any) -> bool:
 
 def _number(arg: Any) -> Any:
     return arg.item() if isinstance(arg, torch.Tensor) else arg
+
+
+def changed_reason(changed: Sequence[tuple[int, str, Any, Any, Any]]) -> str:
+    """The CUDA-graph runner's eager-path reason for numbers that changed after capture, and
+    what to do: ``changed`` holds ``(graph input index, source, captured, now, artifact)``
+    (:meth:`InputNumbers.changed` and the artifact it belongs to)."""
+    folded = any(i in dict(art.float_guards) for i, _, _, _, art in changed)
+    what = ", ".join(f"{src} {old!s} -> {new!s}" for _, src, old, new, _ in changed)
+    fix = ("compile the model again (torch._dynamo.reset(), then torch.compile: the "
+           "backend folded it into its programs) and capture() again" if folded
+           else "capture() again")
+    return (f"the model changed numbers or replaced tensors the captured graphs bake in "
+            f"({what}); steps run eagerly until you {fix}")
