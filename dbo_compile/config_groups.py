@@ -417,7 +417,7 @@ class BackendsConfig(OptionGroup):
                       f"emulate_* fields, differently; give them in comm_backend_options alone")
         # stacklevel: this, __post_init__, the dataclass __init__, option_group's __init__,
         # DboConfig.__init__, then the caller of DboConfig(...)
-        warnings.warn(f"DboConfig {', '.join(given)} are deprecated: give the emulated backend's "
+        warnings.warn(f"DboConfig {', '.join(given)}: deprecated; give the emulated backend's "
                       f"options in comm_backend_options={moved}", DeprecationWarning,
                       stacklevel=6)
         object.__setattr__(self, "comm_backend_options",

@@ -784,3 +784,16 @@ RANKS = SharedRanks(2, timeout_s=600, calls={
     "test_a_number_changed_on_one_rank_sends_every_rank_down_one_path":
         (_number_on_one_rank_body, ()),
 })
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(buckets=None), "buckets must be"),
+    (dict(vocab_size=-1), "vocab_size must be"),
+    (dict(block_size=0), "block_size must be"),
+    (dict(block_size=True), "block_size must be"),
+])
+def test_bad_runner_arguments_fail_at_construction(kwargs, match):
+    _, model = _model(layers=1)
+    args = dict(buckets=BUCKETS, max_blocks_per_req=8) | kwargs
+    with pytest.raises(GraphRunnerError, match=match):
+        CudaGraphRunner(model, args.pop("buckets"), **args)

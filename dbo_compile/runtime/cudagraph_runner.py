@@ -196,7 +196,11 @@ class CudaGraphRunner:
                  static_buckets: Sequence[int] = (),
                  prune_margin: float | None = DEFAULT_PRUNE_MARGIN,
                  predictor: Callable[..., Any] | None = None, **model_kwargs: Any):
-        buckets = list(buckets)
+        try:
+            buckets = list(buckets)
+        except TypeError:
+            raise GraphRunnerError(f"buckets must be a non-empty list of ints >= 1 (token counts), "
+                                   f"got {buckets!r}") from None
         bad = [b for b in buckets if isinstance(b, bool) or not _is_int(b) or int(b) < 1]
         if not buckets or bad:
             raise GraphRunnerError(f"buckets must be a non-empty list of ints >= 1 (token counts), "
@@ -208,6 +212,9 @@ class CudaGraphRunner:
             raise GraphRunnerError(f"max_blocks_per_req must be an int >= 1, got {max_blocks_per_req!r}")
         if isinstance(timing_iters, bool) or not isinstance(timing_iters, int) or timing_iters < 1:
             raise GraphRunnerError(f"timing_iters must be an int >= 1, got {timing_iters!r}")
+        for name, value in (("vocab_size", vocab_size), ("block_size", block_size)):
+            if value is not None and (isinstance(value, bool) or not _is_int(value) or value < 1):
+                raise GraphRunnerError(f"{name} must be None or an int >= 1, got {value!r}")
         static = list(static_buckets)
         if any(isinstance(b, bool) or not _is_int(b) or max(int(b), 2) not in buckets for b in static):
             raise GraphRunnerError(f"static_buckets must be buckets of this runner ({sorted(set(buckets))}), "
