@@ -209,7 +209,7 @@ def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, An
                "scheduler": args.scheduler, "compute_backend": args.compute_backend,
                "sm_carveout_candidates": args.carveouts,
                "schedule_candidates": args.candidate_names, "dp_group_name": None,
-               "unsplit_overlap": args.unsplit_overlap}
+               "unsplit_overlap": getattr(args, "unsplit_overlap", False)}
     if args.comm_sms is not None:
         options["comm_sms"] = args.comm_sms
     if args.latency_us:
