@@ -63,7 +63,7 @@ from layer_ops import FAULTS, Streams, check_numerics, layer_ops, split_step  # 
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
 from dbo_compile.ops import emulated as E  # noqa: E402
-from dbo_compile.runtime.capture import run_draining  # noqa: E402
+from dbo_compile.runtime.capture import capture, run_draining  # noqa: E402
 from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner  # noqa: E402
 from dbo_compile.testing import moe as H  # noqa: E402
 from dbo_compile.testing.bench_cli import world_options  # noqa: E402
@@ -127,18 +127,7 @@ def capture_peer(fn, warmup: int = 2):
     """``fn`` (a peer's step on static ubatches) as one CUDA graph after ``warmup`` eager
     calls on a side stream; ``capture_error_mode="thread_local"``: the vLLM peer's threads
     launch onto the capturing stream while the capturing thread waits for them."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            run_draining(fn)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = run_draining(fn)
-    torch.cuda.synchronize()
-    return graph, out
+    return capture(fn, warmup=warmup, capture_error_mode="thread_local")
 
 
 def _load(static, ubatches) -> None:

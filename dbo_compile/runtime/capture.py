@@ -57,10 +57,13 @@ def run_draining(fn: Callable[[], Any]) -> Any:
 
 def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
             stream: torch.cuda.Stream | None = None,
-            times: dict[str, float] | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+            times: dict[str, float] | None = None,
+            capture_error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture ``fn()`` as one CUDA graph after ``warmup`` eager calls on a side stream.
 
     Args:
+        capture_error_mode: ``torch.cuda.graph``'s (``"thread_local"``: other threads may
+            launch onto the capturing stream, as a two-thread ping-pong's do).
         times: if given, gets ``"warmup_s"`` (the eager calls, synchronised: where Inductor
             stages compile for a new signature) and ``"capture_s"`` (the capture), seconds,
             and ``"pool_bytes"``: what the allocator reserved more after the capture than
@@ -81,7 +84,7 @@ def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
     t1 = time.perf_counter()
     before = reserved_bytes(True)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
         out = run_draining(fn)
     torch.cuda.synchronize()
     if times is not None:
