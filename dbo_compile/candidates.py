@@ -38,7 +38,8 @@ class Candidate:
 
     Attributes:
         name: ``scheduler[@link/N][+join]``, e.g. ``"list@link/16+join"``.
-        scheduler: ``"list"`` or ``"naive"``.
+        scheduler: ``"list"``, ``"naive"``, ``"staged"`` or ``"staged-d2"``
+            (``DboConfig.scheduler``).
         link_divisor: the cost model's ``link_gbps`` is divided by it (comm-heavy networks:
             measured on 2x H200, NCCL through host memory moves ~6x less than the default
             figure).
@@ -68,6 +69,8 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("naive", "naive"),
     Candidate("list+join", "list", join_experts=True),
     Candidate("list@link/16+join", "list", link_divisor=16, join_experts=True),
+    Candidate("staged", "staged"),
+    Candidate("staged-d2", "staged-d2"),
 )
 #: the names of :data:`CANDIDATES`, valid in ``DboConfig.schedule_candidates`` (also with a
 #: carve-out suffix, ``"list@link/16+sms16"``)

@@ -30,7 +30,7 @@ from dbo_compile.errors import DboConfigError
 __all__ = ["GROUPS", "BackendsConfig", "CostFigures", "DboConfig", "DebugConfig", "ScheduleConfig",
            "SplitPolicy", "load_calibration"]
 
-_SCHEDULERS = ("list", "naive")
+_SCHEDULERS = ("list", "naive", "staged", "staged-d2")
 
 
 @option_group
@@ -42,7 +42,9 @@ class ScheduleConfig(OptionGroup):
     Attributes:
         scheduler: ``"list"`` (the whole-graph list scheduler over both ubatches) or
             ``"naive"`` (per layer, every ubatch's stage in turn: the order of hand-written
-            schedules, kept for comparison).
+            schedules, kept for comparison) or ``"staged"`` / ``"staged-d2"`` (SGLang's
+            two-batch overlap: stages cut after each comm issue, taken in turn, ubatch 0
+            ahead by 0 / 2 stages; :func:`~dbo_compile.passes.ordering.staged_order`).
         schedule_candidates: the candidates compiled besides the primary. ``True``: all of
             :data:`~dbo_compile.candidates.CANDIDATES`, each also with every SM carve-out;
             ``False``: none; a tuple of names from

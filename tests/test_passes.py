@@ -239,7 +239,7 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
 
     names = [c.name for c in candidates_of(DboConfig(schedule_candidates=True))]
     assert names == ["list", "list@link/4", "list@link/16", "naive", "list+join",
-                     "list@link/16+join"]
+                     "list@link/16+join", "staged", "staged-d2"]
     assert [c.name for c in candidates_of(DboConfig(schedule_candidates=False))] == ["list"]
     assert [c.name for c in candidates_of(DboConfig(schedule_candidates=False,
                                                       join_experts=True))] == ["list+join"]
@@ -327,7 +327,7 @@ def test_default_candidates_pair_the_carveout_with_the_slow_link_schedule():
     assert len(program_variants(DboConfig(schedule_candidates=("list+join",),
                                           sm_carveout_candidates=(16,)))) == 4
     assert len(program_variants(DboConfig(schedule_candidates=True,
-                                          sm_carveout_candidates=(16,)))) == 12
+                                          sm_carveout_candidates=(16,)))) == 16
     assert DboConfig(schedule_candidates=["list+join", "list@link/16+sms16", "list+join"]
                      ).schedule_candidates == ("list@link/16+sms16", "list+join")
     with pytest.raises(DboConfigError, match="schedule_candidates"):

@@ -91,7 +91,7 @@ def parse(argv=None) -> argparse.Namespace:
                    help="CudaGraphRunner's replays per graph and round at warm-up")
     p.add_argument("--experts", default="grouped", choices=["grouped", "loop"])
     p.add_argument("--attention", default="fused", choices=list(H.ATTENTION_KINDS))
-    p.add_argument("--scheduler", default="list", choices=["list", "naive"])
+    p.add_argument("--scheduler", default="list", choices=["list", "naive", "staged", "staged-d2"])
     p.add_argument("--compute-backend", default="auto", choices=["auto", "aten", "inductor"],
                    help="ours: option compute_backend (the peers run the model's modules "
                         "eagerly / in their graphs, as ATen kernels)")

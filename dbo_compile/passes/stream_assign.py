@@ -39,7 +39,7 @@ from dbo_compile.passes.cost_model import CostModel
 from dbo_compile.passes.events import minimal_event_edges
 from dbo_compile.passes.manager import CompileState, GraphPass
 from dbo_compile.passes.meta import dbo_meta, set_stream
-from dbo_compile.passes.ordering import list_order, naive_order
+from dbo_compile.passes.ordering import STAGED_DELTA, list_order, naive_order, staged_order
 from dbo_compile.passes.pools import PoolPlan, check_pools, unsplit_pool_violation
 from dbo_compile.passes.units import UnitGraph, unit_graph
 from dbo_compile.schedule import COMPUTE, Schedule, Unit, simulate
@@ -59,8 +59,12 @@ def schedule_units(units: list[Unit], deps: list[tuple[int, int]], hidden: list[
         UnsplittableGraphError: no order honours the comm backends' result pools.
     """
     plan = plan or PoolPlan()
-    order, added = (list_order if config.scheduler == "list" else naive_order)(
-        units, deps, plan, num_ubatches)
+    if config.scheduler in STAGED_DELTA:
+        order, added = staged_order(units, deps, plan, num_ubatches,
+                                    delta=STAGED_DELTA[config.scheduler])
+    else:
+        order, added = (list_order if config.scheduler == "list" else naive_order)(
+            units, deps, plan, num_ubatches)
     deps = sorted(set(deps) | set(added))
     hidden = sorted(set(hidden) | set(added))
     remap = {old: new for new, old in enumerate(order)}

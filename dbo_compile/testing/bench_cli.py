@@ -94,7 +94,7 @@ def moe_parser(description: str | None = None, json_default: str | None = None
     p.add_argument("--attention", default="fused", choices=list(ATTENTION_KINDS),
                    help="fused (default): the package's dbo.attention (Triton kernel on CUDA); "
                         "proj: KV write + projections only; ref: the reference gather loop")
-    p.add_argument("--scheduler", default="list", choices=["list", "naive"])
+    p.add_argument("--scheduler", default="list", choices=["list", "naive", "staged", "staged-d2"])
     p.add_argument("--link", default=None, help="label: nvlink | shm (default from NCCL_P2P_DISABLE)")
     p.add_argument("--comm-sms", type=int, default=None,
                    help="option comm_sms: SM carve-out for compute GEMMs in the split program and "
