@@ -9,7 +9,7 @@ programs call:
 - ``unsplit(gm)``: the unsplit program from the lowered graph (symbolic in the token dim), or
   from Dynamo's graph for a graph compiled unsplit;
 - ``lowered_from_cache(data)``: the lowered graph of a compile-cache entry
-  (:func:`~dbo_compile.codegen.cache.dump_graph`'s data), as ``unsplit`` takes it.
+  (:func:`~dbo_compile.codegen.graph_store.dump_graph`'s data), as ``unsplit`` takes it.
 
 Two are registered in :data:`STAGE_COMPILERS`: ``"aten"`` (the traced ATen ops as they are)
 and ``"inductor"`` (:mod:`~dbo_compile.codegen.inductor`: each stage and the unsplit program
@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from dbo_compile.codegen.cache import DeferredGraph, load_graph
+from dbo_compile.codegen.graph_store import DeferredGraph, load_graph
 from dbo_compile.codegen.inductor import InductorStage, inductor_stage_compiler
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import DboConfigError
@@ -58,7 +58,7 @@ class StageCompiler:
 class AtenStages(StageCompiler):
     """``compute_backend="aten"``: every stage and the unsplit program run their traced ATen
     ops; a warm start's lowered graph is rebuilt at its first use
-    (:class:`~dbo_compile.codegen.cache.DeferredGraph`: an eager split step never runs it)."""
+    (:class:`~dbo_compile.codegen.graph_store.DeferredGraph`: an eager split step never runs it)."""
 
     name = "aten"
 
