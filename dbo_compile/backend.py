@@ -21,7 +21,6 @@ from dbo_compile.codegen.cache_dirs import use_cache_dir
 from dbo_compile.codegen.stages import stage_compiler
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import UnsplittableGraphError
-from dbo_compile.logs import drop_duplicate_handlers
 from dbo_compile.ops.registry import comm_fingerprint, comm_group_name, comm_kind
 from dbo_compile.passes import pipeline, token_dim
 from dbo_compile.passes.manager import PassManager
@@ -66,8 +65,6 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
             group; an EP group of the graph outside the DP vote's group.
         UnsplittableGraphError: only with ``on_unsplittable="raise"``.
     """
-    # torch imports this package while parsing TORCH_LOGS and then adds its handler again
-    drop_duplicate_handlers(logging.getLogger("dbo_compile"))
     config = pipeline.resolve_device_defaults(DboConfig.from_options(options), example_inputs)
     if config.cache_dir:  # Inductor's and Triton's caches under it too, before any stage compiles
         use_cache_dir(config.cache_dir)

@@ -458,6 +458,22 @@ def test_unsplit_graph_with_collectives_says_so_at_its_first_step(caplog):
     assert caplog.text.count("DBO is off for this graph") == 1
 
 
+def test_the_reason_a_graph_is_not_split_is_logged_once(caplog):
+    """The backend decides to compile a token-mixing graph unsplit and logs why (naming the
+    node); the first step's note that DBO is off points there instead of repeating it."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    compiled = torch.compile(SumsOverTokens(), backend="dbo", options={"split": "always"})
+    with caplog.at_level(logging.DEBUG, logger="dbo_compile"):
+        compiled(x)
+        compiled(x)
+    reasons = [r for r in caplog.records if "mixes tokens across the split" in r.getMessage()]
+    assert [r.name for r in reasons] == ["dbo_compile.backend"], caplog.text
+    assert reasons[0].levelname == "WARNING" and "sum" in reasons[0].getMessage()
+    assert caplog.text.count("DBO is off for this graph") == 1
+
+
 def test_import_dbo_compile_registers_the_backend_without_the_entry_point():
     """``PYTHONPATH=$PWD`` (the GPU host): no entry point is installed, and ``import
     dbo_compile`` alone must make ``backend="dbo"`` resolve (it raised InvalidBackend there)."""

@@ -65,7 +65,8 @@ class UnsplitArtifact(CompiledArtifact):
 
     Args:
         fn: the unsplit program (``unsplit``).
-        reason: why the graph was not split (also logged at WARNING when compiled).
+        reason: why the graph was not split (the backend logs it at WARNING when it compiles the
+            graph; the first counted step's warning that DBO is off does not repeat it).
         config: options.
         specs: the classification of the graph inputs (``None``: could not be classified).
         has_comm: the graph issues collectives (then it votes).
@@ -113,9 +114,12 @@ class UnsplitArtifact(CompiledArtifact):
         caller pads to its own buckets, so the artifact's fixed token count does not apply.
         A graph that cannot be padded (:meth:`padding_hazard`) votes its own rows."""
         if not self._warned and self.has_comm and counting():
-            # said at compile time too, but a server's log is read by its steps
+            # a server's log is read by its steps; the reason is the backend's to log (once,
+            # where it decided to compile unsplit), this only points there
             self._warned = True
-            log.warning("dbo: DBO is off for this graph, its steps run unsplit: %s", self.reason)
+            log.warning("dbo: DBO is off for this graph, its steps run unsplit (why: the "
+                        "'compiling this graph unsplit' warning of its compile, or the "
+                        "artifact's .reason)")
         group = dp_group(self.config)
         n = None if self.token_index is None else int(args[self.token_index].shape[0])
         hazard = None if n is None else self._hazard
