@@ -804,11 +804,13 @@ def test_bad_runner_arguments_fail_at_construction(kwargs, match):
 
 @pytest.mark.parametrize("kwargs,match", [
     # a typo of a runner argument went to the model (TypeError at capture(), deep in Dynamo)
-    (dict(block_sise=16), r"block_sise.*DeepseekMoEModel\.forward.*did you mean block_size"),
-    (dict(timing_iter=1), r"timing_iter.*did you mean timing_iters"),
+    (dict(block_sise=16),
+     r"block_sise=.*DeepseekMoEModel\.forward.*Did you mean block_size= for block_sise="),
+    (dict(timing_iter=1), r"timing_iter=.*Did you mean timing_iters="),
     # the step's own arguments: run_step took them at warm-up (the model never saw them) and
     # an eager step raised TypeError (given twice)
-    (dict(vetoes=()), r"vetoes.*argument of each step: runner\(\.\.\., vetoes=\.\.\.\)"),
+    (dict(vetoes=()),
+     r"vetoes=.*argument of each step.*pass it to each step: runner\(\.\.\., vetoes=\.\.\.\)"),
     (dict(allow_split=False), r"allow_split.*argument of each step"),
     (dict(token_kwargs=("x",)), r"token_kwargs.*the runner's own step"),
     # the inputs the runner passes itself, per step
@@ -839,7 +841,7 @@ class _ScaledModel(torch.nn.Module):
 def test_a_keyword_of_the_models_forward_reaches_the_model():
     cfg, model = _model(layers=1)
     wrapped = _ScaledModel(model)
-    with pytest.raises(GraphRunnerError, match=r"scael.*did you mean scale"):
+    with pytest.raises(GraphRunnerError, match=r"scael=.*keywords are scale.*Did you mean scale="):
         CudaGraphRunner(torch.compile(wrapped, backend="dbo"), [16], max_blocks_per_req=8,
                         scael=2.0)
     # a function taking **kwargs takes any keyword
