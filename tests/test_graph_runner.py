@@ -797,3 +797,78 @@ def test_bad_runner_arguments_fail_at_construction(kwargs, match):
     args = dict(buckets=BUCKETS, max_blocks_per_req=8) | kwargs
     with pytest.raises(GraphRunnerError, match=match):
         CudaGraphRunner(model, args.pop("buckets"), **args)
+
+
+# -- keyword arguments and the KV cache's block size, refused at construction ------------------
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    # a typo of a runner argument went to the model (TypeError at capture(), deep in Dynamo)
+    (dict(block_sise=16),
+     r"block_sise=.*DeepseekMoEModel\.forward.*Did you mean block_size= for block_sise="),
+    (dict(timing_iter=1), r"timing_iter=.*Did you mean timing_iters="),
+    # the step's own arguments: run_step took them at warm-up (the model never saw them) and
+    # an eager step raised TypeError (given twice)
+    (dict(vetoes=()),
+     r"vetoes=.*argument of each step.*pass it to each step: runner\(\.\.\., vetoes=\.\.\.\)"),
+    (dict(allow_split=False), r"allow_split.*argument of each step"),
+    (dict(token_kwargs=("x",)), r"token_kwargs.*the runner's own step"),
+    # the inputs the runner passes itself, per step
+    (dict(positions=None), r"positions.*the runner passes it.*every step"),
+    (dict(inputs_embeds=None), r"inputs_embeds.*per-token input"),
+])
+def test_a_keyword_the_model_does_not_take_is_refused_at_construction(kwargs, match):
+    """Keywords the runner does not know went to the model unchecked: a typo of a runner
+    argument failed only at ``capture()``, with the model's TypeError, and the step's own
+    arguments were taken by ``run_step`` at warm-up without reaching the model."""
+    _, model = _model(layers=1)
+    for m in (model, torch.compile(model, backend="dbo")):
+        with pytest.raises(GraphRunnerError, match=match):
+            CudaGraphRunner(m, BUCKETS, max_blocks_per_req=8, **kwargs)
+
+
+class _ScaledModel(torch.nn.Module):
+    """A model with an extra keyword of its forward (``scale``), which the runner passes on."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, attn_metadata, scale: float = 1.0):
+        return self.model(input_ids, positions, attn_metadata) * scale
+
+
+def test_a_keyword_of_the_models_forward_reaches_the_model():
+    cfg, model = _model(layers=1)
+    wrapped = _ScaledModel(model)
+    with pytest.raises(GraphRunnerError, match=r"scael=.*keywords are scale.*Did you mean scale="):
+        CudaGraphRunner(torch.compile(wrapped, backend="dbo"), [16], max_blocks_per_req=8,
+                        scael=2.0)
+    # a function taking **kwargs takes any keyword
+    CudaGraphRunner(lambda *a, **kw: None, [16], max_blocks_per_req=8, anything=1)
+    runner = CudaGraphRunner(torch.compile(wrapped, backend="dbo"), [16], max_blocks_per_req=8,
+                             block_size=16, timing_iters=1, scale=2.0)
+    runner.capture()
+    step = make_step(cfg, decode_context_lens=[5, 40], prefills=[(0, 9)], block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    ref, _ = eager_then_restore(model, step)
+    with torch.no_grad():
+        out = runner(step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+    torch.testing.assert_close(out, 2.0 * ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_a_block_size_other_than_the_kv_caches_is_refused_at_construction(block_size):
+    """``block_size`` disagreeing with the model's KV cache was found only at ``capture()``,
+    after Dynamo compiled the model, as a DP-vote error of the first synthetic step."""
+    _, model = _model(layers=1)  # allocate_kv_cache(NUM_BLOCKS, 16)
+    for m in (model, torch.compile(model, backend="dbo")):
+        with pytest.raises(GraphRunnerError, match=(
+                rf"block_size={block_size} .*KV cache has block size 16.*allocate_kv_cache"
+                r".*pass block_size=16 or none")):
+            CudaGraphRunner(m, BUCKETS, max_blocks_per_req=8, block_size=block_size)
+    CudaGraphRunner(model, BUCKETS, max_blocks_per_req=8, block_size=16)
+    # no cache yet (allocated after the runner is built): nothing to check here
+    fresh = DeepseekMoEModel(get_config("tiny", num_layers=1), seed=0)
+    CudaGraphRunner(fresh, BUCKETS, max_blocks_per_req=8, block_size=block_size)

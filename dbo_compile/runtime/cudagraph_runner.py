@@ -85,7 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
+import inspect
 import time
 from typing import Any, Callable, Sequence
 
@@ -126,6 +126,7 @@ from dbo_compile.runtime.engine import run_step
 from dbo_compile.runtime.numbers import InputNumbers, changed_reason
 from dbo_compile.runtime.padding import pad_args
 from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
+from dbo_compile.runtime.runner_args import check_block_size, check_buckets, check_model_kwargs, is_int
 from dbo_compile.runtime.vote import min_split_tokens
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,8 @@ class CudaGraphRunner:
             holds it and is such a multiple.
         max_blocks_per_req: block-table width (KV blocks per request) of the static buffers.
         block_size: KV-cache block size (tokens), passed to the prefix-read veto; default the
-            block size of the compiled graph's KV caches.
+            block size of the compiled graph's KV caches; where the model has ``kv_caches()``
+            (allocated), it must be one of theirs.
         timing_iters: replays per graph and timing round at warm-up (3 rounds).
         vocab_size: when given, the synthetic warm-up steps carry random token ids below it
             (seeded, the same on every rank), so that MoE routing, and hence the timings the
@@ -182,11 +184,15 @@ class CudaGraphRunner:
             off CUDA or on a GPU the calibration was not measured on; tests).
         device: where the synthetic warm-up step lives (default: the current CUDA device, else
             CPU, where graphs are replaced by eager re-runs).
-        model_kwargs: extra keyword arguments of every model call.
+        model_kwargs: extra keyword arguments of every model call: only keywords its forward
+            takes (:func:`~.runner_args.check_model_kwargs`).
 
     Raises:
-        GraphRunnerError: bad buckets, ``max_blocks_per_req`` or ``timing_iters``, or a CUDA
-            device without CUDA; at :meth:`capture`: what the module docstring lists.
+        GraphRunnerError: bad buckets, ``max_blocks_per_req`` or ``timing_iters``, a
+            ``block_size`` other than the model's KV cache's, a model keyword its forward does
+            not take (a typo of a runner argument) or that is a step's own argument
+            (``vetoes``, ``allow_split``), or a CUDA device without CUDA; at :meth:`capture`:
+            what the module docstring lists.
     """
 
     def __init__(self, compiled: Callable[..., Any], buckets: Sequence[int], *,
@@ -196,30 +202,16 @@ class CudaGraphRunner:
                  static_buckets: Sequence[int] = (),
                  prune_margin: float | None = DEFAULT_PRUNE_MARGIN,
                  predictor: Callable[..., Any] | None = None, **model_kwargs: Any):
-        try:
-            buckets = list(buckets)
-        except TypeError:
-            raise GraphRunnerError(f"buckets must be a non-empty list of ints >= 1 (token counts), "
-                                   f"got {buckets!r}") from None
-        bad = [b for b in buckets if isinstance(b, bool) or not _is_int(b) or int(b) < 1]
-        if not buckets or bad:
-            raise GraphRunnerError(f"buckets must be a non-empty list of ints >= 1 (token counts), "
-                                   f"got {buckets}")
-        # a compiled graph's token dim is dynamic from 2 rows (Dynamo specialises sizes 0 and
-        # 1) and run_step pads a 1-token step to 2 rows: bucket 1 is the graph of 2 rows
-        buckets = [max(int(b), 2) for b in buckets]
+        buckets, self.static_buckets = check_buckets(buckets, static_buckets)
         if not isinstance(max_blocks_per_req, int) or max_blocks_per_req < 1:
             raise GraphRunnerError(f"max_blocks_per_req must be an int >= 1, got {max_blocks_per_req!r}")
         if isinstance(timing_iters, bool) or not isinstance(timing_iters, int) or timing_iters < 1:
             raise GraphRunnerError(f"timing_iters must be an int >= 1, got {timing_iters!r}")
         for name, value in (("vocab_size", vocab_size), ("block_size", block_size)):
-            if value is not None and (isinstance(value, bool) or not _is_int(value) or value < 1):
+            if value is not None and (isinstance(value, bool) or not is_int(value) or value < 1):
                 raise GraphRunnerError(f"{name} must be None or an int >= 1, got {value!r}")
-        static = list(static_buckets)
-        if any(isinstance(b, bool) or not _is_int(b) or max(int(b), 2) not in buckets for b in static):
-            raise GraphRunnerError(f"static_buckets must be buckets of this runner ({sorted(set(buckets))}), "
-                                   f"got {static}")
-        self.static_buckets = {max(int(b), 2) for b in static}
+        check_block_size(compiled, block_size)
+        check_model_kwargs(compiled, model_kwargs, _RUNNER_ARGS)
         self.compiled = compiled
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_req = max_blocks_per_req
@@ -596,9 +588,6 @@ class CudaGraphRunner:
         return run_step(self.compiled, ids, pos, md, **ctx, **self.model_kwargs)
 
 
-def _is_int(value: Any) -> bool:
-    try:
-        operator.index(value)
-        return True
-    except TypeError:
-        return False
+#: the runner's own argument names (a model keyword close to one is suggested as its typo)
+_RUNNER_ARGS = tuple(n for n in inspect.signature(CudaGraphRunner.__init__).parameters
+                     if n not in ("self", "model_kwargs"))

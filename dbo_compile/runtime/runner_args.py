@@ -1,0 +1,166 @@
+"""Checks of :class:`~dbo_compile.runtime.cudagraph_runner.CudaGraphRunner`'s arguments, at
+construction: what would otherwise fail only at ``capture()``, after Dynamo compiled the model,
+with an error that does not name the runner's argument (a typo of a runner argument, which
+went to the model as one of its keywords; a ``block_size`` other than the KV cache's).
+
+Every check raises :class:`~dbo_compile.errors.GraphRunnerError` saying what was found and
+what to pass instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import operator
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from dbo_compile.errors import GraphRunnerError
+
+__all__ = ["check_block_size", "check_buckets", "check_model_kwargs", "is_int"]
+
+#: keywords that never reach the model: the step's own arguments (``runner(...)``), the inputs
+#: the runner passes itself, and ``run_step``'s (the runner's steps call it), with why
+_NOT_MODEL_KWARGS = {
+    **dict.fromkeys(("vetoes", "allow_split", "num_scheduled_tokens"), (
+        "an argument of each step, not of the model", "pass it to each step: runner(..., {name}=...)")),
+    **dict.fromkeys(("input_ids", "positions", "attn_metadata"), (
+        "an input the runner passes itself (from its static buffers) at every step", "remove it")),
+    "token_kwargs": ("an argument of run_step, which the runner's own steps call without it "
+                     "(they serve only input_ids, positions and attn_metadata)", "remove it"),
+    "inputs_embeds": ("a per-token input: the runner copies only input_ids, positions and "
+                      "attn_metadata into its static buffers per step", "give token ids"),
+}
+
+
+def is_int(value: Any) -> bool:
+    """``value`` is an int or int-like (``operator.index``), ``bool`` included."""
+    try:
+        operator.index(value)
+        return True
+    except TypeError:
+        return False
+
+
+def check_buckets(buckets: Any, static_buckets: Any) -> tuple[list[int], set[int]]:
+    """The runner's buckets (each ``>= 2``: bucket 1 is the graph of 2 rows, see the runner's
+    docstring; unsorted, with duplicates) and its static buckets.
+
+    Raises:
+        GraphRunnerError: ``buckets`` not a non-empty list of ints ``>= 1``, or a static
+            bucket that is not one of them.
+    """
+    try:
+        buckets = list(buckets)
+    except TypeError:
+        raise GraphRunnerError(f"buckets must be a non-empty list of ints >= 1 (token counts), "
+                               f"got {buckets!r}") from None
+    bad = [b for b in buckets if isinstance(b, bool) or not is_int(b) or int(b) < 1]
+    if not buckets or bad:
+        raise GraphRunnerError(f"buckets must be a non-empty list of ints >= 1 (token counts), "
+                               f"got {buckets}")
+    # a compiled graph's token dim is dynamic from 2 rows (Dynamo specialises sizes 0 and
+    # 1) and run_step pads a 1-token step to 2 rows: bucket 1 is the graph of 2 rows
+    buckets = [max(int(b), 2) for b in buckets]
+    static = list(static_buckets)
+    if any(isinstance(b, bool) or not is_int(b) or max(int(b), 2) not in buckets for b in static):
+        raise GraphRunnerError(f"static_buckets must be buckets of this runner ({sorted(set(buckets))}), "
+                               f"got {static}")
+    return buckets, {max(int(b), 2) for b in static}
+
+
+def _model_of(compiled: Callable[..., Any]) -> Any:
+    """The module or function that ``compiled`` (``torch.compile``'s result, or a model
+    itself) calls."""
+    inner = getattr(compiled, "_orig_mod", None)  # torch's OptimizedModule
+    if isinstance(inner, torch.nn.Module):
+        return inner
+    return getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+
+def check_model_kwargs(compiled: Callable[..., Any], model_kwargs: Mapping[str, Any],
+                       runner_args: Sequence[str]) -> None:
+    """Refuse keywords that the runner would pass to the model at every call
+    (``compiled(input_ids, positions, attn_metadata, **model_kwargs)``) but that the model's
+    forward does not take, or that never reach it.
+
+    Args:
+        compiled: the runner's ``compiled``.
+        model_kwargs: the keywords the runner did not take itself.
+        runner_args: the runner's own argument names (suggested for a typo).
+
+    Raises:
+        GraphRunnerError: a step argument or an input the runner passes itself given as a
+            model keyword, or a keyword the forward does not take (no ``**kwargs``), with the
+            closest runner or model argument name. Nothing is checked for a forward whose
+            signature cannot be read.
+    """
+    for name in model_kwargs:
+        if name in _NOT_MODEL_KWARGS:
+            why, todo = _NOT_MODEL_KWARGS[name]
+            raise GraphRunnerError(
+                f"CudaGraphRunner: keyword {name}= is {why} (the runner passes its extra keywords "
+                f"to the model at every call): {todo.format(name=name)}")
+    model = _model_of(compiled)
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    params = list(sig.parameters.values())
+    P = inspect.Parameter
+    positional = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)][:3]
+    keywords = [p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
+                and p.name not in positional]
+    any_keyword = any(p.kind is P.VAR_KEYWORD for p in params)
+    where = f"{getattr(fn, '__qualname__', type(model).__name__)}"
+    for name in model_kwargs:
+        if name in positional:
+            raise GraphRunnerError(
+                f"CudaGraphRunner: keyword {name}= names the model's argument {name!r} of "
+                f"{where}, which the runner passes itself at every step: remove it")
+    unknown = [] if any_keyword else [n for n in model_kwargs if n not in keywords]
+    if unknown:
+        takes = (f"its keywords are {', '.join(keywords)}" if keywords else
+                 f"it takes no keyword beyond {', '.join(positional)}, which the runner passes")
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, [*runner_args, *keywords], n=1, cutoff=0.75)
+            hints += [f" Did you mean {close[0]}= for {name}=?"] if close else []
+        raise GraphRunnerError(
+            f"CudaGraphRunner: unknown keyword argument(s) {', '.join(n + '=' for n in unknown)}: "
+            f"neither an argument of the runner nor a keyword of the model's {where} ({takes}); "
+            f"the runner passes its extra keywords to the model at every call.{''.join(hints)} "
+            "Fix the name, or remove it")
+
+
+def check_block_size(compiled: Callable[..., Any], block_size: int | None) -> None:
+    """Refuse a ``block_size`` that differs from the model's KV cache (``model.kv_caches()``,
+    ``[2, num_blocks, block_size, Hkv, D]`` each, as :class:`~dbo_compile.models.deepseek.
+    DeepseekMoEModel`'s). Nothing is checked where ``block_size`` is ``None``, the model has
+    no ``kv_caches()`` or its caches are not allocated yet: ``capture()`` checks the graph's.
+
+    Raises:
+        GraphRunnerError: ``block_size`` is not the block size of any of the model's caches.
+    """
+    if block_size is None:
+        return
+    caches = getattr(_model_of(compiled), "kv_caches", None)
+    if not callable(caches):
+        return
+    try:
+        caches = list(caches())
+    except Exception:  # noqa: BLE001 - not allocated yet (ModelConfigError), or not ours
+        return
+    sizes = sorted({int(c.shape[2]) for c in caches if isinstance(c, torch.Tensor) and c.dim() >= 3})
+    if sizes and block_size not in sizes:
+        has = (f"caches have block sizes {', '.join(map(str, sizes))}" if len(sizes) > 1
+               else f"cache has block size {sizes[0]}")
+        pick = f"block_size={sizes[0]}" if len(sizes) == 1 else "one of them as block_size"
+        raise GraphRunnerError(
+            f"CudaGraphRunner: block_size={block_size} passed, but the model's KV {has} (dim 2 "
+            "of its [2, num_blocks, block_size, Hkv, D] shape, as model.allocate_kv_cache("
+            f"num_blocks, block_size) made it); pass {pick} or none (the "
+            "runner then takes the compiled graph's), or allocate the cache with "
+            f"block_size={block_size}")
