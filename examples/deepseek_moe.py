@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="all-to-all bandwidth the cost model assumes, GB/s; the default "
                              "models a comm-heavy link, where DBO pays (schedule only: CPU "
                              "collectives run over Gloo whatever this says)")
-    parser.add_argument("--scheduler", choices=("list", "naive"), default="list")
+    parser.add_argument("--scheduler", choices=("list", "naive", "staged", "staged-d2"), default="list")
     parser.add_argument("--dump-dir", default=None, metavar="DIR",
                         help="write each compiled schedule (JSON) and generated wrapper (.py) "
                              "there, for python -m dbo_compile.viz DIR/schedule_rank0_....json")
