@@ -32,7 +32,8 @@ from dbo_compile.passes import stream_assign
 from dbo_compile.passes.pools import pool_plan_of
 from dbo_compile.schedule import Schedule
 
-CASES = [("list", 2), ("naive", 2), ("list", 3), ("naive", 3), ("list", 4), ("naive", 4)]
+CASES = [("list", 2), ("naive", 2), ("list", 3), ("naive", 3), ("list", 4), ("naive", 4),
+         ("staged", 2), ("staged-d2", 3)]
 
 
 class Rotating:
@@ -196,7 +197,7 @@ def test_the_checker_refuses_the_unconstrained_order(model_and_step):
         stream_assign.check_pools(art.schedule, plan)
 
 
-@pytest.mark.parametrize("scheduler", ["list", "naive"])
+@pytest.mark.parametrize("scheduler", ["list", "naive", "staged"])
 def test_pool_edges_join_readers_to_the_reusing_call(model_and_step, scheduler):
     """With 3 ubatches the two workspaces bind: the scheduler adds reader -> call edges (a
     compute stage before a comm call: event edges), recorded in ``hidden_deps``; without them
