@@ -210,6 +210,10 @@ class DboConfig:
                 f"options must be a dict or a DboConfig, got {type(options).__name__}"
             )
         else:
+            bad = [k for k in options if not isinstance(k, str)]
+            if bad:
+                raise DboConfigError(f"option names must be str, got {bad} in options: name "
+                                     "each option by its str key (docs/config.md)")
             config = cls(**dict(options))
         config.calibration_data()  # read once, here: a bad file fails with the other options
         return config

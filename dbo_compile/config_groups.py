@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
@@ -131,6 +132,17 @@ class OptionGroup:
         for name in names:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise self.error(name, "must be None or a str")
+
+    def _check_optional_path(self, *names: str, what: str = "a str or path") -> None:
+        """Each of ``names``: ``None``, a ``str``, or a path-like object kept as its
+        ``os.fspath`` str (the same config and fingerprint as the str)."""
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                object.__setattr__(self, name, value)
+            if value is not None and not isinstance(value, str):
+                raise self.error(name, f"must be None or {what}")
 
     def replace(self, **changes: Any) -> Any:
         """A copy with ``changes`` (validated again)."""
@@ -270,8 +282,7 @@ class CostFigures(OptionGroup):
         for name in ("comm_latency_us", "launch_us"):
             if not getattr(self, name) >= 0:
                 raise self.error(name, "must be >= 0")
-        if self.calibration is not None and not isinstance(self.calibration, str):
-            raise self.error("calibration", "must be None or the path of a calibration JSON")
+        self._check_optional_path("calibration", what="the path of a calibration JSON")
 
     def calibration_data(self) -> dict[str, Any] | None:
         """The calibration file's content (:func:`load_calibration`), read at the first call
@@ -463,7 +474,7 @@ class DebugConfig(OptionGroup):
     disable_passes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        self._check_optional_str("dump_dir", "cache_dir")
+        self._check_optional_path("dump_dir", "cache_dir")
         if isinstance(self.disable_passes, (list, tuple)) and all(
                 isinstance(n, str) for n in self.disable_passes):  # canonical, as for the vote
             object.__setattr__(self, "disable_passes", tuple(sorted(set(self.disable_passes))))

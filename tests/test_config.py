@@ -308,3 +308,25 @@ if __name__ == "__main__":
     with open(DOC, "w") as f:
         f.write(text[:start] + options_block() + text[end:])
     print(f"wrote {os.path.normpath(DOC)}", file=sys.stderr)
+
+
+def test_path_options_take_a_pathlib_path_as_its_str(tmp_path, calibration):
+    """A newcomer's probe: ``dump_dir=pathlib.Path(...)`` was refused ("must be None or a
+    str"); a path-like value is its ``os.fspath`` (the same config, the same fingerprint)."""
+    import pathlib
+
+    as_path = DboConfig(dump_dir=tmp_path / "d", cache_dir=tmp_path / "c",
+                        calibration=pathlib.Path(calibration))
+    as_str = DboConfig(dump_dir=str(tmp_path / "d"), cache_dir=str(tmp_path / "c"),
+                       calibration=calibration)
+    assert (as_path.dump_dir, as_path.cache_dir, as_path.calibration) == (
+        as_str.dump_dir, as_str.cache_dir, as_str.calibration)
+    assert isinstance(as_path.dump_dir, str) and as_path.fingerprint() == as_str.fingerprint()
+    with pytest.raises(DboConfigError, match="dump_dir"):
+        DboConfig(dump_dir=3)
+
+
+def test_an_option_name_that_is_not_a_str_is_refused_by_the_project():
+    """``options={None: 1}`` raised Python's "keywords must be strings" from inside Dynamo."""
+    with pytest.raises(DboConfigError, match="option names must be str.*None"):
+        DboConfig.from_options({None: 1, "split": "always"})

@@ -872,3 +872,16 @@ def test_a_block_size_other_than_the_kv_caches_is_refused_at_construction(block_
     # no cache yet (allocated after the runner is built): nothing to check here
     fresh = DeepseekMoEModel(get_config("tiny", num_layers=1), seed=0)
     CudaGraphRunner(fresh, BUCKETS, max_blocks_per_req=8, block_size=block_size)
+
+
+def test_buckets_as_a_string_and_a_prune_margin_past_its_range_are_refused_clearly():
+    """A newcomer's probe: ``buckets="64"`` was read as the buckets ['6', '4'], and
+    ``prune_margin=20`` was refused as "a fraction >= 0"."""
+    model = DeepseekMoEModel(get_config("tiny", num_layers=1), seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    compiled = torch.compile(model, backend="dbo")
+    with pytest.raises(GraphRunnerError, match="not a str.*'64'"):
+        CudaGraphRunner(compiled, "64", max_blocks_per_req=4)
+    with pytest.raises(GraphRunnerError, match=r"prune_margin must be None \(off\) or a fraction "
+                                               r"in \[0, 10\), got 20"):
+        CudaGraphRunner(compiled, [64], max_blocks_per_req=4, prune_margin=20)

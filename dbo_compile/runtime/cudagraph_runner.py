@@ -225,8 +225,8 @@ class CudaGraphRunner:
         self.min_gain = float(min_gain)
         if prune_margin is not None and (isinstance(prune_margin, bool) or not isinstance(
                 prune_margin, (int, float)) or not 0.0 <= prune_margin < 10.0):
-            raise GraphRunnerError(f"prune_margin must be None (off) or a fraction >= 0, got "
-                                   f"{prune_margin!r}")
+            raise GraphRunnerError(f"prune_margin must be None (off) or a fraction in [0, 10), "
+                                   f"got {prune_margin!r}")
         self.prune_margin = prune_margin
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
