@@ -885,3 +885,21 @@ def test_buckets_as_a_string_and_a_prune_margin_past_its_range_are_refused_clear
     with pytest.raises(GraphRunnerError, match=r"prune_margin must be None \(off\) or a fraction "
                                                r"in \[0, 10\), got 20"):
         CudaGraphRunner(compiled, [64], max_blocks_per_req=4, prune_margin=20)
+
+
+def test_a_vocab_size_past_the_embedding_and_a_bool_block_table_width_are_refused():
+    """A newcomer's probe: ``vocab_size=10**6`` on a model of a smaller vocabulary failed in
+    ``capture()`` with an IndexError inside the split program; ``max_blocks_per_req=True``
+    was taken as 1 while a numpy int was refused."""
+    import numpy as np
+
+    model = DeepseekMoEModel(get_config("tiny", num_layers=1), seed=0)
+    model.allocate_kv_cache(NUM_BLOCKS, 16)
+    compiled = torch.compile(model, backend="dbo")
+    rows = model.embed_tokens.shape[0]
+    with pytest.raises(GraphRunnerError, match=f"vocab_size={rows + 1}.*{rows} rows"):
+        CudaGraphRunner(compiled, [8], max_blocks_per_req=4, vocab_size=rows + 1)
+    CudaGraphRunner(compiled, [8], max_blocks_per_req=4, vocab_size=rows)
+    with pytest.raises(GraphRunnerError, match="max_blocks_per_req must be an int"):
+        CudaGraphRunner(compiled, [8], max_blocks_per_req=True)
+    assert CudaGraphRunner(compiled, [8], max_blocks_per_req=np.int64(4)).max_blocks_per_req == 4

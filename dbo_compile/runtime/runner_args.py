@@ -18,7 +18,8 @@ import torch
 
 from dbo_compile.errors import GraphRunnerError
 
-__all__ = ["check_block_size", "check_buckets", "check_model_kwargs", "is_int"]
+__all__ = ["check_block_size", "check_buckets", "check_model_kwargs", "check_vocab_size",
+           "is_int"]
 
 #: keywords that never reach the model: the step's own arguments (``runner(...)``), the inputs
 #: the runner passes itself, and ``run_step``'s (the runner's steps call it), with why
@@ -167,3 +168,42 @@ def check_block_size(compiled: Callable[..., Any], block_size: int | None) -> No
             f"num_blocks, block_size) made it); pass {pick} or none (the "
             "runner then takes the compiled graph's), or allocate the cache with "
             f"block_size={block_size}")
+
+
+def _embedding_rows(model: Any) -> int | None:
+    """Rows of the model's token embedding: an HF model's ``get_input_embeddings()``, or an
+    ``embed_tokens`` table (a ``[vocab, hidden]`` tensor, as ours, or an ``nn.Embedding``);
+    ``None`` where neither is found."""
+    table = None
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            table = get()
+        except Exception:  # noqa: BLE001 - not a model that has one
+            table = None
+    if table is None:
+        table = getattr(model, "embed_tokens", None)
+    weight = getattr(table, "weight", table)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    return None
+
+
+def check_vocab_size(compiled: Callable[..., Any], vocab_size: int | None) -> None:
+    """Refuse a ``vocab_size`` above the rows of the model's token embedding: the warm-up's
+    random token ids (below ``vocab_size``) would index past it, an ``IndexError`` deep in
+    ``capture()``. Nothing is checked where ``vocab_size`` is ``None`` or no embedding table
+    is found (:func:`_embedding_rows`).
+
+    Raises:
+        GraphRunnerError: ``vocab_size`` > the embedding's rows.
+    """
+    if vocab_size is None:
+        return
+    rows = _embedding_rows(_model_of(compiled))
+    if rows is not None and vocab_size > rows:
+        raise GraphRunnerError(
+            f"CudaGraphRunner: vocab_size={vocab_size} passed, but the model's token embedding "
+            f"has {rows} rows (the warm-up's random token ids would index past it); pass "
+            f"vocab_size={rows} or less, or none (token id 0 in the warm-up steps)")
+
