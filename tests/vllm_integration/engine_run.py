@@ -57,6 +57,10 @@ CONFIGS = {
 #: ``kv_a_proj_with_mqa``'s output), so the family's outputs would depend on the batch (the
 #: rows beside a request's); vLLM's own native rotary (PyTorch ops) is used instead
 FAMILY_COMPILATION = {"deepseek_v2": {"custom_ops": ["all", "-rotary_embedding"]}}
+#: engine arguments per family: vLLM's CPU platform prefers its AMX MLA backend wherever the CPU
+#: has AMX tiles, and that backend takes bf16/fp16/int8 weights only (this test's models are
+#: float32): the reference CPU MLA backend on every machine, AMX or not
+FAMILY_ENGINE_ARGS = {"deepseek_v2": {"attention_backend": "CPU_MLA"}}
 
 
 def _weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -190,6 +194,7 @@ def run(spec: dict) -> dict:
         extra = {"speculative_config": r["speculative"]} if r.get("speculative") else {}
         if "block_size" in r:
             extra["block_size"] = r["block_size"]
+        extra.update(FAMILY_ENGINE_ARGS.get(spec["family"], {}))
         llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32",
                   max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, seed=0,
                   gpu_memory_utilization=0.05, kv_cache_memory_bytes=32 << 20,
