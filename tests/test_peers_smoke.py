@@ -71,6 +71,8 @@ def test_both_peers_equal_the_unsplit_model_and_every_row_is_complete(tmp_path):
         assert row["num_ours"]["ok"], row["num_ours"]
         for key in ("t_baseline_us", "t_ours_graph_us", "t_ours_step_us"):
             assert row[key] > 0, key
+        # ours' warm-up timing of every graph it chose among, the chosen one included
+        assert row["ours_choice"] in row["ours_warmup_us"] and "list" in row["ours_warmup_us"]
         assert sorted(row["peers"]) == sorted(PEERS)
         for name, peer in row["peers"].items():
             num = peer["num_eager"]

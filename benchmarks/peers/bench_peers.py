@@ -207,7 +207,9 @@ def bench_bucket(args, model, runner, step, phase, n, peers, traced, timer) -> d
     ids, pos, md, qlens = (step.input_ids, step.positions, step.attn_metadata,
                            step.num_scheduled_tokens)
     b = runner.graphs[n]
-    row: dict = {"phase": phase, "tokens_per_rank": n, "errors": [], "ours_choice": b.choice}
+    row: dict = {"phase": phase, "tokens_per_rank": n, "errors": [], "ours_choice": b.choice,
+                 # the runner's warm-up timing of each graph it chose among (µs, median)
+                 "ours_warmup_us": {k: round(v, 1) for k, v in (b.times_us or {}).items()}}
     with torch.no_grad():
         ref = model(ids, pos, md).float()
         # the unsplit model's own move under a one-ulp change of rounding (H.noise_floor)
