@@ -93,6 +93,15 @@ def swiglu_reference(x, counts, w13, w2) -> torch.Tensor:
     return torch.cat(out)
 
 
+def write_rows(args, rows: list[dict], **meta) -> None:
+    """``--json``: the rows so far, rewritten after each (a run stopped by a timeout keeps
+    the rows it finished)."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": harness.machine(), "torch": torch.__version__, **meta,
+                       "rows": rows}, f, indent=1)
+
+
 def fp8_cast_rows(args) -> list[dict]:
     """``--fp8-cast`` (module docstring): per shape and tokens, µs per call in CUDA graphs."""
     from dbo_compile.ops import deep_gemm as dg
@@ -139,6 +148,7 @@ def fp8_cast_rows(args) -> list[dict]:
             row["fp8_over_bf16"] = round(row["fp8_us"] / row["bf16_us"], 3)
             row["fp8_all_rows_over_bf16"] = round(row["fp8_all_rows_us"] / row["bf16_us"], 3)
             rows.append(row)
+            write_rows(args, rows, mode="fp8-cast")
             print(json.dumps(row), flush=True)
     print(f"\n{'shape':12s} {'T':>5s} {'valid/rows':>12s} {'bf16':>8s} {'fp8':>8s} {'ratio':>6s} "
           f"{'fp8 all':>8s} {'ratio':>6s} {'cast':>7s} {'cast all':>8s} {'bf16 err':>8s} "
@@ -210,11 +220,7 @@ def main(argv=None) -> int:
         bad = [s for s in args.shapes.split(",") if s not in EP_RANKS]
         if bad:
             p.error(f"--fp8-cast: {bad} have no expert-major layout; use {sorted(EP_RANKS)}")
-        rows = fp8_cast_rows(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": harness.machine(), "torch": torch.__version__,
-                           "mode": "fp8-cast", "rows": rows}, f, indent=1)
+        fp8_cast_rows(args)
         return 0
     fused_moe.MAX_SLOTS = args.max_slots
     device = torch.device("cuda")
@@ -248,6 +254,7 @@ def main(argv=None) -> int:
                 if best:
                     row["best"], row["best_us"], row["best_err"] = best
             rows.append(row)
+            write_rows(args, rows)
             print(json.dumps(row), flush=True)
     print(f"\n{'shape':12s} {'T':>5s} {'slots':>6s} {'sorted':>8s} {'fused':>8s} {'ratio':>6s} "
           f"{'best cfg':>16s} {'best':>8s}")
@@ -256,10 +263,6 @@ def main(argv=None) -> int:
         print(f"{r['shape']:12s} {r['tokens']:5d} {r['slots']:6d} {r['sorted_us']:8.1f} "
               f"{f or 0:8.1f} {(r['sorted_us'] / f) if f else 0:6.2f} {r.get('best', '-'):>16s} "
               f"{r.get('best_us', 0):8.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": harness.machine(), "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
     return 0
 
 
