@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tol", type=float, default=None,
                         help="max abs error allowed vs eager (default 1e-5 fp32, 5e-2 bf16)")
     args = parser.parse_args(argv)
+    if args.tol is not None and not args.tol >= 0:
+        parser.error(f"--tol must be >= 0, got {args.tol}")
     if args.world_size < 1:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
     from dbo_compile.errors import ModelConfigError

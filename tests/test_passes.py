@@ -489,3 +489,14 @@ def test_join_experts_without_expert_calls_compiles_unjoined():
     assert "list" in art.candidates and not any(n.endswith("+join") for n in art.candidates)
     with pytest.raises(DboConfigError, match="join_experts"):
         DboConfig(join_experts=1)
+
+
+def test_comm_sms_on_a_cpu_graph_warns_that_it_does_nothing(caplog):
+    """A newcomer's probe: ``comm_sms=16`` on CPU was accepted without a word; an SM carve-out
+    is a CUDA feature, so the compile says once that it has no effect."""
+    torch._dynamo.reset()
+    model, step = build(MIXED_CUT, layers=1)
+    with caplog.at_level("WARNING", logger="dbo_compile"):
+        eager_and_compiled(model, step, {"split": "always", "comm_sms": 16})
+    said = [r for r in caplog.records if "comm_sms=16 has no effect" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
