@@ -138,3 +138,18 @@ def test_the_staged_program_computes_what_eager_does(scheduler):
     later_compute = [u.id for u in sched.units
                      if u.kind == COMPUTE and u.ubatch == 1 and u.layer is not None]
     assert later_compute and min(later_compute) > first_dispatch
+
+
+@pytest.mark.parametrize("scheduler,num_ubatches", [("staged", 3), ("staged-d2", 2)])
+def test_staged_with_joined_experts_and_more_ubatches_equals_eager(scheduler, num_ubatches):
+    """Joined expert calls belong to no ubatch (they run when both dispatches are in); the
+    staged order places them as soon as they are ready, with 2 or 3 ubatches."""
+    torch._dynamo.reset()
+    model, step = build(MIXED_CUT, layers=2)
+    eager, out, _, _ = eager_and_compiled(model, step, {
+        "split": "always", "scheduler": scheduler, "join_experts": True,
+        "num_ubatches": num_ubatches, "schedule_candidates": False})
+    art = last_artifact()
+    assert art.is_split and art.schedule.meta["candidate"] == f"{scheduler}+join"
+    assert art.schedule.meta["joined_calls"] == 2
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
