@@ -882,6 +882,8 @@ def test_buckets_as_a_string_and_a_prune_margin_past_its_range_are_refused_clear
     compiled = torch.compile(model, backend="dbo")
     with pytest.raises(GraphRunnerError, match="not a str.*'64'"):
         CudaGraphRunner(compiled, "64", max_blocks_per_req=4)
+    with pytest.raises(GraphRunnerError, match="static_buckets must be .* not a str.*'64'"):
+        CudaGraphRunner(compiled, [64], max_blocks_per_req=4, static_buckets="64")
     with pytest.raises(GraphRunnerError, match=r"prune_margin must be None \(off\) or a fraction "
                                                r"in \[0, 10\), got 20"):
         CudaGraphRunner(compiled, [64], max_blocks_per_req=4, prune_margin=20)

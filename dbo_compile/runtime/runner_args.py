@@ -52,9 +52,10 @@ def check_buckets(buckets: Any, static_buckets: Any) -> tuple[list[int], set[int
         GraphRunnerError: ``buckets`` not a non-empty list of ints ``>= 1``, or a static
             bucket that is not one of them.
     """
-    if isinstance(buckets, (str, bytes)):
-        raise GraphRunnerError(f"buckets must be a list of ints (token counts), not a str: got "
-                               f"{buckets!r}; pass e.g. buckets=[64]")
+    for name, value in (("buckets", buckets), ("static_buckets", static_buckets)):
+        if isinstance(value, (str, bytes)):
+            raise GraphRunnerError(f"{name} must be a list of ints (token counts), not a "
+                                   f"{type(value).__name__}: got {value!r}; pass e.g. {name}=[64]")
     try:
         buckets = list(buckets)
     except TypeError:
