@@ -51,7 +51,9 @@ class ScheduleConfig(OptionGroup):
             :data:`~dbo_compile.candidates.SCHEDULE_CANDIDATES`: those, each with every
             carve-out, or, where a name carries a carve-out itself (``"list@link/16+sms16"``),
             exactly the entries named (:func:`~dbo_compile.candidates.program_variants`). Order
-            and duplicates do not count; ``()`` is ``False``. Default
+            and duplicates do not count; ``()`` is ``False``. A candidate whose host order
+            equals one compiled before it is kept once, under the earlier name (the
+            artifact's ``candidates``). Default
             :data:`~dbo_compile.candidates.DEFAULT_CANDIDATES` (the data: ``docs/config.md``).
         sm_carveout_candidates: SM carve-outs (positive ints, ``comm_sms`` semantics) each
             candidate is also compiled with; the runner keeps one only in buckets where it was
