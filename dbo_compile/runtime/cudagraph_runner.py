@@ -127,7 +127,7 @@ from dbo_compile.runtime.numbers import InputNumbers, changed_reason
 from dbo_compile.runtime.padding import pad_args
 from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
 from dbo_compile.runtime.runner_args import (check_block_size, check_buckets, check_model_kwargs,
-                                             check_vocab_size, is_int)
+                                             check_vocab_size, positive_int)
 from dbo_compile.runtime.vote import min_split_tokens
 
 log = logging.getLogger(__name__)
@@ -204,14 +204,11 @@ class CudaGraphRunner:
                  prune_margin: float | None = DEFAULT_PRUNE_MARGIN,
                  predictor: Callable[..., Any] | None = None, **model_kwargs: Any):
         buckets, self.static_buckets = check_buckets(buckets, static_buckets)
-        if isinstance(max_blocks_per_req, bool) or not is_int(max_blocks_per_req) or max_blocks_per_req < 1:
-            raise GraphRunnerError(f"max_blocks_per_req must be an int >= 1, got {max_blocks_per_req!r}")
-        max_blocks_per_req = int(max_blocks_per_req)
+        max_blocks_per_req = positive_int("max_blocks_per_req", max_blocks_per_req)
         if isinstance(timing_iters, bool) or not isinstance(timing_iters, int) or timing_iters < 1:
             raise GraphRunnerError(f"timing_iters must be an int >= 1, got {timing_iters!r}")
-        for name, value in (("vocab_size", vocab_size), ("block_size", block_size)):
-            if value is not None and (isinstance(value, bool) or not is_int(value) or value < 1):
-                raise GraphRunnerError(f"{name} must be None or an int >= 1, got {value!r}")
+        vocab_size = positive_int("vocab_size", vocab_size, optional=True)
+        block_size = positive_int("block_size", block_size, optional=True)
         check_block_size(compiled, block_size)
         check_vocab_size(compiled, vocab_size)
         check_model_kwargs(compiled, model_kwargs, _RUNNER_ARGS)

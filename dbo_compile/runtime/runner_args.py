@@ -19,7 +19,7 @@ import torch
 from dbo_compile.errors import GraphRunnerError
 
 __all__ = ["check_block_size", "check_buckets", "check_model_kwargs", "check_vocab_size",
-           "is_int"]
+           "is_int", "positive_int"]
 
 #: keywords that never reach the model: the step's own arguments (``runner(...)``), the inputs
 #: the runner passes itself, and ``run_step``'s (the runner's steps call it), with why
@@ -42,6 +42,21 @@ def is_int(value: Any) -> bool:
         return True
     except TypeError:
         return False
+
+
+def positive_int(name: str, value: Any, optional: bool = False) -> int | None:
+    """``value`` as an ``int >= 1`` (any int-like but a ``bool``); ``None`` stays ``None``
+    where ``optional``.
+
+    Raises:
+        GraphRunnerError: anything else (``"{name} must be [None or ]an int >= 1"``).
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not is_int(value) or value < 1:
+        raise GraphRunnerError(f"{name} must be {'None or ' if optional else ''}an int >= 1, "
+                               f"got {value!r}")
+    return int(value)
 
 
 def check_buckets(buckets: Any, static_buckets: Any) -> tuple[list[int], set[int]]:
