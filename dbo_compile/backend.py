@@ -66,8 +66,7 @@ def dbo_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         UnsplittableGraphError: only with ``on_unsplittable="raise"``.
     """
     config = pipeline.resolve_device_defaults(DboConfig.from_options(options), example_inputs)
-    if config.comm_sms is not None and not any(
-            isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
+    if config.comm_sms is not None and not pipeline.has_cuda_inputs(example_inputs):
         log.warning("dbo: comm_sms=%d has no effect on this graph: its inputs are not on CUDA "
                     "(an SM carve-out is a CUDA feature)", config.comm_sms)
     if config.cache_dir:  # Inductor's and Triton's caches under it too, before any stage compiles

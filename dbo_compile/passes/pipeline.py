@@ -82,7 +82,8 @@ from dbo_compile.runtime.program import SplitArtifact, SplitRecord
 log = logging.getLogger(__name__)
 
 __all__ = ["BIND_PASSES", "CANDIDATE_PASSES", "JOIN_PASSES", "LOWERED_PASSES", "SPLIT_PASSES",
-           "compile_split", "pass_names", "pipeline_passes", "resolve_device_defaults"]
+           "compile_split", "has_cuda_inputs", "pass_names", "pipeline_passes",
+           "resolve_device_defaults"]
 
 
 #: bind_backends: the config's comm / experts backends into the ops' ``backend`` argument
@@ -229,13 +230,18 @@ def _compile_split(gm: fx.GraphModule, state: CompileState, manager: PassManager
     return record, cands.programs
 
 
+def has_cuda_inputs(example_inputs: Sequence[Any]) -> bool:
+    """Whether any of a graph's inputs is a CUDA tensor (its device defaults are CUDA's)."""
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+
+
 def resolve_device_defaults(config: DboConfig, example_inputs: Sequence[Any]) -> DboConfig:
     """The defaults that depend on the device, for a graph with CUDA inputs / otherwise (every
     rank of a job sees the same device type, so every rank resolves the same way):
     ``compute_backend="auto"`` -> ``"inductor"`` / ``"aten"``; ``sm_carveout_candidates=None``
     -> ``(16,)`` where torch can carve SMs out / ``()``. Resolved once, before the passes;
     a resolved config resolves to itself."""
-    cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+    cuda = has_cuda_inputs(example_inputs)
     if config.compute_backend == "auto":
         config = config.replace(compute_backend="inductor" if cuda else "aten")
     if config.sm_carveout_candidates is None:
