@@ -247,27 +247,6 @@ def test_one_token_step_runs_unsplit_and_the_next_size_splits():
     assert last_artifact() is not art and last_artifact().stats.split_steps == 1
 
 
-def test_torch_logs_prints_each_dbo_record_once():
-    """TORCH_LOGS="+dbo_compile": torch imports the package while parsing TORCH_LOGS and then
-    adds its handler again; each record must still print once."""
-    code = textwrap.dedent("""
-        import torch
-        class M(torch.nn.Module):
-            def forward(self, x):
-                ids = torch.zeros(x.shape[0], 1, dtype=torch.int64)
-                recv, _, rw = torch.ops.dbo.dispatch(x, ids, torch.ones(x.shape[0], 1), 1, "")
-                return torch.ops.dbo.combine(recv * rw.sum(-1, keepdim=True), "")
-        x = torch.randn(8, 4)
-        torch._dynamo.mark_dynamic(x, 0)
-        torch.compile(M(), backend="dbo", options={"split": "always"})(x)
-    """)
-    env = dict(os.environ, TORCH_LOGS="+dbo_compile")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stderr.count("dbo: split into") == 1, res.stderr[-3000:]
-
-
 class TakesATable(nn.Module):
     """A second tensor input that is not token-indexed (a [V, H] table passed per call)."""
 
