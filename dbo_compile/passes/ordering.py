@@ -205,11 +205,12 @@ def staged_order(units: list[Unit], deps: list[tuple[int, int]], plan: PoolPlan 
     if not nx.is_directed_acyclic_graph(dag):
         raise ScheduleError("staged order: the unit graph has a cycle")
     topo = list(nx.lexicographical_topological_sort(dag))
-    # per unit, the topological rank of the first comm unit at or below it
+    # per unit, the topological rank of the first comm unit at or below it (a comm unit's own:
+    # its descendants rank after it)
     first_comm: dict[int, float] = {}
     for rank, i in reversed(list(enumerate(topo))):
-        below = min((first_comm[s] for s in dag.successors(i)), default=float("inf"))
-        first_comm[i] = min(rank, below) if by_id[i].kind == COMM else below
+        first_comm[i] = rank if by_id[i].kind == COMM else min(
+            (first_comm[s] for s in dag.successors(i)), default=float("inf"))
     lanes: dict[Any, list[list[int]]] = {}
     for ub in sorted({u.ubatch for u in units if u.ubatch is not None}):
         sub = dag.subgraph([u.id for u in units if u.ubatch == ub])
