@@ -422,7 +422,10 @@ def main(args) -> int:
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
              + (f", hold_sms={args.hold_sms} (each transfer holds that many SMs)"
                 if getattr(args, "hold_sms", 0) else ", copy engines (no SM held)")
-             + (f", calibration {args.calibration}" if args.calibration else ""))
+             + (f", calibration {args.calibration}" if args.calibration else "")
+             + (f", experts_backend={args.experts_backend}" if args.experts_backend else "")
+             + (" with FP8 e4m3 expert GEMMs (error vs the bf16 reference)" if args.fp8
+                else ""))
     log(f"[emulated] {machine} torch {torch.__version__}: {setup}")
     doc = {"machine": machine, "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "torch": torch.__version__, "setup": setup, "command": " ".join(sys.argv),

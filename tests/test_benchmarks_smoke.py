@@ -231,3 +231,33 @@ def test_the_soak_refuses_the_flags_of_the_other_mode(capsys):
         with pytest.raises(SystemExit):
             parse_soak(argv)
         assert f"{flag}: not read" in capsys.readouterr().err
+
+
+def test_the_emulated_world_takes_the_experts_backend_and_fp8():
+    """FP8 expert GEMMs in the emulated world (issue 28 item 4): ``--experts-backend deep_gemm
+    --fp8`` reach the compile options, which the backend takes; ``--fp8`` without DeepGEMM's
+    backend is a usage error (only DeepGEMM serves FP8 experts), never a bf16 run labelled FP8."""
+    from dbo_compile import DboConfig
+    from dbo_compile.testing.moe import candidate_names
+
+    args = parse_moe(["--emulate-ep", "32", "--experts-backend", "deep_gemm"])
+    args.fp8 = True  # (refused without CUDA; the GPU run passes it)
+    args.carveouts, args.candidate_names = (), candidate_names(args.candidates)
+    options = world_options(args, 32, 50.0)
+    assert options["experts_backend"] == "deep_gemm"
+    assert dict(options["experts_backend_options"]) == {"fp8": True}
+    DboConfig(**options)
+    args = parse_moe(["--emulate-ep", "8"])
+    args.carveouts, args.candidate_names = (), candidate_names(args.candidates)
+    assert "experts_backend" not in world_options(args, 8, 50.0)  # the package default
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["--emulate-ep", "8", "--fp8"], "--fp8 needs --experts-backend deep_gemm"),
+    (["--emulate-ep", "8", "--experts-backend", "torch", "--fp8"],
+     "--fp8 needs --experts-backend deep_gemm"),
+])
+def test_fp8_without_deep_gemm_is_refused(argv, refused, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_moe(argv)
+    assert info.value.code == 2 and refused in capsys.readouterr().err

@@ -64,12 +64,12 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace, giv
 #: ``bench_moe.py``: flags only the emulated world reads (the torchrun run refuses them)
 EMULATED_ONLY = ("--link-gbps", "--latency-us", "--cost-link-gbps", "--cost-latency-us",
                  "--timing-iters", "--no-check", "--no-eager", "--no-calib", "--unit-reps",
-                 "--kernels", "--profile", "--hold-sms")
+                 "--kernels", "--profile", "--hold-sms", "--experts-backend", "--fp8")
 #: flags the emulated world does not read (one process: no link to label, no process group
 #: for the vote; no Inductor-compiled unsplit model timed)
 TORCHRUN_ONLY = ("--link", "--vote-group", "--inductor")
 #: flags that do something on CUDA only (the CPU smoke run refuses them)
-CUDA_ONLY = ("--comm-sms", "--inductor", "--kernels", "--profile", "--hold-sms")
+CUDA_ONLY = ("--comm-sms", "--inductor", "--kernels", "--profile", "--hold-sms", "--fp8")
 
 
 def moe_parser(description: str | None = None, json_default: str | None = None
@@ -136,6 +136,14 @@ def moe_parser(description: str | None = None, json_default: str | None = None
                    help="the emulated backend's option hold_sms: SMs each transfer holds for its "
                         "emulated duration, as DeepEP's normal-mode kernels hold 20-24 (default "
                         "0: the copy engines alone; CUDA only; not with --comm-sms)")
+    e.add_argument("--experts-backend", default=None, choices=["auto", "torch", "deep_gemm"],
+                   help="option experts_backend (default: the package default, 'auto'): "
+                        "deep_gemm runs DeepGEMM's contiguous grouped GEMMs on the emulated "
+                        "world's token-major rows")
+    e.add_argument("--fp8", action="store_true",
+                   help="option experts_backend_options={'fp8': True}: FP8 e4m3 expert GEMMs "
+                        "with DeepSeek's block scales (needs --experts-backend deep_gemm); "
+                        "the rows' error is against the bf16 reference")
     e.add_argument("--cost-link-gbps", type=float, default=44.0,
                    help="the cost model's link figure is min(link, this): the hardware's duplex "
                         "copy rate (measured 42-45 GB/s per direction on one H200)")
@@ -176,6 +184,9 @@ def parse_moe(argv: Sequence[str] | None = None, description: str | None = None,
         refuse_unread(p, args, given, TORCHRUN_ONLY, "with --emulate-ep")
     else:
         refuse_unread(p, args, given, EMULATED_ONLY, "without --emulate-ep")
+    if args.fp8 and args.experts_backend != "deep_gemm":
+        p.error("--fp8 needs --experts-backend deep_gemm (only DeepGEMM serves FP8 experts; "
+                f"got {args.experts_backend or 'the default'})")
     if not torch.cuda.is_available():
         refuse_unread(p, args, given, CUDA_ONLY, "without CUDA")
     if args.hold_sms and args.comm_sms:
@@ -202,7 +213,8 @@ def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, An
     process (``--scheduler``, ``--comm-sms``: the split program's SM carve-out, as the
     emulated comm kernels would hold them; ``--compute-backend``, ``--carveout-candidates``,
     ``--candidates``, ``--calibration``, ``--latency-us``, ``--hold-sms``: the SMs each
-    transfer holds; ``--unsplit-overlap``)."""
+    transfer holds; ``--unsplit-overlap``; ``--experts-backend`` and ``--fp8``: the experts
+    backend and its FP8 option)."""
     emulated = {"world_size": w, "link_gbps": gbps}
     options = {"comm_backend": "emulated", "comm_backend_options": emulated,
                "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
@@ -218,6 +230,10 @@ def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, An
         emulated["hold_sms"] = args.hold_sms
     if args.calibration:
         options["calibration"] = args.calibration
+    if getattr(args, "experts_backend", None):
+        options["experts_backend"] = args.experts_backend
+    if getattr(args, "fp8", False):
+        options["experts_backend_options"] = {"fp8": True}
     return options
 
 
