@@ -158,7 +158,7 @@ def test_a_failed_replay_leaves_no_deferred_call_in_flight():
     for m in (model, ref):
         m.allocate_kv_cache(64, 16)
     cm = torch.compile(model, backend="dbo", options={
-        "split": "always", "comm_backend": "emulated", "emulate_world_size": 4,
+        "split": "always", "comm_backend": "emulated", "comm_backend_options": {"world_size": 4},
         "schedule_candidates": False})
     runner = CudaGraphRunner(cm, [32], max_blocks_per_req=8, block_size=16, timing_iters=1)
     runner.capture()
