@@ -174,7 +174,7 @@ def test_the_deprecated_emulate_fields_move_into_comm_backend_options():
     assert caught[0].filename == __file__
     assert old == want and old.fingerprint() == want.fingerprint()
     assert (old.emulate_world_size, old.backends.emulate_link_gbps) == (None, None)
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning, match="emulate_world_size: deprecated"):
         mixed = DboConfig(comm_backend="emulated", emulate_world_size=8,
                           comm_backend_options={"link_gbps": 25.0})
     assert mixed == want

@@ -227,15 +227,19 @@ def _world_model(w=4, experts=8, top_k=3, layers=2):
     return model, ref, step
 
 
-def _options(**kw):
-    return {"split": "always", "comm_backend": "emulated", "emulate_world_size": 4, **kw}
+def _options(world_size=4, comm=None, **kw):
+    """torch.compile options of the emulated EP world of ``world_size`` ranks: the emulated
+    backend's options in ``comm_backend_options`` (``comm`` adds to them; the deprecated
+    ``emulate_*`` spelling is tested in test_config / test_backend_choice), ``kw`` the rest."""
+    return {"split": "always", "comm_backend": "emulated",
+            "comm_backend_options": {"world_size": world_size, **(comm or {})}, **kw}
 
 
 def test_compiled_emulated_world_equals_the_unsplit_reference():
     """The acceptance check on CPU: the split program of the emulated EP-4 world (4 of 8
     experts... 2 here, and the host copies) equals the one-device model with all experts."""
     model, ref, step = _world_model()
-    cm = torch.compile(model, backend="dbo", options=_options(emulate_link_gbps=25.0))
+    cm = torch.compile(model, backend="dbo", options=_options(comm={"link_gbps": 25.0}))
     with torch.no_grad():
         out = run_step(cm, step.input_ids, step.positions, step.attn_metadata,
                        step.num_scheduled_tokens)
@@ -300,15 +304,16 @@ def test_split_program_sends_the_next_op_before_receiving_the_last():
 
 
 def test_emulate_options_are_in_the_fingerprint():
-    a = DboConfig(comm_backend="emulated", emulate_world_size=8)
-    b = DboConfig(comm_backend="emulated", emulate_world_size=8, emulate_link_gbps=25.0)
-    c = DboConfig(comm_backend="emulated", emulate_world_size=16)
+    a = DboConfig(comm_backend="emulated", comm_backend_options={"world_size": 8})
+    b = DboConfig(comm_backend="emulated",
+                  comm_backend_options={"world_size": 8, "link_gbps": 25.0})
+    c = DboConfig(comm_backend="emulated", comm_backend_options={"world_size": 16})
     assert len({a.fingerprint(), b.fingerprint(), c.fingerprint()}) == 3
 
 
 def test_a_model_built_for_another_world_size_is_refused():
     model, _, step = _world_model(w=4)
-    cm = torch.compile(model, backend="dbo", options=_options(emulate_world_size=8))
+    cm = torch.compile(model, backend="dbo", options=_options(world_size=8))
     with pytest.raises(Exception, match="built for an emulated world of 4 ranks") as info:
         with torch.no_grad():
             run_step(cm, step.input_ids, step.positions, step.attn_metadata,
@@ -339,7 +344,7 @@ def test_a_model_not_built_for_an_emulated_world_is_refused(w):
     model.allocate_kv_cache(64, 16)
     step = make_step(cfg, decode_context_lens=[20, 37, 5, 60], prefills=[(0, 28)],
                      block_size=16)
-    cm = torch.compile(model, backend="dbo", options=_options(emulate_world_size=w))
+    cm = torch.compile(model, backend="dbo", options=_options(world_size=w))
     with torch.no_grad():
         err = _compile_error(lambda: run_step(cm, step.input_ids, step.positions,
                                               step.attn_metadata, step.num_scheduled_tokens))
@@ -445,7 +450,7 @@ def test_world_size_that_does_not_divide_the_experts_fails_the_compile():
 
     x = torch.randn(16, 8)
     torch._dynamo.mark_dynamic(x, 0)
-    cm = torch.compile(Moe(), backend="dbo", options=_options(emulate_world_size=3))
+    cm = torch.compile(Moe(), backend="dbo", options=_options(world_size=3))
     with pytest.raises(Exception, match="multiple of world_size=3"):
         cm(x)
 
@@ -581,7 +586,7 @@ def test_gpu_emulated_world_equals_reference_eager_and_replayed():
     for m in (model, ref):
         m.allocate_kv_cache(blocks, 16)
     cm = torch.compile(model, backend="dbo", options=_options(
-        emulate_world_size=8, compute_backend="aten", sm_carveout_candidates=(),
+        world_size=8, compute_backend="aten", sm_carveout_candidates=(),
         schedule_candidates=("list+join",)))
     runner = CudaGraphRunner(cm, [128], max_blocks_per_req=int(steps[0].attn_metadata.block_table.shape[1]),
                              block_size=16, vocab_size=4096, timing_iters=2, keep_candidates=True)

@@ -158,7 +158,7 @@ def test_a_failed_replay_leaves_no_deferred_call_in_flight():
     for m in (model, ref):
         m.allocate_kv_cache(64, 16)
     cm = torch.compile(model, backend="dbo", options={
-        "split": "always", "comm_backend": "emulated", "emulate_world_size": 4,
+        "split": "always", "comm_backend": "emulated", "comm_backend_options": {"world_size": 4},
         "schedule_candidates": False})
     runner = CudaGraphRunner(cm, [32], max_blocks_per_req=8, block_size=16, timing_iters=1)
     runner.capture()
@@ -905,3 +905,42 @@ def test_a_vocab_size_past_the_embedding_and_a_bool_block_table_width_are_refuse
     with pytest.raises(GraphRunnerError, match="max_blocks_per_req must be an int"):
         CudaGraphRunner(compiled, [8], max_blocks_per_req=True)
     assert CudaGraphRunner(compiled, [8], max_blocks_per_req=np.int64(4)).max_blocks_per_req == 4
+
+
+def _not_checked(caplog):
+    return [r for r in caplog.records if "not checked against the model" in r.getMessage()]
+
+
+def test_checks_the_runner_cannot_make_are_named_in_one_info_line(caplog):
+    """A newcomer's finding: ``vocab_size`` / ``block_size`` given with a plain function as the
+    compiled callable (no nn.Module behind it: no embedding, no KV cache to check them
+    against) were skipped without a word. One INFO line at construction names each argument
+    left unchecked and why; none where every given argument was checked, or none was given."""
+    def fn(input_ids, positions, attn_metadata):
+        return input_ids
+
+    logger = "dbo_compile.runtime.cudagraph_runner"
+    for compiled in (fn, torch.compile(fn, backend="dbo")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=logger):
+            CudaGraphRunner(compiled, [16], max_blocks_per_req=8, block_size=16, vocab_size=100)
+        lines = _not_checked(caplog)
+        assert len(lines) == 1 and lines[0].levelno == logging.INFO, caplog.text
+        msg = lines[0].getMessage()
+        assert "block_size=16" in msg and "vocab_size=100" in msg, msg
+        assert "no nn.Module behind the compiled callable" in msg, msg
+    # a model whose KV cache is allocated later: block_size waits for capture(), said so
+    caplog.clear()
+    fresh = DeepseekMoEModel(get_config("tiny", num_layers=1), seed=0)
+    with caplog.at_level(logging.INFO, logger=logger):
+        CudaGraphRunner(fresh, [16], max_blocks_per_req=8, block_size=16)
+    msg = " ".join(r.getMessage() for r in _not_checked(caplog))
+    assert "block_size=16" in msg and "not allocated" in msg and "vocab_size" not in msg, msg
+    # everything given was checked, or nothing given: no line
+    caplog.clear()
+    _, model = _model(layers=1)
+    with caplog.at_level(logging.INFO, logger=logger):
+        CudaGraphRunner(torch.compile(model, backend="dbo"), [16], max_blocks_per_req=8,
+                        block_size=16, vocab_size=int(model.embed_tokens.shape[0]))
+        CudaGraphRunner(fn, [16], max_blocks_per_req=8)
+    assert not _not_checked(caplog), caplog.text

@@ -188,6 +188,11 @@ class CudaGraphRunner:
         model_kwargs: extra keyword arguments of every model call: only keywords its forward
             takes (:func:`~.runner_args.check_model_kwargs`).
 
+    ``block_size``, ``vocab_size`` and ``model_kwargs`` are checked against the model where
+    one is found (an ``nn.Module`` with a KV cache, a token embedding, a readable forward); an
+    argument that cannot be checked (a plain function as ``compiled``, a cache allocated
+    later) is named, with why, in one INFO line of this module's logger.
+
     Raises:
         GraphRunnerError: bad buckets, ``max_blocks_per_req`` or ``timing_iters``, a
             ``block_size`` other than the model's KV cache's, a model keyword its forward does
@@ -209,9 +214,18 @@ class CudaGraphRunner:
             raise GraphRunnerError(f"timing_iters must be an int >= 1, got {timing_iters!r}")
         vocab_size = positive_int("vocab_size", vocab_size, optional=True)
         block_size = positive_int("block_size", block_size, optional=True)
-        check_block_size(compiled, block_size)
-        check_vocab_size(compiled, vocab_size)
-        check_model_kwargs(compiled, model_kwargs, _RUNNER_ARGS)
+        skipped = {f"block_size={block_size}": check_block_size(compiled, block_size),
+                   f"vocab_size={vocab_size}": check_vocab_size(compiled, vocab_size),
+                   "model keywords " + ", ".join(model_kwargs):
+                       check_model_kwargs(compiled, model_kwargs, _RUNNER_ARGS)}
+        by_why: dict[str, list[str]] = {}
+        for arg, why in skipped.items():
+            if why:
+                by_why.setdefault(why, []).append(arg)
+        if by_why:  # one line: the arguments left unchecked, grouped by why
+            log.info("CudaGraphRunner: %s; capture() runs with them as given", "; ".join(
+                f"{', '.join(args)} not checked against the model at construction: {why}"
+                for why, args in by_why.items()))
         self.compiled = compiled
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_req = max_blocks_per_req

@@ -4,7 +4,8 @@ with an error that does not name the runner's argument (a typo of a runner argum
 went to the model as one of its keywords; a ``block_size`` other than the KV cache's).
 
 Every check raises :class:`~dbo_compile.errors.GraphRunnerError` saying what was found and
-what to pass instead.
+what to pass instead. A check that cannot be made (a plain function as the compiled callable:
+no KV cache, no embedding to read) returns why, which the runner logs at INFO.
 """
 
 from __future__ import annotations
@@ -99,8 +100,17 @@ def _model_of(compiled: Callable[..., Any]) -> Any:
     return getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
 
+#: why a check of an argument against the model was not made, where no module is found
+NO_MODULE = "no nn.Module behind the compiled callable (a plain function)"
+
+
+def _no_module(model: Any) -> str | None:
+    """:data:`NO_MODULE` where ``model`` (:func:`_model_of`'s) is not an ``nn.Module``."""
+    return None if isinstance(model, torch.nn.Module) else NO_MODULE
+
+
 def check_model_kwargs(compiled: Callable[..., Any], model_kwargs: Mapping[str, Any],
-                       runner_args: Sequence[str]) -> None:
+                       runner_args: Sequence[str]) -> str | None:
     """Refuse keywords that the runner would pass to the model at every call
     (``compiled(input_ids, positions, attn_metadata, **model_kwargs)``) but that the model's
     forward does not take, or that never reach it.
@@ -110,11 +120,14 @@ def check_model_kwargs(compiled: Callable[..., Any], model_kwargs: Mapping[str, 
         model_kwargs: the keywords the runner did not take itself.
         runner_args: the runner's own argument names (suggested for a typo).
 
+    Returns:
+        ``None`` where checked (or no keyword given); why not, where the forward's signature
+        cannot be read (nothing is checked against it then).
+
     Raises:
         GraphRunnerError: a step argument or an input the runner passes itself given as a
             model keyword, or a keyword the forward does not take (no ``**kwargs``), with the
-            closest runner or model argument name. Nothing is checked for a forward whose
-            signature cannot be read.
+            closest runner or model argument name.
     """
     for name in model_kwargs:
         if name in _NOT_MODEL_KWARGS:
@@ -127,7 +140,7 @@ def check_model_kwargs(compiled: Callable[..., Any], model_kwargs: Mapping[str, 
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return
+        return "the signature of the model's forward cannot be read" if model_kwargs else None
     params = list(sig.parameters.values())
     P = inspect.Parameter
     positional = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)][:3]
@@ -153,26 +166,32 @@ def check_model_kwargs(compiled: Callable[..., Any], model_kwargs: Mapping[str, 
             f"neither an argument of the runner nor a keyword of the model's {where} ({takes}); "
             f"the runner passes its extra keywords to the model at every call.{''.join(hints)} "
             "Fix the name, or remove it")
+    return None
 
 
-def check_block_size(compiled: Callable[..., Any], block_size: int | None) -> None:
-    """Refuse a ``block_size`` that differs from the model's KV cache (``model.kv_caches()``,
-    ``[2, num_blocks, block_size, Hkv, D]`` each, as :class:`~dbo_compile.models.deepseek.
-    DeepseekMoEModel`'s). Nothing is checked where ``block_size`` is ``None``, the model has
-    no ``kv_caches()`` or its caches are not allocated yet: ``capture()`` checks the graph's.
+def check_block_size(compiled: Callable[..., Any], block_size: int | None) -> str | None:
+    """Refuse a ``block_size`` (tokens per KV-cache block) that differs from the model's KV
+    cache (``model.kv_caches()``, ``[2, num_blocks, block_size, Hkv, D]`` each, as
+    :class:`~dbo_compile.models.deepseek.DeepseekMoEModel`'s).
+
+    Returns:
+        ``None`` where checked or ``block_size`` is ``None``; else why it was not checked:
+        no ``nn.Module`` behind ``compiled``, a model without ``kv_caches()`` or caches not
+        allocated yet (``capture()`` runs the graph with it unchecked).
 
     Raises:
         GraphRunnerError: ``block_size`` is not the block size of any of the model's caches.
     """
     if block_size is None:
-        return
-    caches = getattr(_model_of(compiled), "kv_caches", None)
+        return None
+    model = _model_of(compiled)
+    caches = getattr(model, "kv_caches", None)
     if not callable(caches):
-        return
+        return _no_module(model) or f"{type(model).__name__} has no kv_caches()"
     try:
         caches = list(caches())
     except Exception:  # noqa: BLE001 - not allocated yet (ModelConfigError), or not ours
-        return
+        return f"the KV cache of {type(model).__name__} is not allocated yet"
     sizes = sorted({int(c.shape[2]) for c in caches if isinstance(c, torch.Tensor) and c.dim() >= 3})
     if sizes and block_size not in sizes:
         has = (f"caches have block sizes {', '.join(map(str, sizes))}" if len(sizes) > 1
@@ -184,6 +203,7 @@ def check_block_size(compiled: Callable[..., Any], block_size: int | None) -> No
             f"num_blocks, block_size) made it); pass {pick} or none (the "
             "runner then takes the compiled graph's), or allocate the cache with "
             f"block_size={block_size}")
+    return None
 
 
 def _embedding_rows(model: Any) -> int | None:
@@ -205,21 +225,30 @@ def _embedding_rows(model: Any) -> int | None:
     return None
 
 
-def check_vocab_size(compiled: Callable[..., Any], vocab_size: int | None) -> None:
-    """Refuse a ``vocab_size`` above the rows of the model's token embedding: the warm-up's
-    random token ids (below ``vocab_size``) would index past it, an ``IndexError`` deep in
-    ``capture()``. Nothing is checked where ``vocab_size`` is ``None`` or no embedding table
-    is found (:func:`_embedding_rows`).
+def check_vocab_size(compiled: Callable[..., Any], vocab_size: int | None) -> str | None:
+    """Refuse a ``vocab_size`` (token ids) above the rows of the model's token embedding: the
+    warm-up's random token ids (below ``vocab_size``) would index past it, an ``IndexError``
+    deep in ``capture()``.
+
+    Returns:
+        ``None`` where checked or ``vocab_size`` is ``None``; else why it was not checked: no
+        ``nn.Module`` behind ``compiled``, or no embedding table found on it
+        (:func:`_embedding_rows`).
 
     Raises:
         GraphRunnerError: ``vocab_size`` > the embedding's rows.
     """
     if vocab_size is None:
-        return
-    rows = _embedding_rows(_model_of(compiled))
-    if rows is not None and vocab_size > rows:
+        return None
+    model = _model_of(compiled)
+    rows = _embedding_rows(model)
+    if rows is None:
+        return _no_module(model) or (f"no token embedding found on {type(model).__name__} "
+                                     "(get_input_embeddings() or embed_tokens)")
+    if vocab_size > rows:
         raise GraphRunnerError(
             f"CudaGraphRunner: vocab_size={vocab_size} passed, but the model's token embedding "
             f"has {rows} rows (the warm-up's random token ids would index past it); pass "
             f"vocab_size={rows} or less, or none (token id 0 in the warm-up steps)")
+    return None
 
