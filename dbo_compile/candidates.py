@@ -76,12 +76,14 @@ CANDIDATES: tuple[Candidate, ...] = (
 #: carve-out suffix, ``"list@link/16+sms16"``)
 SCHEDULE_CANDIDATES: tuple[str, ...] = tuple(c.name for c in CANDIDATES)
 #: ``DboConfig.schedule_candidates``'s default: the candidates that were ever the fastest
-#: split graph on 2x H200 (``benchmarks/results/latest.json``, ``t_variants_us``) and the
+#: split graph on 2x H200 (``benchmarks/results/latest.json``, ``t_variants_us``), the
 #: staged order, the fastest at 5 of 8 buckets of the emulated EP worlds on one H100
-#: (2026-12-07, ``docs/config.md`` "Why the defaults"). With the primary (``list``) 5 split
-#: graphs per bucket instead of 16.
-DEFAULT_CANDIDATES: tuple[str, ...] = ("list@link/16+sms16", "list+join", "list@link/16+join",
-                                       "staged")
+#: (2026-12-07), and ``list@link/4``, the fastest at 15 of 24 emulated-world rows on one H200
+#: (2026-12-01) and at 2 of 4 EP-8 buckets on one H100 with every candidate timed (2.5 / 3.5 %
+#: ahead of the next, 2026-12-07; ``docs/config.md`` "Why the defaults"). With the primary
+#: (``list``) 6 split graphs per bucket instead of 16.
+DEFAULT_CANDIDATES: tuple[str, ...] = ("list@link/4", "list@link/16+sms16", "list+join",
+                                       "list@link/16+join", "staged")
 #: the name of the unsplit program on the two streams (``DboConfig.unsplit_overlap``,
 #: :mod:`dbo_compile.passes.unsplit_overlap`) among a bucket's graphs
 UNSPLIT_OVERLAP = "unsplit-overlap"

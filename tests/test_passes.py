@@ -247,7 +247,7 @@ def test_schedule_candidates_are_distinct_orders_of_the_same_program():
         DboConfig(schedule_candidates=True))] == list(SCHEDULE_CANDIDATES)
     # the default: the measured winners (docs/config.md, "Why the defaults")
     assert [c.name for c in candidates_of(DboConfig())] == [
-        "list", "list@link/16", "list+join", "list@link/16+join", "staged"]
+        "list", "list@link/4", "list@link/16", "list+join", "list@link/16+join", "staged"]
     picked = DboConfig(schedule_candidates=["list@link/16+join", "naive", "naive"])
     assert picked.schedule_candidates == ("naive", "list@link/16+join")  # canonical order
     assert picked.fingerprint() == DboConfig(
@@ -309,9 +309,9 @@ def test_sm_carveout_candidates_add_a_copy_of_each_schedule():
 
 
 def test_default_candidates_pair_the_carveout_with_the_slow_link_schedule():
-    """The default captures 5 split graphs per bucket on CUDA (issue 17, issue 28): the
-    primary, ``list@link/16`` with the carve-out, the two joined schedules without it and the
-    staged order."""
+    """The default captures 6 split graphs per bucket on CUDA (issue 17, issue 28): the
+    primary, ``list@link/4``, ``list@link/16`` with the carve-out, the two joined schedules
+    without it and the staged order."""
     from dbo_compile.candidates import DEFAULT_CANDIDATES, program_variants
     from dbo_compile.config import DboConfig
     from dbo_compile.errors import DboConfigError
@@ -319,12 +319,13 @@ def test_default_candidates_pair_the_carveout_with_the_slow_link_schedule():
     cuda = DboConfig(sm_carveout_candidates=(16,))
     assert cuda.schedule_candidates == DEFAULT_CANDIDATES
     assert program_variants(cuda) == [
-        ("list", "list", None), ("list@link/16+sms16", "list@link/16", 16),
+        ("list", "list", None), ("list@link/4", "list@link/4", None),
+        ("list@link/16+sms16", "list@link/16", 16),
         ("list+join", "list+join", None), ("list@link/16+join", "list@link/16+join", None),
         ("staged", "staged", None)]
     # no carve-out where torch cannot carve SMs out: the schedule alone
     assert [v[0] for v in program_variants(DboConfig(sm_carveout_candidates=()))] == [
-        "list", "list@link/16", "list+join", "list@link/16+join", "staged"]
+        "list", "list@link/4", "list@link/16", "list+join", "list@link/16+join", "staged"]
     # a tuple without carve-out names keeps the cross product; True is every candidate
     assert len(program_variants(DboConfig(schedule_candidates=("list+join",),
                                           sm_carveout_candidates=(16,)))) == 4
@@ -338,10 +339,10 @@ def test_default_candidates_pair_the_carveout_with_the_slow_link_schedule():
     eager, out, _, _ = eager_and_compiled(model, step, {"split": "always", "link_gbps": 2.0,
                                                         "sm_carveout_candidates": [16]})
     art = last_artifact()
-    assert list(art.candidates) == ["list", "list@link/16+sms16", "list+join",
+    assert list(art.candidates) == ["list", "list@link/4", "list@link/16+sms16", "list+join",
                                     "list@link/16+join", "staged"]
     assert {n: p.carveout_sms for n, p in art.candidates.items()} == {
-        "list": None, "list@link/16+sms16": 16, "list+join": None, "list@link/16+join": None,
+        "list": None, "list@link/4": None, "list@link/16+sms16": 16, "list+join": None, "list@link/16+join": None,
         "staged": None}
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
 
