@@ -3,11 +3,14 @@ per bucket, unsplit vs split graphs, every graph in one pool shared by the bucke
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
-from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
+from dbo_compile.runtime import cudagraph_runner as R
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, GraphRunnerError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -37,8 +40,6 @@ def test_the_report_has_every_bucket_and_no_bytes_on_cpu():
 @pytest.mark.gpu
 @needs_cuda
 def test_on_a_gpu_every_graph_is_counted_in_one_pool(monkeypatch):
-    from dbo_compile.runtime import cudagraph_runner as R
-
     pools = []
     real = R.capture
     monkeypatch.setattr(R, "capture", lambda fn, **kw: pools.append(kw.get("pool")) or real(fn, **kw))
@@ -56,3 +57,137 @@ def test_on_a_gpu_every_graph_is_counted_in_one_pool(monkeypatch):
     # the largest bucket is captured first, into an empty pool: its unsplit graph grows it
     assert rep["buckets"][32]["unsplit"] > 0
     assert rep["total"]["unsplit"] == sum(b["unsplit"] for b in rep["buckets"].values())
+
+
+# -- out of memory at capture, and the split graphs' memory budget ----------------------------
+
+_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
+
+
+def _oom_at(monkeypatch, names):
+    """Make the capture of the graphs ``names`` run out of memory in their first run (the
+    warm-up run inside ``capture``; on CPU the ``EagerGraph``'s one run), as the prefill 8192
+    bucket's split candidates did on one H100 (38.6 GiB in graph pools)."""
+    real = CudaGraphRunner._graph
+
+    def graph(self, b, name, fn, cuda):
+        def oom():
+            raise torch.OutOfMemoryError(_OOM)
+        return real(self, b, name, oom if name in names else fn, cuda)
+    monkeypatch.setattr(CudaGraphRunner, "_graph", graph)
+
+
+def test_a_split_candidate_out_of_memory_is_dropped_and_the_bucket_still_serves(monkeypatch,
+                                                                                caplog):
+    """A split candidate whose capture runs out of GPU memory is dropped (with why, in the
+    bucket's stats and one warning), and so is one that another rank could not capture (every
+    rank must time the same graphs); capture() completes, the bucket chooses among the rest
+    and a served step matches eager. It raised torch.OutOfMemoryError out of capture()."""
+    from dbo_compile.models.batch import make_step
+    from moe_cases import eager_then_restore
+
+    runner = _runner("cpu", buckets=(32,))
+    model = runner.compiled._orig_mod
+    # "list" OOMs here, "staged" on another rank: the max over the job of the bucket's
+    # per-candidate flags (one per planned candidate, in order) comes back 1 for it
+    _oom_at(monkeypatch, {"list"})
+    planned = []
+    real_plan = R.plan
+    monkeypatch.setattr(R, "plan", lambda names, *a, **kw: (
+        planned.extend(names), real_plan(names, *a, **kw))[1])
+    monkeypatch.setattr(R, "max_over_ranks", lambda values: [
+        1.0 if len(values) == len(planned) and planned[i] == "staged" else v
+        for i, v in enumerate(values)])
+    # "list" would win if it were there
+    monkeypatch.setattr(runner, "_time", lambda b, names: {
+        n: {"unsplit": 200.0, "list": 10.0, "staged": 20.0}.get(n, 100.0 + len(n)) for n in names})
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        runner.capture()
+    b = runner.graphs[32]
+    names = list(b.artifact.candidates)
+    assert {"list", "staged"} < set(names)
+    kept = [n for n in names if n not in ("list", "staged")]
+    # split="always": the unsplit graph's time cannot change the choice
+    assert "list" not in b.graphs and "staged" not in b.graphs and set(b.times_us) == set(kept)
+    assert b.choice == min(kept, key=lambda n: 100.0 + len(n))
+    why = b.dropped["list"]
+    assert "bucket 32" in why and "list" in why and "Tried to allocate 2.00 GiB" in why
+    assert "another rank" in b.dropped["staged"]
+    prune = runner.stats["buckets"][32]["prune"]
+    assert prune["dropped"] == b.dropped and prune["timed"] == kept
+    assert runner.stats["buckets"][32]["dropped"] == b.dropped
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and "out of GPU memory" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    for word in ("bucket 32", "list", "staged", "schedule_candidates", "graph_memory_budget"):
+        assert word in warnings[0], word
+    cfg = get_config("tiny", num_layers=1)
+    step = make_step(cfg, decode_context_lens=[5, 40, 17], prefills=[(16, 9)], block_size=16,
+                     num_blocks=64)
+    ref, _ = eager_then_restore(model, step)
+    with torch.no_grad():
+        out = runner(step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+    assert runner.last_graph == b.choice
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_unsplit_graph_out_of_memory_is_a_graph_runner_error(monkeypatch):
+    """The unsplit graph is what every step falls back to: without it the bucket cannot
+    serve. Its OOM is a GraphRunnerError naming the bucket, the memory held and what to do."""
+    runner = _runner("cpu", buckets=(32,))
+    _oom_at(monkeypatch, {"unsplit"})
+    with pytest.raises(GraphRunnerError, match=r"bucket 32.*unsplit graph.*out of GPU memory.*"
+                                               r"Tried to allocate 2\.00 GiB.*fewer buckets") as e:
+        runner.capture()
+    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_the_graph_memory_budget_skips_split_candidates_past_it(monkeypatch, caplog):
+    """With ``graph_memory_budget``, a split candidate is not captured once the split graphs
+    captured so far (over every bucket, largest first) grew the pool by the budget; on a GPU
+    the pool's growth per graph is ``graph_bytes`` (faked here: 1000 bytes each)."""
+    runner = _runner("cpu", buckets=(16, 32), graph_memory_budget=2000)
+    assert runner.graph_memory_budget == 2000
+    real = CudaGraphRunner._graph
+
+    def graph(self, b, name, fn, cuda):
+        real(self, b, name, fn, cuda)
+        b.graph_bytes[name] = 1000
+    monkeypatch.setattr(CudaGraphRunner, "_graph", graph)
+    with caplog.at_level(logging.INFO, logger="dbo_compile"):
+        runner.capture()
+    big, small = runner.graphs[32], runner.graphs[16]
+    names = list(big.artifact.candidates)
+    assert len(names) > 2
+    # bucket 32 (first): two candidates reach the budget, the others are skipped
+    assert set(big.graph_s) == {"unsplit", *names[:2]}
+    assert set(big.dropped) == set(names[2:]) and big.choice in names[:2]
+    assert all("memory budget" in why and "graph_memory_budget=2000" in why
+               for why in big.dropped.values())
+    # bucket 16: no split graph at all, the unsplit one serves
+    assert set(small.graphs) == {"unsplit"} and small.choice == "unsplit"
+    assert set(small.dropped) == set(names) and small.split_args is None
+    assert runner.memory_report()["total"]["split_all"] is None  # off CUDA
+    assert sum(v for b in runner.graphs.values() for k, v in b.graph_bytes.items()
+               if k != "unsplit") == 2000
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("bad", [-1, 0, True, "1G", 1.5])
+def test_a_bad_graph_memory_budget_is_refused(bad):
+    with pytest.raises(GraphRunnerError, match=r"graph_memory_budget must be None or an int >= 1"):
+        _runner("cpu", graph_memory_budget=bad)
+    assert _runner("cpu", graph_memory_budget=None).graph_memory_budget is None
+    assert _runner("cpu", graph_memory_budget=2**30).graph_memory_budget == 2**30
+
+
+def test_off_cuda_the_budget_has_no_effect_and_says_so_once(caplog):
+    runner = _runner("cpu", buckets=(16, 32), graph_memory_budget=1, keep_candidates=True)
+    runner._time = lambda b, names: dict.fromkeys(names, 1.0)  # no replays: not under test
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        runner.capture()
+    for b in runner.graphs.values():
+        assert set(b.graphs) == {"unsplit", *b.artifact.candidates} and not b.dropped
+    said = [r for r in caplog.records if "graph_memory_budget" in r.getMessage()]
+    assert len(said) == 1 and "no effect off CUDA" in said[0].getMessage()

@@ -117,6 +117,9 @@ class BucketGraphs:
             (:class:`~dbo_compile.runtime.prune.PrunePlan`; ``None``: no split graph asked).
         graph_bytes: per captured graph, the memory pool's growth by its capture (bytes;
             ``None`` off CUDA).
+        dropped: each of DBO's optional graphs (``"unsplit-overlap"``, a split candidate)
+            not captured for memory -> why: out of GPU memory at its capture, on this rank or
+            another, or ``graph_memory_budget`` reached (:mod:`~.graph_memory`).
     """
 
     tokens: int
@@ -137,6 +140,7 @@ class BucketGraphs:
     stage_kinds: dict[str, str] = field(default_factory=dict)
     prune: Any = None
     graph_bytes: dict[str, int | None] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
 
     @property
     def use_split(self) -> bool:
@@ -386,13 +390,15 @@ def dummy_step(tokens: int, device: torch.device, max_blocks_per_req: int,
 def bucket_stats(graphs: dict[int, BucketGraphs]) -> dict[int, dict[str, Any]]:
     """Per bucket (sorted): its ``warmup_s`` by part, the graphs it captured (``graph_s``,
     seconds, and ``graphs_captured``) and timed, its choices, how many of its Inductor stages
-    run dynamic / static / ATen code (``stage_kinds``) and ``prune``
-    (:class:`~dbo_compile.runtime.prune.PrunePlan`): the runner's ``stats["buckets"]``."""
+    run dynamic / static / ATen code (``stage_kinds``), ``prune``
+    (:class:`~dbo_compile.runtime.prune.PrunePlan`) and ``dropped`` (the optional graphs not
+    captured for memory, with why): the runner's ``stats["buckets"]``."""
     return {t: {"warmup_s": dict(b.warmup_s), "graph_s": dict(b.graph_s),
                 "graphs_captured": len(b.graph_s), "timed": sorted(b.times_us),
                 "choice": b.choice, "unsplit_choice": b.unsplit_choice,
                 "stage_kinds": dict(collections.Counter(b.stage_kinds.values())),
-                "prune": None if b.prune is None else b.prune.to_dict()}
+                "prune": None if b.prune is None else b.prune.to_dict(),
+                "dropped": dict(b.dropped)}
             for t, b in sorted(graphs.items())}
 
 

@@ -20,7 +20,10 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
    that can win at this bucket (with a calibration, those the cost model predicts within
    ``prune_margin`` of the best, none where no split can win by ``min_gain``: :mod:`.prune`;
    else every one) as one CUDA graph each, after warm-up calls on a side stream, all buckets'
-   graphs into one memory pool (:meth:`CudaGraphRunner.memory_report`);
+   graphs into one memory pool (:meth:`CudaGraphRunner.memory_report`); an optional graph
+   (``"unsplit-overlap"``, a split candidate) that runs out of GPU memory, or would pass
+   ``graph_memory_budget``, is left out (why: ``stats``; :mod:`.graph_memory`), while the
+   unsplit graph's OOM is a ``GraphRunnerError``;
 3. times the graphs by replaying them (``timing_iters`` replays each, interleaved rounds,
    median, CUDA events), takes the max over every rank of the job and keeps the fastest split
    candidate, and ``"unsplit-overlap"`` for the steps that are not split where it beats the
@@ -91,7 +94,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dbo_compile.candidates import UNSPLIT_OVERLAP
+from dbo_compile.candidates import UNSPLIT_GRAPHS, UNSPLIT_OVERLAP
 from dbo_compile.errors import GraphRunnerError, UBatchExecutionError
 from dbo_compile.metadata import AttentionMetadata, HostCounts
 from dbo_compile.ops.comm import run_watched
@@ -123,6 +126,7 @@ from dbo_compile.runtime.context import (
     uncounted,
 )
 from dbo_compile.runtime.engine import run_step
+from dbo_compile.runtime.graph_memory import capture_optional, oom_head, unsplit_oom_error
 from dbo_compile.runtime.numbers import InputNumbers, changed_reason
 from dbo_compile.runtime.padding import pad_args
 from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
@@ -185,6 +189,14 @@ class CudaGraphRunner:
             off CUDA or on a GPU the calibration was not measured on; tests).
         device: where the synthetic warm-up step lives (default: the current CUDA device, else
             CPU, where graphs are replaced by eager re-runs).
+        graph_memory_budget: bytes the shared graph pool may grow by for DBO's optional
+            graphs (split candidates, ``"unsplit-overlap"``) over all buckets
+            (``memory_report()``'s ``split_all``, dropped candidates included): once reached,
+            the remaining ones are not captured (reason ``"memory budget"`` in ``stats``);
+            ``None`` (default): no limit. Whatever the budget, an optional graph whose capture
+            runs out of GPU memory is dropped (one WARNING per bucket) and the bucket chooses
+            among the graphs captured. Off CUDA graphs hold no pool memory: no effect (said
+            once).
         model_kwargs: extra keyword arguments of every model call: only keywords its forward
             takes (:func:`~.runner_args.check_model_kwargs`).
 
@@ -194,7 +206,8 @@ class CudaGraphRunner:
     later) is named, with why, in one INFO line of this module's logger.
 
     Raises:
-        GraphRunnerError: bad buckets, ``max_blocks_per_req`` or ``timing_iters``, a
+        GraphRunnerError: bad buckets, ``max_blocks_per_req``, ``timing_iters`` or
+            ``graph_memory_budget`` (an int >= 1 or ``None``; not a bool), a
             ``block_size`` other than the model's KV cache's, a model keyword its forward does
             not take (a typo of a runner argument) or that is a step's own argument
             (``vetoes``, ``allow_split``), or a CUDA device without CUDA; at :meth:`capture`:
@@ -207,13 +220,16 @@ class CudaGraphRunner:
                  vocab_size: int | None = None, keep_candidates: bool = False,
                  static_buckets: Sequence[int] = (),
                  prune_margin: float | None = DEFAULT_PRUNE_MARGIN,
-                 predictor: Callable[..., Any] | None = None, **model_kwargs: Any):
+                 predictor: Callable[..., Any] | None = None,
+                 graph_memory_budget: int | None = None, **model_kwargs: Any):
         buckets, self.static_buckets = check_buckets(buckets, static_buckets)
         max_blocks_per_req = positive_int("max_blocks_per_req", max_blocks_per_req)
         if isinstance(timing_iters, bool) or not isinstance(timing_iters, int) or timing_iters < 1:
             raise GraphRunnerError(f"timing_iters must be an int >= 1, got {timing_iters!r}")
         vocab_size = positive_int("vocab_size", vocab_size, optional=True)
         block_size = positive_int("block_size", block_size, optional=True)
+        self.graph_memory_budget = positive_int("graph_memory_budget", graph_memory_budget,
+                                                optional=True)
         skipped = {f"block_size={block_size}": check_block_size(compiled, block_size),
                    f"vocab_size={vocab_size}": check_vocab_size(compiled, vocab_size),
                    "model keywords " + ", ".join(model_kwargs):
@@ -292,7 +308,10 @@ class CudaGraphRunner:
             GraphRunnerError: the step runs several compiled graphs (graph breaks), or the
                 compiled graph depends on the step's layout (Dynamo compiled another graph for
                 a prefill-shaped step than for a decode-shaped one, e.g. on ``max_query_len``):
-                a replayed graph would then ignore that dependence.
+                a replayed graph would then ignore that dependence; a bucket's unsplit graph
+                ran out of GPU memory at capture (raised from the ``torch.OutOfMemoryError``;
+                the message says what the allocator held and what to do). A split candidate
+                that runs out of memory is dropped instead (``stats["buckets"][b]["dropped"]``).
         """
         cuda = self.device.type == "cuda"
         if cuda and self.pool is None:
@@ -379,10 +398,16 @@ class CudaGraphRunner:
 
     def _capture_bucket(self, b: BucketGraphs, cuda: bool) -> None:
         art = b.artifact
-        self._graph(b, "unsplit", lambda: run_watched(art.unsplit, *b.args), cuda)
+        earlier = list(self.graphs.values())
+        try:
+            self._graph(b, "unsplit", lambda: run_watched(art.unsplit, *b.args), cuda)
+        except torch.OutOfMemoryError as e:
+            raise unsplit_oom_error(b, e, cuda, earlier) from e
+        # DBO's optional graphs: dropped where they do not fit (:mod:`.graph_memory`)
+        optional: list[tuple[str, Callable[[], Any] | str]] = []
         if art.unsplit_overlap is not None:  # the same inputs, outputs and collectives
-            self._graph(b, UNSPLIT_OVERLAP, lambda: run_watched(art.unsplit_overlap, *b.args),
-                        cuda)
+            optional.append((UNSPLIT_OVERLAP,
+                             lambda: run_watched(art.unsplit_overlap, *b.args)))
         # no step of this bucket can split (the vote's own thresholds; a split step is padded
         # to a multiple of num_ubatches, so it never runs in another bucket): no split graph
         never = (b.tokens < min_split_tokens(art.config)
@@ -393,11 +418,20 @@ class CudaGraphRunner:
                           else agreed(self.predictor(art, b.tokens, names), names, max_over_ranks))
             b.prune = plan(names, prediction, margin=self.prune_margin, min_gain=self.min_gain,
                            mode=art.config.split)
+            inputs_oom = None
             if b.prune.timed:
-                b.split_args = art.split_args(b.args, [1] * b.tokens)
+                try:
+                    b.split_args = art.split_args(b.args, [1] * b.tokens)
+                except torch.OutOfMemoryError as e:
+                    inputs_oom = (f"bucket {b.tokens}: the split graphs' static per-ubatch inputs "
+                                  f"ran out of GPU memory ({oom_head(e)})")
             for name in b.prune.timed:
-                program = art.candidates[name]
-                self._graph(b, name, split_program_fn(program, b.split_args, art, b.tokens), cuda)
+                optional.append((name, inputs_oom or split_program_fn(
+                    art.candidates[name], b.split_args, art, b.tokens)))
+        capture_optional(b, optional, self._graph, cuda=cuda, budget=self.graph_memory_budget,
+                         earlier=earlier, over_ranks=max_over_ranks, warned=self._warned)
+        if not any(k not in UNSPLIT_GRAPHS for k in b.graphs):
+            b.split_args = None  # no split graph left to read them
         t0 = time.perf_counter()
         b.times_us = self._time(b, timed_graphs(b, art.config.split))
         b.warmup_s["timing"] = time.perf_counter() - t0

@@ -90,6 +90,9 @@ class PrunePlan:
         skip_split: why the bucket captures no split graph (``None``: it captures ``timed``).
         predicted_us: the predictions the plan rests on (``None``: none).
         why: the plan's rule in words (e.g. no prediction: every candidate timed).
+        dropped: each planned candidate that was not captured after all -> why: it ran out of
+            GPU memory at capture (on this rank or another), or the runner's
+            ``graph_memory_budget`` was reached (:mod:`~.graph_memory`); no longer in ``timed``.
     """
 
     timed: tuple[str, ...]
@@ -97,11 +100,17 @@ class PrunePlan:
     skip_split: str | None = None
     predicted_us: dict[str, float] | None = None
     why: str = ""
+    dropped: dict[str, str] = field(default_factory=dict)
+
+    def drop(self, name: str, why: str) -> None:
+        """Candidate ``name`` of ``timed`` was not captured, for ``why``."""
+        self.timed = tuple(k for k in self.timed if k != name)
+        self.dropped[name] = why
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able (``runner.stats``, benchmark results)."""
         return {"timed": list(self.timed), "pruned": dict(self.pruned),
-                "skip_split": self.skip_split, "why": self.why,
+                "skip_split": self.skip_split, "why": self.why, "dropped": dict(self.dropped),
                 "predicted_us": None if self.predicted_us is None else
                 {k: round(v, 1) for k, v in self.predicted_us.items()}}
 
