@@ -191,3 +191,50 @@ def test_off_cuda_the_budget_has_no_effect_and_says_so_once(caplog):
         assert set(b.graphs) == {"unsplit", *b.artifact.candidates} and not b.dropped
     said = [r for r in caplog.records if "graph_memory_budget" in r.getMessage()]
     assert len(said) == 1 and "no effect off CUDA" in said[0].getMessage()
+
+
+def test_a_candidate_out_of_memory_between_dispatch_and_combine_leaves_nothing_in_flight(
+        monkeypatch):
+    """A candidate that runs out of memory between an emulated dispatch and its combine left
+    the dispatch in flight; the capture's run drains it (``run_draining``), so the next
+    candidates and the served steps find the link free."""
+    from dbo_compile.models.batch import fill_kv_cache, make_step
+    from dbo_compile.ops import emulated as E
+    from dbo_compile.testing import faults
+
+    cfg = get_config("tiny", num_experts=8, top_k=3, num_layers=1)
+    model = faults.FaultyMoEModel(cfg, emulated_world_size=4)
+    ref = model.emulated_reference()
+    for m in (model, ref):
+        m.allocate_kv_cache(64, 16)
+    cm = torch.compile(model, backend="dbo", options={
+        "split": "always", "comm_backend": "emulated",
+        "comm_backend_options": {"world_size": 4}})
+    runner = CudaGraphRunner(cm, [32], max_blocks_per_req=8, block_size=16, timing_iters=1)
+    runner._time = lambda b, names: dict.fromkeys(names, 1.0)  # no replays: not under test
+    monkeypatch.setattr(faults, "InjectedFault", torch.OutOfMemoryError)  # what the op raises
+    real = CudaGraphRunner._graph
+    busy = []
+
+    def graph(self, b, name, fn, cuda):
+        if name == "list":
+            faults.arm("experts", 0)  # its first routed experts: their dispatch is in flight
+        try:
+            return real(self, b, name, fn, cuda)
+        finally:
+            busy.append(any(any(x) for x in E.LINK.busy.values()))
+            faults.disarm()
+    monkeypatch.setattr(CudaGraphRunner, "_graph", graph)
+    runner.capture()
+    b = runner.graphs[32]
+    assert "list" not in b.graphs and "list" in b.dropped and len(busy) > 2 and not any(busy)
+    step = make_step(cfg, decode_context_lens=[20, 37, 5, 60], prefills=[(0, 20)],
+                     block_size=16, num_blocks=64)
+    fill_kv_cache(ref, step, seed=0)
+    with torch.no_grad():
+        want = ref(step.input_ids, step.positions, step.attn_metadata)
+        fill_kv_cache(model, step, seed=0)
+        out = runner(step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+    assert runner.last_graph == b.choice != "list"
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
