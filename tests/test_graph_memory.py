@@ -238,3 +238,30 @@ def test_a_candidate_out_of_memory_between_dispatch_and_combine_leaves_nothing_i
                      step.num_scheduled_tokens)
     assert runner.last_graph == b.choice != "list"
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_split_inputs_out_of_memory_leave_the_bucket_unsplit(monkeypatch, caplog):
+    """The split graphs' static per-ubatch inputs (``split_args``) are allocated before their
+    captures: where they do not fit, no split candidate is captured and the bucket serves
+    unsplit."""
+    runner = _runner("cpu", buckets=(32,))
+    real = CudaGraphRunner._capture_bucket
+
+    def capture_bucket(self, b, cuda):  # the synthetic steps before it split as ever
+        def split_args(*a, **kw):
+            raise torch.OutOfMemoryError(_OOM)
+        b.artifact.split_args = split_args
+        try:
+            return real(self, b, cuda)
+        finally:
+            del b.artifact.split_args
+    monkeypatch.setattr(CudaGraphRunner, "_capture_bucket", capture_bucket)
+    with caplog.at_level(logging.WARNING, logger="dbo_compile"):
+        runner.capture()
+    b = runner.graphs[32]
+    assert set(b.graphs) == {"unsplit"} and b.choice == "unsplit" and b.split_args is None
+    assert set(b.dropped) == set(b.artifact.candidates)
+    assert all("static per-ubatch inputs" in why and "2.00 GiB" in why
+               for why in b.dropped.values())
+    assert runner.stats["buckets"][32]["prune"]["timed"] == []
+    assert sum("out of GPU memory" in r.getMessage() for r in caplog.records) == 1
