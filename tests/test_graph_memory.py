@@ -15,11 +15,11 @@ from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner, GraphRunnerErr
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _runner(device: str, buckets=(16, 32), **kwargs) -> CudaGraphRunner:
+def _runner(device: str, buckets=(16, 32), options=None, **kwargs) -> CudaGraphRunner:
     cfg = get_config("tiny", num_layers=1)
     model = DeepseekMoEModel(cfg, seed=0, device=device)
     model.allocate_kv_cache(64, 16)
-    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    compiled = torch.compile(model, backend="dbo", options=options or {"split": "always"})
     return CudaGraphRunner(compiled, list(buckets), max_blocks_per_req=4, timing_iters=1,
                            device=device, **kwargs)
 
@@ -265,3 +265,19 @@ def test_split_inputs_out_of_memory_leave_the_bucket_unsplit(monkeypatch, caplog
                for why in b.dropped.values())
     assert runner.stats["buckets"][32]["prune"]["timed"] == []
     assert sum("out of GPU memory" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_unsplit_overlap_out_of_memory_is_dropped_and_the_serial_unsplit_graph_serves(
+        monkeypatch):
+    """``"unsplit-overlap"`` is one of DBO's optional graphs too: dropped (in the bucket's
+    ``dropped``, not in its split plan, whose candidates are unaffected)."""
+    runner = _runner("cpu", buckets=(32,), options={
+        "split": "always", "unsplit_overlap": True, "schedule_candidates": False})
+    runner._time = lambda b, names: dict.fromkeys(names, 1.0)  # no replays: not under test
+    _oom_at(monkeypatch, {R.UNSPLIT_OVERLAP})
+    runner.capture()
+    b = runner.graphs[32]
+    assert b.artifact.unsplit_overlap is not None
+    assert set(b.graphs) == {"unsplit", "list"} and b.unsplit_choice == "unsplit"
+    assert set(b.dropped) == {R.UNSPLIT_OVERLAP} and "2.00 GiB" in b.dropped[R.UNSPLIT_OVERLAP]
+    assert b.prune.timed == ("list",) and not b.prune.dropped

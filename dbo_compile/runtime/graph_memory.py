@@ -143,9 +143,10 @@ def capture_optional(b: Any, entries: Sequence[tuple[str, Callable[[], Any] | st
             b.outs.pop(name, None)
     dropped = {n: (oom.get(n) or skipped[n]) for n, _ in entries if n in oom or n in skipped}
     b.dropped.update(dropped)
-    if b.prune is not None:
+    if b.prune is not None:  # the split candidates it planned ("unsplit-overlap" is none)
         for name, why in dropped.items():
-            b.prune.drop(name, why)
+            if name in b.prune.timed:
+                b.prune.drop(name, why)
     if oom:
         log.warning("dbo graphs: bucket %d: %s not captured: out of GPU memory (%s); the bucket "
                     "chooses among %s; %s", b.tokens, ", ".join(oom), next(iter(oom.values())),
