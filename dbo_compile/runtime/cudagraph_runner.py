@@ -14,25 +14,21 @@ At warm-up, for every bucket (a padded token count, largest first) the runner
    compiles it; the runner records the artifact and its graph inputs, which become the bucket's
    static input buffers), and a prefill-shaped one that must reach the same compiled graph
    (Inductor compiles nothing for it: :func:`~dbo_compile.runtime.context.traced_only`);
-2. captures the **unsplit** program (and, with ``unsplit_overlap``, the unsplit program on the
-   two streams, ``"unsplit-overlap"``: the shared experts beside the dispatch) and, when the graph was split, the **split** (DBO)
-   program candidates the backend compiled (``schedule_candidates``, ``sm_carveout_candidates``)
-   that can win at this bucket (with a calibration, those the cost model predicts within
-   ``prune_margin`` of the best, none where no split can win by ``min_gain``: :mod:`.prune`;
-   else every one) as one CUDA graph each, after warm-up calls on a side stream, all buckets'
-   graphs into one memory pool (:meth:`CudaGraphRunner.memory_report`); an optional graph
-   (``"unsplit-overlap"``, a split candidate) that runs out of GPU memory, or would pass
-   ``graph_memory_budget``, is left out (why: ``stats``; :mod:`.graph_memory`), while the
-   unsplit graph's OOM is a ``GraphRunnerError``;
-3. times the graphs by replaying them (``timing_iters`` replays each, interleaved rounds,
-   median, CUDA events), takes the max over every rank of the job and keeps the fastest split
-   candidate, and ``"unsplit-overlap"`` for the steps that are not split where it beats the
-   serial unsplit graph by ``min_gain``; with ``split="auto"`` the bucket splits only where that
-   candidate is faster than the unsplit graph kept by ``min_gain`` (fraction, default 3 %:
-   :data:`MIN_GAIN`) or more. The table
-   is therefore identical on every rank. ``split="always"``/``"never"`` force it (``"never"``
-   captures no split graph). Only graphs whose time can change the choice are timed: none in
-   a bucket with one candidate, not the unsplit graph with ``"always"``.
+2. captures the **unsplit** program (with ``unsplit_overlap`` also ``"unsplit-overlap"``, the
+   shared experts beside the dispatch) and, when the graph was split, the **split** (DBO)
+   candidates (``schedule_candidates``, ``sm_carveout_candidates``) that can win at this bucket
+   (with a calibration, those predicted within ``prune_margin`` of the best: :mod:`.prune`;
+   else all) as one CUDA graph each, after warm-up calls on a side stream, every graph into one
+   memory pool (:meth:`CudaGraphRunner.memory_report`); an optional graph that runs out of GPU
+   memory or would pass ``graph_memory_budget`` is left out (why: ``stats``,
+   :mod:`.graph_memory`); the unsplit graph's OOM is a ``GraphRunnerError``;
+3. times the graphs by replay (``timing_iters`` each, interleaved rounds, median, CUDA events),
+   takes the max over every rank (so the table is identical on every rank) and keeps the
+   fastest split candidate, and ``"unsplit-overlap"`` where it beats the serial unsplit graph
+   by ``min_gain``; with ``split="auto"`` the bucket splits only where that candidate beats the
+   unsplit graph kept by ``min_gain`` (default 3 %: :data:`MIN_GAIN`). ``split="always"`` /
+   ``"never"`` force it (``"never"`` captures no split graph). Only graphs whose time can change
+   the choice are timed.
 
 Warm-up is no served step: it leaves the model's state as it was. Its synthetic steps write no
 KV (slot ``-1``); every other buffer the programs write in place (an expert-load counter, a
@@ -127,11 +123,11 @@ from dbo_compile.runtime.context import (
 )
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.runtime.graph_memory import capture_optional, oom_head, unsplit_oom_error
-from dbo_compile.runtime.numbers import InputNumbers, changed_reason
+from dbo_compile.runtime.numbers import InputNumbers, changed_numbers, changed_reason
 from dbo_compile.runtime.padding import pad_args
 from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
-from dbo_compile.runtime.runner_args import (check_block_size, check_buckets, check_model_kwargs,
-                                             check_vocab_size, positive_int)
+from dbo_compile.runtime.runner_args import (check_buckets, check_fractions, log_unchecked,
+                                             positive_int)
 from dbo_compile.runtime.vote import min_split_tokens
 
 log = logging.getLogger(__name__)
@@ -224,40 +220,19 @@ class CudaGraphRunner:
                  graph_memory_budget: int | None = None, **model_kwargs: Any):
         buckets, self.static_buckets = check_buckets(buckets, static_buckets)
         max_blocks_per_req = positive_int("max_blocks_per_req", max_blocks_per_req)
-        if isinstance(timing_iters, bool) or not isinstance(timing_iters, int) or timing_iters < 1:
-            raise GraphRunnerError(f"timing_iters must be an int >= 1, got {timing_iters!r}")
+        timing_iters = positive_int("timing_iters", timing_iters)
         vocab_size = positive_int("vocab_size", vocab_size, optional=True)
         block_size = positive_int("block_size", block_size, optional=True)
         self.graph_memory_budget = positive_int("graph_memory_budget", graph_memory_budget,
                                                 optional=True)
-        skipped = {f"block_size={block_size}": check_block_size(compiled, block_size),
-                   f"vocab_size={vocab_size}": check_vocab_size(compiled, vocab_size),
-                   "model keywords " + ", ".join(model_kwargs):
-                       check_model_kwargs(compiled, model_kwargs, _RUNNER_ARGS)}
-        by_why: dict[str, list[str]] = {}
-        for arg, why in skipped.items():
-            if why:
-                by_why.setdefault(why, []).append(arg)
-        if by_why:  # one line: the arguments left unchecked, grouped by why
-            log.info("CudaGraphRunner: %s; capture() runs with them as given", "; ".join(
-                f"{', '.join(args)} not checked against the model at construction: {why}"
-                for why, args in by_why.items()))
+        self.min_gain, self.prune_margin = check_fractions(
+            MIN_GAIN if min_gain is None else min_gain, prune_margin)
+        log_unchecked(compiled, block_size, vocab_size, model_kwargs, _RUNNER_ARGS)
         self.compiled = compiled
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_req = max_blocks_per_req
         self.block_size = block_size
         self.timing_iters = timing_iters
-        if min_gain is None:
-            min_gain = MIN_GAIN
-        if (isinstance(min_gain, bool) or not isinstance(min_gain, (int, float))
-                or not 0.0 <= min_gain < 1.0):
-            raise GraphRunnerError(f"min_gain must be a fraction in [0, 1), got {min_gain!r}")
-        self.min_gain = float(min_gain)
-        if prune_margin is not None and (isinstance(prune_margin, bool) or not isinstance(
-                prune_margin, (int, float)) or not 0.0 <= prune_margin < 10.0):
-            raise GraphRunnerError(f"prune_margin must be None (off) or a fraction in [0, 10), "
-                                   f"got {prune_margin!r}")
-        self.prune_margin = prune_margin
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -505,7 +480,8 @@ class CudaGraphRunner:
         width = int(attn_metadata.block_table.shape[1])
         # the graphs bake in the numbers the model held at capture (the vote's artifact sees
         # the captured ones in real_args): one that changed sends the step down the eager path
-        changed = self._changed_numbers((input_ids, positions, attn_metadata))
+        changed = changed_numbers(self.graphs, (input_ids, positions, attn_metadata),
+                                  self.model_kwargs)
         fits = n <= self.buckets[-1] and width <= self.max_blocks_per_req and not changed
         # a step that fits no graph on *this* rank asks for one token past the largest bucket,
         # so that the vote sends every rank down the eager path together (never a hang)
@@ -566,18 +542,6 @@ class CudaGraphRunner:
         self._load(b.tokens, ids, pos, md, qlens, split, None, validated=False)
         with state_kept([b.args[i] for i in b.artifact.state_inputs]):
             b.graphs[name].replay()
-
-    def _changed_numbers(self, step: tuple[Any, ...]) -> list[tuple[int, str, Any, Any, Any]]:
-        """``(graph input index, source, captured, now, artifact)`` of each number input of a
-        captured graph that the model holds another value of now (:mod:`.numbers`; one read
-        per compiled graph, not per bucket)."""
-        out, seen = [], set()
-        for b in self.graphs.values():
-            if b.numbers is None or id(b.artifact) in seen:
-                continue
-            seen.add(id(b.artifact))
-            out += [(*c, b.artifact) for c in b.numbers.changed(step, self.model_kwargs)]
-        return out
 
     def load_step(self, tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
                   attn_metadata: AttentionMetadata, num_scheduled_tokens: Sequence[int], *,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import builtins
 import inspect
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ from dbo_compile.signature import InputSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InputNumbers", "changed_reason"]
+__all__ = ["InputNumbers", "changed_numbers", "changed_reason"]
 
 
 class InputNumbers:
@@ -172,6 +172,21 @@ def _is_number(value: Any) -> bool:
 
 def _number(arg: Any) -> Any:
     return arg.item() if isinstance(arg, torch.Tensor) else arg
+
+
+def changed_numbers(graphs: Mapping[int, Any], step: tuple[Any, ...],
+                    model_kwargs: Mapping[str, Any]) -> list[tuple[int, str, Any, Any, Any]]:
+    """``(graph input index, source, captured, now, artifact)`` of each number input of the
+    captured graphs (``graphs``: a runner's buckets, each with ``numbers`` (an
+    :class:`InputNumbers` or ``None``) and ``artifact``) that the model holds another value of
+    now; one read per compiled graph, not per bucket."""
+    out, seen = [], set()
+    for b in graphs.values():
+        if b.numbers is None or id(b.artifact) in seen:
+            continue
+        seen.add(id(b.artifact))
+        out += [(*c, b.artifact) for c in b.numbers.changed(step, model_kwargs)]
+    return out
 
 
 def changed_reason(changed: Sequence[tuple[int, str, Any, Any, Any]]) -> str:

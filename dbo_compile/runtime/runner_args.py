@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import operator
 from typing import Any, Callable, Mapping, Sequence
 
@@ -19,8 +20,11 @@ import torch
 
 from dbo_compile.errors import GraphRunnerError
 
-__all__ = ["check_block_size", "check_buckets", "check_model_kwargs", "check_vocab_size",
-           "is_int", "positive_int"]
+__all__ = ["check_block_size", "check_buckets", "check_fractions", "check_model_kwargs",
+           "check_vocab_size", "is_int", "log_unchecked", "positive_int"]
+
+#: the runner's logger: the line of :func:`log_unchecked` is the runner's
+log = logging.getLogger("dbo_compile.runtime.cudagraph_runner")
 
 #: keywords that never reach the model: the step's own arguments (``runner(...)``), the inputs
 #: the runner passes itself, and ``run_step``'s (the runner's steps call it), with why
@@ -252,3 +256,44 @@ def check_vocab_size(compiled: Callable[..., Any], vocab_size: int | None) -> st
             f"vocab_size={rows} or less, or none (token id 0 in the warm-up steps)")
     return None
 
+
+
+def check_fractions(min_gain: Any, prune_margin: Any) -> tuple[float, float | None]:
+    """The runner's ``min_gain`` (a fraction in ``[0, 1)``) and ``prune_margin`` (``None``:
+    off, or a fraction in ``[0, 10)``), as floats.
+
+    Raises:
+        GraphRunnerError: a value outside its range, a ``bool`` or not a number.
+    """
+    if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) \
+            or not 0.0 <= min_gain < 1.0:
+        raise GraphRunnerError(f"min_gain must be a fraction in [0, 1), got {min_gain!r}")
+    if prune_margin is not None and (isinstance(prune_margin, bool) or not isinstance(
+            prune_margin, (int, float)) or not 0.0 <= prune_margin < 10.0):
+        raise GraphRunnerError(f"prune_margin must be None (off) or a fraction in [0, 10), "
+                               f"got {prune_margin!r}")
+    return float(min_gain), prune_margin
+
+
+def log_unchecked(compiled: Any, block_size: int | None, vocab_size: int | None,
+                  model_kwargs: dict[str, Any], runner_args: Any) -> None:
+    """Check ``block_size``, ``vocab_size`` and the model keywords against the model behind
+    ``compiled`` (:func:`check_block_size`, :func:`check_vocab_size`,
+    :func:`check_model_kwargs`; ``runner_args``: the runner's own argument names) and log one
+    INFO line naming those that could not be checked, grouped by why.
+
+    Raises:
+        GraphRunnerError: as the three checks.
+    """
+    skipped = {f"block_size={block_size}": check_block_size(compiled, block_size),
+               f"vocab_size={vocab_size}": check_vocab_size(compiled, vocab_size),
+               "model keywords " + ", ".join(model_kwargs):
+                   check_model_kwargs(compiled, model_kwargs, runner_args)}
+    by_why: dict[str, list[str]] = {}
+    for arg, why in skipped.items():
+        if why:
+            by_why.setdefault(why, []).append(arg)
+    if by_why:  # one line: the arguments left unchecked, grouped by why
+        log.info("CudaGraphRunner: %s; capture() runs with them as given", "; ".join(
+            f"{', '.join(args)} not checked against the model at construction: {why}"
+            for why, args in by_why.items()))
