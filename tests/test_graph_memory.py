@@ -281,3 +281,63 @@ def test_unsplit_overlap_out_of_memory_is_dropped_and_the_serial_unsplit_graph_s
     assert set(b.graphs) == {"unsplit", "list"} and b.unsplit_choice == "unsplit"
     assert set(b.dropped) == {R.UNSPLIT_OVERLAP} and "2.00 GiB" in b.dropped[R.UNSPLIT_OVERLAP]
     assert b.prune.timed == ("list",) and not b.prune.dropped
+
+
+def test_an_oom_that_ends_the_capture_with_another_error_is_still_an_oom(monkeypatch):
+    """Out of memory *inside* a CUDA-graph capture: leaving ``torch.cuda.graph`` ends the
+    capture, and where that fails too (an invalidated capture) Python raises the second error
+    with the OOM as its context. The candidate is still dropped for memory, not fatal."""
+    runner = _runner("cpu", buckets=(32,))
+    real = CudaGraphRunner._graph
+
+    def graph(self, b, name, fn, cuda):
+        if name != "staged":
+            return real(self, b, name, fn, cuda)
+        try:
+            raise torch.OutOfMemoryError(_OOM)
+        except torch.OutOfMemoryError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during "
+                               "capture (cudaErrorStreamCaptureInvalidated)")
+    monkeypatch.setattr(CudaGraphRunner, "_graph", graph)
+    runner.capture()
+    b = runner.graphs[32]
+    assert "staged" not in b.graphs and "Tried to allocate 2.00 GiB" in b.dropped["staged"]
+    # any other error of a capture is still the caller's
+    monkeypatch.setattr(CudaGraphRunner, "_graph", lambda self, b, name, fn, cuda: (
+        real(self, b, name, fn, cuda) if name != "staged" else 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        _runner("cpu", buckets=(32,)).capture()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_a_gpu_a_candidate_out_of_memory_inside_its_capture_is_dropped(monkeypatch):
+    """A real allocation failure in the middle of a stream capture (not in a warm-up run): the
+    capture ends, the candidate is dropped, the bucket serves a step equal to eager."""
+    from dbo_compile.models.batch import make_step
+
+    runner = _runner("cuda", buckets=(32,))
+    real = CudaGraphRunner._graph
+
+    def graph(self, b, name, fn, cuda):
+        def too_big():
+            out = fn()
+            if torch.cuda.is_current_stream_capturing():
+                torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB
+            return out
+        return real(self, b, name, too_big if name == "staged" else fn, cuda)
+    monkeypatch.setattr(CudaGraphRunner, "_graph", graph)
+    runner.capture()
+    b = runner.graphs[32]
+    assert "staged" not in b.graphs and "staged" in b.dropped and b.graphs
+    from moe_cases import eager_then_restore
+
+    model = runner.compiled._orig_mod
+    step = make_step(get_config("tiny", num_layers=1), decode_context_lens=[5, 40, 17],
+                     prefills=[(16, 9)], block_size=16, num_blocks=64, device="cuda")
+    ref, _ = eager_then_restore(model, step)
+    with torch.no_grad():
+        out = runner(step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+    assert runner.last_graph == b.choice
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)

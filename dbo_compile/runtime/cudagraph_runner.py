@@ -122,7 +122,7 @@ from dbo_compile.runtime.context import (
     uncounted,
 )
 from dbo_compile.runtime.engine import run_step
-from dbo_compile.runtime.graph_memory import capture_optional, oom_head, unsplit_oom_error
+from dbo_compile.runtime.graph_memory import capture_optional, oom_head, oom_in, unsplit_oom_error
 from dbo_compile.runtime.numbers import InputNumbers, changed_numbers, changed_reason
 from dbo_compile.runtime.padding import pad_args
 from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
@@ -376,8 +376,10 @@ class CudaGraphRunner:
         earlier = list(self.graphs.values())
         try:
             self._graph(b, "unsplit", lambda: run_watched(art.unsplit, *b.args), cuda)
-        except torch.OutOfMemoryError as e:
-            raise unsplit_oom_error(b, e, cuda, earlier) from e
+        except Exception as e:  # noqa: BLE001 - an OOM, or an error an OOM caused
+            if oom_in(e) is None:
+                raise
+            raise unsplit_oom_error(b, oom_in(e), cuda, earlier) from e
         # DBO's optional graphs: dropped where they do not fit (:mod:`.graph_memory`)
         optional: list[tuple[str, Callable[[], Any] | str]] = []
         if art.unsplit_overlap is not None:  # the same inputs, outputs and collectives

@@ -42,7 +42,7 @@ from dbo_compile.runtime.capture import reserved_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["capture_optional", "optional_bytes", "oom_head", "unsplit_oom_error"]
+__all__ = ["capture_optional", "oom_head", "oom_in", "optional_bytes", "unsplit_oom_error"]
 
 #: what a bucket's warning says to do about graphs dropped for memory
 _TODO = ("to capture them, ask for fewer split candidates (DboConfig schedule_candidates, "
@@ -59,6 +59,20 @@ def oom_head(e: BaseException, limit: int = 160) -> str:
     text = " ".join(str(e).split())
     head = ". ".join(text.split(". ")[:2])
     return head if len(head) <= limit else head[:limit - 3] + "..."
+
+
+def oom_in(e: BaseException) -> torch.OutOfMemoryError | None:
+    """The ``torch.OutOfMemoryError`` that ``e`` is, or that caused it (``__cause__`` /
+    ``__context__``, transitively): an allocation that fails inside a CUDA-graph capture can
+    leave the capture invalidated, and ending it (``torch.cuda.graph``'s exit) then raises a
+    second error with the OOM as its context. ``None``: no OOM behind ``e``."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, torch.OutOfMemoryError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def optional_bytes(buckets: Iterable[Any]) -> int:
@@ -84,9 +98,12 @@ def _try(b: Any, name: str, fn: Callable[[], Any], graph: Callable[..., None],
     try:
         graph(b, name, fn, cuda)
         return None
-    except torch.OutOfMemoryError as e:
+    except Exception as e:  # noqa: BLE001 - an OOM, or an error with one as its cause
+        oom = oom_in(e)
+        if oom is None:
+            raise
         why = (f"bucket {b.tokens}: {name} ran out of GPU memory at capture "
-               f"({oom_head(e)})")
+               f"({oom_head(oom)})")
     for held in (b.graphs, b.outs):
         held.pop(name, None)
     _release(cuda)
