@@ -342,7 +342,8 @@ class BackendsConfig(OptionGroup):
         experts_backend_options: the experts backend's options (``deep_gemm``: ``fp8``,
             ``expected_m``; ``torch``: ``path``), checked as ``comm_backend_options``
             (``ExpertsOpError``).
-        emulate_world_size: deprecated (a ``DeprecationWarning``): the emulated backend's
+        emulate_world_size: deprecated (a ``FutureWarning``: shown under Python's default
+            filters, also through ``torch.compile``'s options): the emulated backend's
             options are ``comm_backend_options`` (``world_size``, ``link_gbps``, ... without
             the ``emulate_`` prefix), into which these fields are moved (then ``None``), so
             that both spellings make the same config and fingerprint. With
@@ -390,7 +391,7 @@ class BackendsConfig(OptionGroup):
     def _check_emulated(self) -> None:
         """The deprecated ``emulate_*`` fields: only with ``comm_backend="emulated"``, checked
         and moved into ``comm_backend_options`` (the emulated backend's options, checked by
-        it: :func:`dbo_compile.ops.emulated.check_options`) with a ``DeprecationWarning``;
+        it: :func:`dbo_compile.ops.emulated.check_options`) with a ``FutureWarning``;
         ``"emulated"`` needs the world size, in one spelling or the other."""
         bad = self.error
         given = [n for n in _EMULATE_FIELDS if getattr(self, n) is not None]
@@ -429,7 +430,7 @@ class BackendsConfig(OptionGroup):
         # stacklevel: this, __post_init__, the dataclass __init__, option_group's __init__,
         # DboConfig.__init__, then the caller of DboConfig(...)
         warnings.warn(f"DboConfig {', '.join(given)}: deprecated; give the emulated backend's "
-                      f"options in comm_backend_options={moved}", DeprecationWarning,
+                      f"options in comm_backend_options={moved}", FutureWarning,
                       stacklevel=6)
         object.__setattr__(self, "comm_backend_options",
                            canonical_options({**options, **moved}, lambda why: bad(

@@ -269,13 +269,13 @@ def test_auto_applies_the_options_of_the_backend_it_chose(caplog):
 def test_emulated_takes_its_options_in_comm_backend_options():
     """Issue 30 reverses issue 29's refusal: the emulated backend is configured through
     ``comm_backend_options`` like every backend; its old ``emulate_*`` fields still work, with
-    a DeprecationWarning, and make the same config (the same fingerprint, the same cache
+    a FutureWarning, and make the same config (the same fingerprint, the same cache
     entry); a key given both ways, differently, is refused."""
     from dbo_compile import DboConfig, DboConfigError
 
     new = DboConfig(comm_backend="emulated",
                     comm_backend_options={"world_size": 4, "link_gbps": 25.0})
-    with pytest.warns(DeprecationWarning, match="emulate_world_size.*comm_backend_options"):
+    with pytest.warns(FutureWarning, match="emulate_world_size.*comm_backend_options"):
         old = DboConfig(comm_backend="emulated", emulate_world_size=4, emulate_link_gbps=25.0)
     assert old == new and old.fingerprint() == new.fingerprint()
     assert dict(new.comm_backend_options) == {"world_size": 4, "link_gbps": 25.0}

@@ -166,15 +166,17 @@ def test_each_group_fingerprints_its_own_options():
 
 def test_the_deprecated_emulate_fields_move_into_comm_backend_options():
     """``emulate_<name>`` is ``comm_backend_options[<name>]``: the same config and fingerprint,
-    a ``DeprecationWarning`` at the caller's line; a clash and a missing world size refused."""
+    a ``FutureWarning`` (shown under Python's default filters, which hide a
+    ``DeprecationWarning`` blamed on library code, as torch.compile's options path is) at the
+    caller's line; a clash and a missing world size refused."""
     want = DboConfig(comm_backend="emulated", comm_backend_options={"world_size": 8,
                                                                     "link_gbps": 25.0})
-    with pytest.warns(DeprecationWarning, match="emulate_world_size.*deprecated") as caught:
+    with pytest.warns(FutureWarning, match="emulate_world_size.*deprecated") as caught:
         old = DboConfig(comm_backend="emulated", emulate_world_size=8, emulate_link_gbps=25.0)
     assert caught[0].filename == __file__
     assert old == want and old.fingerprint() == want.fingerprint()
     assert (old.emulate_world_size, old.backends.emulate_link_gbps) == (None, None)
-    with pytest.warns(DeprecationWarning, match="emulate_world_size: deprecated"):
+    with pytest.warns(FutureWarning, match="emulate_world_size: deprecated"):
         mixed = DboConfig(comm_backend="emulated", emulate_world_size=8,
                           comm_backend_options={"link_gbps": 25.0})
     assert mixed == want
@@ -330,3 +332,18 @@ def test_an_option_name_that_is_not_a_str_is_refused_by_the_project():
     """``options={None: 1}`` raised Python's "keywords must be strings" from inside Dynamo."""
     with pytest.raises(DboConfigError, match="option names must be str.*None"):
         DboConfig.from_options({None: 1, "split": "always"})
+
+
+def test_the_emulate_deprecation_is_shown_under_the_default_warning_filters():
+    """``torch.compile(options={"emulate_world_size": 8})`` reaches DboConfig through the
+    backend: its warning is blamed on library code, where Python's default filters drop a
+    DeprecationWarning. A user of the option must see it: a fresh interpreter with the default
+    filters prints it."""
+    import subprocess
+    import sys
+
+    code = ("from dbo_compile.config import DboConfig\n"
+            "DboConfig.from_options({'comm_backend': 'emulated', 'emulate_world_size': 8})\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "emulate_world_size" in r.stderr and "deprecated" in r.stderr, r.stderr[-2000:]
