@@ -66,7 +66,8 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also time the tile shapes of SWEEP")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "attention.json"),
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "local",
+                                                 "attention.json"),
                    help="JSON output path")
     return p.parse_args(argv)
 

@@ -96,8 +96,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse(argv=None):
     """The command line (:func:`dbo_compile.testing.bench_cli.parse_moe`: a flag that the
     chosen mode does not read is a usage error)."""
+    # by default into the ignored results/local/: a run never overwrites a committed result
     return bench_cli.parse_moe(argv, __doc__, os.path.join(_ROOT, "benchmarks", "results",
-                                                           "latest.json"))
+                                                           "local", "bench_moe.json"))
 
 
 def log(msg: str) -> None:

@@ -110,8 +110,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="CPU smoke run: tiny preset, decode:32,prefill:64, no graphs")
     p.add_argument("--fault", default=None, choices=FAULTS,
                    help="plant a schedule fault in both peers (the numerics must catch it)")
-    p.add_argument("--json", default=os.path.join(os.path.dirname(_HERE), "results",
-                                                  "peers_latest.json"))
+    p.add_argument("--json", default=os.path.join(os.path.dirname(_HERE), "results", "local",
+                                                  "peers.json"),
+                   help="results JSON (default: the ignored benchmarks/results/local/)")
     p.add_argument("--md", default=None, help="markdown path (default: json with .md)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() and not args.smoke:

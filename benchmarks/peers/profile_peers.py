@@ -21,7 +21,8 @@ time differs most between eager and graph.
     python benchmarks/peers/profile_peers.py --preset deepseek-v3 --layers 2 --emulate-ep 32 \
         --bucket prefill:2048 --candidates staged --json $OUT/profile_peers.json
 
-Every flag of ``bench_peers.py`` applies (the world, ``--candidates``, ``--compute-backend``).
+Every flag of ``bench_peers.py`` but ``--buckets`` applies (the world, ``--candidates``,
+``--compute-backend``).
 CUDA only.
 """
 
@@ -133,18 +134,31 @@ def compare(name: str, eager: dict, graph: dict, top: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
-    p.add_argument("--bucket", default="prefill:2048", help="phase:tokens")
+def parse(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """``(own, args)``: this script's flags and ``bench_peers.py``'s (every flag of it but
+    ``--buckets``: one bucket, ``--bucket``). Usage errors (exit 2): no CUDA, ``--buckets``."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every other flag is bench_peers.py's (python benchmarks/peers/bench_peers.py "
+               "--help: the world, --candidates, --compute-backend, ...), but --buckets.")
+    p.add_argument("--bucket", default="prefill:2048", help="phase:tokens (one bucket)")
     p.add_argument("--reps", type=int, default=3, help="profiled calls per program and mode")
-    p.add_argument("--top", type=int, default=20)
-    p.add_argument("--peers", default="sglang,vllm")
+    p.add_argument("--top", type=int, default=20, help="kernel rows printed per program")
+    p.add_argument("--peers", default="sglang,vllm", help="the peers profiled (comma-separated)")
     p.add_argument("--json", default=None, help="write the figures here")
     own, rest = p.parse_known_args(argv)
+    if any(a == "--buckets" or a.startswith("--buckets=") for a in rest):
+        p.error("--buckets: this script profiles one bucket, --bucket PHASE:TOKENS")
+    if not torch.cuda.is_available():
+        p.error("needs CUDA: it profiles the GPU's kernels of each program (no CPU mode; "
+                "bench_peers.py --smoke is the CPU check of the peers)")
     args = BP.parse(rest + ["--buckets", own.bucket])
     args.json = own.json
-    if not args.cuda:
-        raise SystemExit("profile_peers.py needs CUDA")
+    return own, args
+
+
+def main(argv=None) -> int:
+    own, args = parse(argv)
     phase, n = own.bucket.split(":")
     n = int(n)
     device = torch.device("cuda", 0)
