@@ -174,12 +174,15 @@ def test_the_graph_memory_budget_skips_split_candidates_past_it(monkeypatch, cap
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("bad", [-1, 0, True, "1G", 1.5])
+@pytest.mark.parametrize("bad", [-1, 0, True, "1G", 1.5, float("inf"), -8e9])
 def test_a_bad_graph_memory_budget_is_refused(bad):
-    with pytest.raises(GraphRunnerError, match=r"graph_memory_budget must be None or an int >= 1"):
+    with pytest.raises(GraphRunnerError,
+                       match=r"graph_memory_budget \(bytes\) must be None or an int >= 1"):
         _runner("cpu", graph_memory_budget=bad)
     assert _runner("cpu", graph_memory_budget=None).graph_memory_budget is None
     assert _runner("cpu", graph_memory_budget=2**30).graph_memory_budget == 2**30
+    # bytes written as a float with no fraction (8e9) are bytes
+    assert _runner("cpu", graph_memory_budget=8e9).graph_memory_budget == 8_000_000_000
 
 
 def test_off_cuda_the_budget_has_no_effect_and_says_so_once(caplog):

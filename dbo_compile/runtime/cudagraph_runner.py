@@ -188,7 +188,8 @@ class CudaGraphRunner:
         graph_memory_budget: bytes the shared graph pool may grow by for DBO's optional
             graphs (split candidates, ``"unsplit-overlap"``) over all buckets
             (``memory_report()``'s ``split_all``, dropped candidates included): once reached,
-            the remaining ones are not captured (reason ``"memory budget"`` in ``stats``);
+            the remaining ones are not captured (reason ``"memory budget"`` in ``stats``;
+            checked before each capture: the one that crosses it is kept);
             ``None`` (default): no limit. Whatever the budget, an optional graph whose capture
             runs out of GPU memory is dropped (one WARNING per bucket) and the bucket chooses
             among the graphs captured. Off CUDA graphs hold no pool memory: no effect (said
@@ -223,8 +224,10 @@ class CudaGraphRunner:
         timing_iters = positive_int("timing_iters", timing_iters)
         vocab_size = positive_int("vocab_size", vocab_size, optional=True)
         block_size = positive_int("block_size", block_size, optional=True)
-        self.graph_memory_budget = positive_int("graph_memory_budget", graph_memory_budget,
-                                                optional=True)
+        if isinstance(graph_memory_budget, float) and graph_memory_budget.is_integer():
+            graph_memory_budget = int(graph_memory_budget)  # bytes written as 8e9
+        self.graph_memory_budget = positive_int("graph_memory_budget (bytes)",
+                                                graph_memory_budget, optional=True)
         self.min_gain, self.prune_margin = check_fractions(
             MIN_GAIN if min_gain is None else min_gain, prune_margin)
         log_unchecked(compiled, block_size, vocab_size, model_kwargs, _RUNNER_ARGS)

@@ -45,10 +45,11 @@ log = logging.getLogger(__name__)
 __all__ = ["capture_optional", "oom_head", "oom_in", "optional_bytes", "unsplit_oom_error"]
 
 #: what a bucket's warning says to do about graphs dropped for memory
-_TODO = ("to capture them, ask for fewer split candidates (DboConfig schedule_candidates, "
-         "sm_carveout_candidates), capture fewer or smaller buckets, or give "
-         "CudaGraphRunner(graph_memory_budget=bytes) so that the split graphs stop at a budget "
-         "instead of at the GPU's end")
+_TODO = ("to leave room for them, capture fewer or smaller buckets or leave the graphs more "
+         "memory; to capture fewer optional graphs instead, ask for fewer split candidates "
+         "(DboConfig schedule_candidates, sm_carveout_candidates) or give "
+         "CudaGraphRunner(graph_memory_budget=bytes) so that they stop at a budget instead of "
+         "at the GPU's end")
 
 _GIB = float(1 << 30)
 
@@ -143,8 +144,9 @@ def capture_optional(b: Any, entries: Sequence[tuple[str, Callable[[], Any] | st
             used = int(over_ranks([float(optional_bytes([*earlier, b]))])[0])
             if used >= budget:
                 skipped[name] = (f"bucket {b.tokens}: {name} not captured: memory budget "
-                                 f"(graph_memory_budget={budget} bytes) reached: DBO's optional "
-                                 f"graphs grew the graph pool by {used} bytes")
+                                 f"(graph_memory_budget={budget} bytes, {budget / _GIB:.2f} GiB) "
+                                 f"reached: DBO's optional graphs grew the graph pool by "
+                                 f"{used / _GIB:.2f} GiB")
                 continue
         why = fn if isinstance(fn, str) else _try(b, name, fn, graph, cuda)
         if why is not None:
@@ -165,15 +167,18 @@ def capture_optional(b: Any, entries: Sequence[tuple[str, Callable[[], Any] | st
             if name in b.prune.timed:
                 b.prune.drop(name, why)
     if oom:
+        left = [n for n in b.graphs if n != "unsplit"]
         log.warning("dbo graphs: bucket %d: %s not captured: out of GPU memory (%s); the bucket "
-                    "chooses among %s; %s", b.tokens, ", ".join(oom), next(iter(oom.values())),
-                    ", ".join(b.graphs), _TODO)
+                    "chooses among %s%s; %s", b.tokens, ", ".join(oom), next(iter(oom.values())),
+                    ", ".join(b.graphs),
+                    "" if left else " (no split graph left: its steps run unsplit, whatever "
+                    "the split option)", _TODO)
     if skipped:
         if "budget reached" not in warned:
             warned.add("budget reached")
-            log.warning("dbo graphs: graph_memory_budget=%d bytes reached at bucket %d: its "
-                        "graphs %s and the split graphs of smaller buckets are not captured",
-                        budget, b.tokens, ", ".join(skipped))
+            log.warning("dbo graphs: graph_memory_budget=%d bytes (%.2f GiB) reached at bucket "
+                        "%d: its graphs %s and the split graphs of smaller buckets are not "
+                        "captured", budget, budget / _GIB, b.tokens, ", ".join(skipped))
         else:
             log.info("dbo graphs: bucket %d: %s not captured (graph_memory_budget)", b.tokens,
                      ", ".join(skipped))
