@@ -369,7 +369,7 @@ def markdown(doc: dict) -> str:
         head = [r.get("preset"), r.get("world_size"), fmt(r.get("link_gbps")),
                 r.get("hold_sms") or "CE", r["phase"], r["tokens_per_rank"]]
         if r.get("t_dbo_graph_us") is None:
-            rows.append(head + [f"failed: {'; '.join(r.get('errors', []))[:200]}"])
+            rows.append(head + [bench_cli.failed_cell(r)])  # one line: a traceback's too
             continue
         errs = [v["max_rel"] for k, v in r.items() if k.startswith("num_") and isinstance(v, dict)]
         rt = r.get("routed", {})
@@ -393,6 +393,8 @@ def markdown(doc: dict) -> str:
 
 
 def main(args) -> int:
+    """Run every world of ``--emulate-ep`` and write the JSON and the markdown table; 0, or 1
+    where every row of this run failed (:func:`bench_cli.all_rows_failed`)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
@@ -433,6 +435,8 @@ def main(args) -> int:
     if args.append and os.path.exists(args.json):
         with open(args.json) as f:
             doc["rows"] = json.load(f).get("rows", [])
+    first_new = len(doc["rows"])  # this run's rows follow --append's
+
     def save(row=None):  # after every bucket: a run cut off by its time limit keeps its rows
         if row is not None:
             doc["rows"].append(row)
@@ -452,4 +456,8 @@ def main(args) -> int:
     with open(args.md or os.path.splitext(args.json)[0] + ".md", "w") as f:
         f.write(md)
     print(md, flush=True)
+    if bench_cli.all_rows_failed(doc["rows"][first_new:]):
+        log(f"[emulated] every row of this run failed ({len(doc['rows']) - first_new}; their "
+            "errors are in the table above and in the log): exit status 1")
+        return 1
     return 0

@@ -10,11 +10,14 @@ One GPU as rank 0 of an emulated EP-W world (``--emulate-ep W --link-gbps X``, n
 
     python benchmarks/bench_moe.py --emulate-ep 8,16,32,64,8@25 --link-gbps 50
 
-On a machine without CUDA it runs on CPU over Gloo (a smoke test: tiny preset, no graphs).
+On a machine without CUDA it runs on CPU over Gloo (a smoke test: tiny preset, no graphs; its
+rows are labelled ``gloo (CPU)`` and timed wall-clock, eager). Without ``--emulate-ep`` it runs
+under torchrun only (``RANK`` and ``WORLD_SIZE`` unset: a usage error, not a traceback).
 A flag that the chosen mode does not read is refused with a usage error, never ignored: the
 emulated world's flags without ``--emulate-ep``; ``--link``, ``--vote-group`` and
 ``--inductor`` with it; ``--comm-sms``, ``--inductor``, ``--kernels``, ``--profile``,
-``--hold-sms`` without CUDA. ``--hold-sms 24`` makes each emulated transfer hold 24 SMs for its
+``--hold-sms``, ``--fp8``, ``--link`` and ``--experts-backend deep_gemm`` without CUDA. A run
+whose every row failed exits with status 1. ``--hold-sms 24`` makes each emulated transfer hold 24 SMs for its
 duration (the emulated backend's option ``hold_sms``: DeepEP's normal-mode kernels), beside
 the copy-engine rows of a run without it.
 
@@ -294,7 +297,7 @@ def markdown(doc: dict) -> str:
     for r in doc["rows"]:
         head = [r.get("link"), r["phase"], r["tokens_per_rank"]]
         if r.get("t_dbo_graph_us") is None:
-            rows.append(head + [f"failed: {'; '.join(r.get('errors', []))[:200]}"])
+            rows.append(head + [bench_cli.failed_cell(r)])  # one line: a traceback's too
             continue
         err = max((v["max_rel"] for k, v in r.items() if k.startswith("num_") and isinstance(v, dict)),
                   default=None)
@@ -310,10 +313,9 @@ def markdown(doc: dict) -> str:
     lines = [f"Machine: {doc['machine']}; torch {doc['torch']}, NCCL {doc['nccl']}; {doc['date']}; "
              f"{doc.get('setup', '')}", "", *harness.table(head, rows)]
     lines.append("")
-    lines.append("µs per step, median of CUDA-event-timed graph replays on the benchmark's step, max "
-                 "over ranks. baseline = unsplit program in one CUDA graph; DBO graph = the split "
-                 "program's fastest schedule candidate (measured at warm-up by the runtime's "
-                 "CudaGraphRunner) in one CUDA graph; runtime picks = what CudaGraphRunner runs by "
+    # CUDA graphs on a GPU, wall-clock eager calls on the CPU smoke run
+    lines.append(bench_cli.timing_note(doc.get("timing_mode", "graph") == "graph") +
+                 "; runtime picks = what CudaGraphRunner runs by "
                  "default (split=\"auto\": split only where measured faster); speedup = baseline / DBO "
                  "graph; η = (serial − DBO) / (serial − max(no comm, M)).")
     return "\n".join(lines) + "\n"
@@ -332,7 +334,7 @@ def main(argv=None) -> int:
     buckets = args.buckets or ("decode:64,decode:128,decode:256,decode:512,decode:1024,"
                                "prefill:2048,prefill:4096,prefill:8192" if cuda
                                else "decode:32,prefill:64")
-    link = args.link or ("shm" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink")
+    link = bench_cli.link_label(args.link, cuda)
     kernels = H.install_kernels(device.type, experts=args.experts, attention=args.attention)
     overrides = {"vocab_size": args.vocab, "first_k_dense_replace": args.dense_layers}
     args.vote_group_name = (dist.new_group(backend="gloo").group_name
@@ -369,7 +371,8 @@ def main(argv=None) -> int:
         log("[bench] " + json.dumps(row, default=str))
     if dist.get_rank() == 0:
         doc = {"machine": machine, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "torch": torch.__version__, "nccl": nccl, "setup": setup, "rows": []}
+               "torch": torch.__version__, "nccl": nccl, "setup": setup,
+               "timing_mode": "graph" if cuda else "eager", "rows": []}
         if args.append and os.path.exists(args.json):
             with open(args.json) as f:
                 doc["rows"] = json.load(f).get("rows", [])
@@ -383,6 +386,9 @@ def main(argv=None) -> int:
         print(md, flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    if bench_cli.all_rows_failed(rows):
+        log(f"[bench] every row of this run failed ({len(rows)}): exit status 1")
+        return 1
     return 0
 
 

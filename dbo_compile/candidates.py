@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["CANDIDATES", "DEFAULT_CANDIDATES", "SCHEDULE_CANDIDATES", "UNSPLIT_GRAPHS",
            "UNSPLIT_OVERLAP", "Candidate",
            "candidate_programs", "candidates_of", "carveout_sms", "primary_candidate",
-           "program_variants", "split_carveout"]
+           "bad_carveout", "program_variants", "split_carveout"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,19 @@ UNSPLIT_OVERLAP = "unsplit-overlap"
 #: step that is not split; the runner keeps the faster
 UNSPLIT_GRAPHS: tuple[str, ...] = ("unsplit", UNSPLIT_OVERLAP)
 _CARVEOUT_SUFFIX = re.compile(r"^(?P<base>.+)\+sms(?P<sms>[1-9][0-9]*)$")
+
+
+_ANY_SMS_SUFFIX = re.compile(r"^(?P<base>.+)\+sms(?P<sms>.*)$")
+
+
+def bad_carveout(name: Any) -> bool:
+    """Whether ``name`` is a candidate of :data:`SCHEDULE_CANDIDATES` with a ``+sms`` suffix
+    that is no SM count (``"list@link/4+sms0"``, ``"list+join+sms"``): the name is valid, the
+    carve-out (SMs, an int >= 1 without leading zeros) is not."""
+    if not isinstance(name, str) or split_carveout(name)[1] is not None:
+        return False
+    m = _ANY_SMS_SUFFIX.match(name)
+    return bool(m) and m.group("base") in SCHEDULE_CANDIDATES
 
 
 def split_carveout(name: str) -> tuple[str, int | None]:

@@ -13,7 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from dbo_compile.candidates import DEFAULT_CANDIDATES, SCHEDULE_CANDIDATES, split_carveout
+from dbo_compile.candidates import (
+    DEFAULT_CANDIDATES,
+    SCHEDULE_CANDIDATES,
+    bad_carveout,
+    split_carveout,
+)
 from dbo_compile.config_groups import (
     BackendsConfig,
     CostFigures,
@@ -105,6 +110,12 @@ class ScheduleConfig(OptionGroup):
         if not isinstance(self.join_experts, bool):
             raise self.error("join_experts", "must be a bool")
         if isinstance(self.schedule_candidates, (list, tuple)):
+            bad_sms = [c for c in self.schedule_candidates if bad_carveout(c)]
+            if bad_sms:
+                raise self.error("schedule_candidates",
+                                f"{', '.join(map(repr, bad_sms))}: the SM carve-out after "
+                                "'+sms' must be an int >= 1 (SMs, e.g. 'list@link/16+sms16'); "
+                                "drop the suffix for no carve-out")
             unknown = [c for c in self.schedule_candidates
                        if not isinstance(c, str) or split_carveout(c)[0] not in SCHEDULE_CANDIDATES]
             if unknown:

@@ -12,12 +12,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dbo_compile.testing.bench_cli import (
+    all_rows_failed,
+    failed_cell,
     given_flags,
+    link_label,
+    md_cell,
     moe_parser,
     parse_moe,
     parse_soak,
+    timing_note,
     world_options,
 )
 from scripts import run_scripts
@@ -240,8 +246,8 @@ def test_the_emulated_world_takes_the_experts_backend_and_fp8():
     from dbo_compile import DboConfig
     from dbo_compile.testing.moe import candidate_names
 
-    args = parse_moe(["--emulate-ep", "32", "--experts-backend", "deep_gemm"])
-    args.fp8 = True  # (refused without CUDA; the GPU run passes it)
+    args = parse_moe(["--emulate-ep", "32"])
+    args.experts_backend, args.fp8 = "deep_gemm", True  # (refused without CUDA; a GPU run's)
     args.carveouts, args.candidate_names = (), candidate_names(args.candidates)
     options = world_options(args, 32, 50.0)
     assert options["experts_backend"] == "deep_gemm"
@@ -261,3 +267,79 @@ def test_fp8_without_deep_gemm_is_refused(argv, refused, capsys):
     with pytest.raises(SystemExit) as info:
         parse_moe(argv)
     assert info.value.code == 2 and refused in capsys.readouterr().err
+
+
+def test_deep_gemm_without_cuda_is_refused(monkeypatch, capsys):
+    """``--emulate-ep 8 --experts-backend deep_gemm`` on a machine without CUDA ran, failed
+    every row (DeepGEMM is not importable there) and exited 0: now a usage error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["--emulate-ep", "8", "--experts-backend", "deep_gemm"],
+                 ["--emulate-ep", "8", "--experts-backend", "deep_gemm", "--fp8"]):
+        with pytest.raises(SystemExit) as info:
+            parse_moe(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "DeepGEMM needs a CUDA GPU" in err, err
+    with pytest.raises(SystemExit):  # the fp8 check still comes first
+        parse_moe(["--emulate-ep", "8", "--fp8"])
+    assert "--fp8 needs --experts-backend deep_gemm" in capsys.readouterr().err
+    assert parse_moe(["--emulate-ep", "8", "--experts-backend", "torch"]).experts_backend == "torch"
+
+
+def test_a_failed_rows_error_stays_on_one_table_line():
+    """An error with newlines and pipes (a traceback, a shape list) broke the markdown table
+    of ``bench_moe.py --emulate-ep`` into several lines and columns."""
+    assert md_cell("a\nb |c\r\n  d") == "a b \\|c d"
+    assert md_cell("x" * 300, limit=200) == "x" * 200
+    cell = failed_cell({"errors": ["ExpertsOpError: needs\nthe package | deep_gemm", "two"]})
+    assert cell == "failed: ExpertsOpError: needs the package \\| deep_gemm; two"
+    line = "| " + " | ".join(["p", "8", cell]) + " |"
+    assert "\n" not in line and line.replace("\\|", "").count("|") == 4
+
+
+def test_a_run_whose_every_row_failed_is_a_failed_run():
+    """Every row of a run failing (an exception per bucket or world: only ``errors``) made the
+    emulated benchmark exit 0; a row not split (a measured outcome) is no failure."""
+    failed = {"phase": "decode", "tokens_per_rank": 32, "errors": ["RuntimeError: x"]}
+    ok = {"phase": "decode", "tokens_per_rank": 64, "errors": [], "t_dbo_graph_us": 10.0,
+          "t_baseline_us": 12.0}
+    not_split = {"phase": "decode", "tokens_per_rank": 8, "errors": ["not split: below"]}
+    assert all_rows_failed([failed, dict(failed)])
+    assert not all_rows_failed([failed, ok])
+    assert not all_rows_failed([failed, not_split])
+    assert not all_rows_failed([])
+
+
+def test_the_multi_rank_mode_outside_torchrun_is_a_usage_error(monkeypatch, capsys):
+    """``python benchmarks/bench_moe.py`` (no torchrun, no ``--emulate-ep``) crashed in
+    ``init_process_group`` with "environment variable RANK expected, but not set"."""
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as info:
+        parse_moe([])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "runs under torchrun" in err and "--emulate-ep W" in err
+    assert parse_moe(["--emulate-ep", "2"]).emulate_ep == "2"  # one process: no torchrun
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert parse_moe([]).emulate_ep is None
+
+
+def test_a_cpu_run_is_labelled_gloo_and_wall_clock():
+    """The CPU Gloo rows of ``torchrun ... bench_moe.py`` were labelled ``nvlink`` and their
+    footer said CUDA-event-timed graph replays."""
+    assert link_label(None, cuda=False, environ={}) == "gloo (CPU)"
+    assert link_label(None, cuda=True, environ={}) == "nvlink"
+    assert link_label(None, cuda=True, environ={"NCCL_P2P_DISABLE": "1"}) == "shm"
+    assert link_label("shm", cuda=True, environ={}) == "shm"
+    cpu, gpu = timing_note(False), timing_note(True)
+    assert "wall-clock" in cpu and "CUDA-event" not in cpu and "CUDA graph" not in cpu
+    assert "CUDA-event-timed graph replays" in gpu and "in one CUDA graph" in gpu
+
+
+def test_link_without_cuda_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as info:
+        parse_moe(["--link", "nvlink"])
+    assert info.value.code == 2 and "--link: not read without CUDA" in capsys.readouterr().err

@@ -230,6 +230,20 @@ def test_list_scheduler_never_worse_than_naive_order_in_the_model():
     assert strict
 
 
+def test_a_valid_candidate_with_a_bad_carve_out_says_what_to_fix():
+    """``"list@link/4+sms0"`` was refused as an unknown candidate though its name is valid:
+    the carve-out is what is wrong, and the message says so."""
+    from dbo_compile.config import DboConfig
+    from dbo_compile.errors import DboConfigError
+
+    for bad in ("list@link/4+sms0", "list+join+sms", "staged+sms-2", "list+smsX"):
+        with pytest.raises(DboConfigError, match=r"carve-out.*int >= 1.*\+sms16") as info:
+            DboConfig(schedule_candidates=("naive", bad))
+        assert "unknown" not in str(info.value) and repr(bad) in str(info.value)
+    with pytest.raises(DboConfigError, match="unknown candidate") as info:
+        DboConfig(schedule_candidates=("lst+sms0",))  # the name itself is wrong
+
+
 def test_schedule_candidates_are_distinct_orders_of_the_same_program():
     """``schedule_candidates`` compiles alternative orders (list under slower links, naive);
     each is a different host order of the same units, and each computes what eager does."""

@@ -10,7 +10,8 @@ was asked for): :func:`given_flags`, :func:`refuse_unread`.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Iterable, Sequence
+import os
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -19,9 +20,10 @@ from dbo_compile.errors import DboConfigError
 from dbo_compile.testing.graph_soak import SIZES, TOLERANCES
 from dbo_compile.testing.moe import ATTENTION_KINDS
 
-__all__ = ["CPU_ONLY", "CUDA_ONLY", "EMULATED_ONLY", "GPU_ONLY", "TORCHRUN_ONLY", "given_flags",
-           "moe_parser", "parse_moe", "parse_soak", "refuse_unread", "soak_parser",
-           "world_options"]
+__all__ = ["CPU_ONLY", "CUDA_ONLY", "EMULATED_ONLY", "GPU_ONLY", "TORCHRUN_ONLY",
+           "all_rows_failed", "failed_cell", "given_flags", "link_label", "md_cell",
+           "moe_parser", "parse_moe", "parse_soak", "refuse_unread", "row_failed",
+           "soak_parser", "timing_note", "world_options"]
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
@@ -68,8 +70,10 @@ EMULATED_ONLY = ("--link-gbps", "--latency-us", "--cost-link-gbps", "--cost-late
 #: flags the emulated world does not read (one process: no link to label, no process group
 #: for the vote; no Inductor-compiled unsplit model timed)
 TORCHRUN_ONLY = ("--link", "--vote-group", "--inductor")
-#: flags that do something on CUDA only (the CPU smoke run refuses them)
-CUDA_ONLY = ("--comm-sms", "--inductor", "--kernels", "--profile", "--hold-sms", "--fp8")
+#: flags that do something on CUDA only (the CPU smoke run refuses them; ``--link`` labels
+#: the GPUs' link: a CPU run's is Gloo, :func:`link_label`)
+CUDA_ONLY = ("--comm-sms", "--inductor", "--kernels", "--profile", "--hold-sms", "--fp8",
+             "--link")
 
 
 def moe_parser(description: str | None = None, json_default: str | None = None
@@ -95,7 +99,9 @@ def moe_parser(description: str | None = None, json_default: str | None = None
                    help="fused (default): the package's dbo.attention (Triton kernel on CUDA); "
                         "proj: KV write + projections only; ref: the reference gather loop")
     p.add_argument("--scheduler", default="list", choices=["list", "naive", "staged", "staged-d2"])
-    p.add_argument("--link", default=None, help="label: nvlink | shm (default from NCCL_P2P_DISABLE)")
+    p.add_argument("--link", default=None,
+                   help="label: nvlink | shm (default from NCCL_P2P_DISABLE; CUDA only: a CPU "
+                        "run is labelled 'gloo (CPU)')")
     p.add_argument("--comm-sms", type=int, default=None,
                    help="option comm_sms: SM carve-out for compute GEMMs in the split program and "
                         "(torchrun) a dedicated high-priority EP group with that NCCL CTA cap "
@@ -171,11 +177,19 @@ def moe_parser(description: str | None = None, json_default: str | None = None
     return p
 
 
+#: the environment variables ``torchrun`` sets and ``init_process_group("env://")`` reads
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE")
+
+
 def parse_moe(argv: Sequence[str] | None = None, description: str | None = None,
-              json_default: str | None = None) -> argparse.Namespace:
+              json_default: str | None = None,
+              environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     """``bench_moe.py``'s arguments: a flag that the chosen mode (``--emulate-ep`` or
-    torchrun, CUDA or not) does not read, or a ``--candidates`` name that is none, is a usage
-    error (``SystemExit(2)``)."""
+    torchrun, CUDA or not) does not read, a ``--candidates`` name that is none,
+    ``--experts-backend deep_gemm`` without CUDA, or the multi-rank mode outside torchrun
+    (``environ``, default ``os.environ``, lacks ``RANK`` / ``WORLD_SIZE``) is a usage error
+    (``SystemExit(2)``)."""
+    environ = os.environ if environ is None else environ
     p = moe_parser(description, json_default)
     args = p.parse_args(argv)
     # a flag the chosen mode does not read is refused, not ignored
@@ -188,6 +202,10 @@ def parse_moe(argv: Sequence[str] | None = None, description: str | None = None,
         p.error("--fp8 needs --experts-backend deep_gemm (only DeepGEMM serves FP8 experts; "
                 f"got {args.experts_backend or 'the default'})")
     if not torch.cuda.is_available():
+        if args.experts_backend == "deep_gemm":  # before --fp8's refusal: the cause of both
+            p.error("--experts-backend deep_gemm: DeepGEMM needs a CUDA GPU (its kernels are "
+                    "CUDA only) and this machine has none; use --experts-backend torch or "
+                    "auto, or run on a GPU")
         refuse_unread(p, args, given, CUDA_ONLY, "without CUDA")
     if args.hold_sms and args.comm_sms:
         p.error("--hold-sms and --comm-sms emulate the same cost twice (SMs held by the "
@@ -203,7 +221,72 @@ def parse_moe(argv: Sequence[str] | None = None, description: str | None = None,
             DboConfig(schedule_candidates=tuple(v for v in args.candidates.split(",") if v))
         except DboConfigError as e:
             p.error(f"--candidates: {e}")
+    missing = [v for v in TORCHRUN_ENV if v not in environ]
+    if not args.emulate_ep and missing:
+        p.error(f"{' and '.join(missing)} not set: the multi-rank mode runs under torchrun: "
+                "torchrun --nproc-per-node 2 benchmarks/bench_moe.py ... (or --emulate-ep W "
+                "for one process)")
     return args
+
+
+def link_label(link: str | None, cuda: bool, environ: Mapping[str, str] | None = None) -> str:
+    """The ``link`` of ``bench_moe.py``'s torchrun rows: ``--link`` where given (``link``),
+    else ``"gloo (CPU)"`` without CUDA (the ranks talk over Gloo), else ``"shm"`` where
+    ``environ`` (default ``os.environ``) has ``NCCL_P2P_DISABLE=1``, else ``"nvlink"``."""
+    environ = os.environ if environ is None else environ
+    if link:
+        return link
+    if not cuda:
+        return "gloo (CPU)"
+    return "shm" if environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink"
+
+
+def timing_note(cuda: bool) -> str:
+    """What ``bench_moe.py``'s torchrun figures (µs) are, for its table's footer: on CUDA the
+    median of CUDA-event-timed graph replays, the baseline and the DBO program each in one
+    CUDA graph; on CPU (``cuda`` false: the Gloo smoke run) the median of wall-clock eager
+    calls, no graph."""
+    if cuda:
+        return ("µs per step, median of CUDA-event-timed graph replays on the benchmark's step, "
+                "max over ranks. baseline = unsplit program in one CUDA graph; DBO graph = the "
+                "split program's fastest schedule candidate (measured at warm-up by the "
+                "runtime's CudaGraphRunner) in one CUDA graph")
+    return ("µs per step, median of wall-clock (perf_counter) eager calls on the benchmark's "
+            "step, max over ranks (CPU smoke run over Gloo: no graphs are captured). baseline = "
+            "the unsplit model called eagerly; DBO graph = the split program of the fastest "
+            "schedule candidate (measured at warm-up by the runtime's CudaGraphRunner) called "
+            "eagerly")
+
+
+def md_cell(text: Any, limit: int | None = None) -> str:
+    """``text`` as one markdown table cell: every run of whitespace (newlines included) as
+    one space, cut to ``limit`` characters (before escaping; ``None``: whole), ``|`` escaped
+    as ``\\|`` so that it splits no column."""
+    one = " ".join(str(text).split())
+    if limit is not None:
+        one = one[:limit]
+    return one.replace("|", "\\|")
+
+
+def failed_cell(row: Mapping[str, Any], limit: int = 200) -> str:
+    """The markdown cell of a row without figures: ``"failed: "`` and its ``errors`` joined
+    by ``"; "``, on one line (:func:`md_cell`, at most ``limit`` characters of errors)."""
+    return "failed: " + md_cell("; ".join(map(str, row.get("errors", []))), limit)
+
+
+def row_failed(row: Mapping[str, Any]) -> bool:
+    """Whether a row of ``bench_moe.py`` (either mode) failed: no figure (neither
+    ``t_baseline_us`` nor ``t_dbo_graph_us``) and an error other than ``"not split: ..."``
+    (a bucket not split is a measured outcome, not a failure)."""
+    if row.get("t_baseline_us") is not None or row.get("t_dbo_graph_us") is not None:
+        return False
+    return any(not str(e).startswith("not split:") for e in row.get("errors", []))
+
+
+def all_rows_failed(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a run's ``rows`` (those it wrote, not ``--append``'s older ones) all failed
+    (:func:`row_failed`): the run then exits non-zero. ``False`` for no rows."""
+    return bool(rows) and all(row_failed(r) for r in rows)
 
 
 def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, Any]:
