@@ -61,6 +61,22 @@ def test_on_a_gpu_every_graph_is_counted_in_one_pool(monkeypatch):
 
 # -- out of memory at capture, and the split graphs' memory budget ----------------------------
 
+def _serves_as_eager(runner: CudaGraphRunner, b, device: str, tol: float) -> None:
+    """A mixed step (decodes and a prefill) served by bucket ``b``'s chosen graph equals the
+    model run eagerly."""
+    from dbo_compile.models.batch import make_step
+    from moe_cases import eager_then_restore
+
+    step = make_step(get_config("tiny", num_layers=1), decode_context_lens=[5, 40, 17],
+                     prefills=[(16, 9)], block_size=16, num_blocks=64, device=device)
+    ref, _ = eager_then_restore(runner.compiled._orig_mod, step)
+    with torch.no_grad():
+        out = runner(step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+    assert runner.last_graph == b.choice
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
 _OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
 
 
@@ -83,11 +99,7 @@ def test_a_split_candidate_out_of_memory_is_dropped_and_the_bucket_still_serves(
     bucket's stats and one warning), and so is one that another rank could not capture (every
     rank must time the same graphs); capture() completes, the bucket chooses among the rest
     and a served step matches eager. It raised torch.OutOfMemoryError out of capture()."""
-    from dbo_compile.models.batch import make_step
-    from moe_cases import eager_then_restore
-
     runner = _runner("cpu", buckets=(32,))
-    model = runner.compiled._orig_mod
     # "list" OOMs here, "staged" on another rank: the max over the job of the bucket's
     # per-candidate flags (one per planned candidate, in order) comes back 1 for it
     _oom_at(monkeypatch, {"list"})
@@ -121,15 +133,7 @@ def test_a_split_candidate_out_of_memory_is_dropped_and_the_bucket_still_serves(
     assert len(warnings) == 1, warnings
     for word in ("bucket 32", "list", "staged", "schedule_candidates", "graph_memory_budget"):
         assert word in warnings[0], word
-    cfg = get_config("tiny", num_layers=1)
-    step = make_step(cfg, decode_context_lens=[5, 40, 17], prefills=[(16, 9)], block_size=16,
-                     num_blocks=64)
-    ref, _ = eager_then_restore(model, step)
-    with torch.no_grad():
-        out = runner(step.input_ids, step.positions, step.attn_metadata,
-                     step.num_scheduled_tokens)
-    assert runner.last_graph == b.choice
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    _serves_as_eager(runner, b, "cpu", tol=1e-5)
 
 
 def test_the_unsplit_graph_out_of_memory_is_a_graph_runner_error(monkeypatch):
@@ -317,8 +321,6 @@ def test_an_oom_that_ends_the_capture_with_another_error_is_still_an_oom(monkeyp
 def test_on_a_gpu_a_candidate_out_of_memory_inside_its_capture_is_dropped(monkeypatch):
     """A real allocation failure in the middle of a stream capture (not in a warm-up run): the
     capture ends, the candidate is dropped, the bucket serves a step equal to eager."""
-    from dbo_compile.models.batch import make_step
-
     runner = _runner("cuda", buckets=(32,))
     real = CudaGraphRunner._graph
 
@@ -333,14 +335,4 @@ def test_on_a_gpu_a_candidate_out_of_memory_inside_its_capture_is_dropped(monkey
     runner.capture()
     b = runner.graphs[32]
     assert "staged" not in b.graphs and "staged" in b.dropped and b.graphs
-    from moe_cases import eager_then_restore
-
-    model = runner.compiled._orig_mod
-    step = make_step(get_config("tiny", num_layers=1), decode_context_lens=[5, 40, 17],
-                     prefills=[(16, 9)], block_size=16, num_blocks=64, device="cuda")
-    ref, _ = eager_then_restore(model, step)
-    with torch.no_grad():
-        out = runner(step.input_ids, step.positions, step.attn_metadata,
-                     step.num_scheduled_tokens)
-    assert runner.last_graph == b.choice
-    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    _serves_as_eager(runner, b, "cuda", tol=2e-2)
