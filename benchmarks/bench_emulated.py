@@ -200,7 +200,7 @@ def bench_bucket(args, model, ref, cmodel, runner, step, phase, n, device, timer
     row: dict = {"phase": phase, "tokens_per_rank": n, "errors": []}
     ids, pos, md, qlens = step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens
     if b.split_args is None:
-        row["errors"].append(f"not split: {getattr(art, 'reason', None)}")
+        row["errors"].append(f"not split: {bench_cli.no_split_reason(b)}")
         if len(b.graphs) > 1:  # the unsplit graphs side by side (unsplit_overlap)
             _unsplit_rows(row, runner, b, step, ref, timer)
         return row

@@ -192,9 +192,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     art = b.artifact
     row["artifact"] = type(art).__name__
     if b.split_args is None:
-        why = getattr(art, "reason", None) or (
-            "no split graph captured: with split='auto' this bucket is below the thresholds")
-        row["errors"].append(f"not split: {why}")
+        row["errors"].append(f"not split: {bench_cli.no_split_reason(b)}")
         return row
     row["schedules"] = {name: {"units": len(p.schedule.units), "event_edges": len(p.schedule.event_edges),
                                "predicted_us": round(p.schedule.predicted_step_us, 1)}

@@ -294,6 +294,9 @@ def test_a_failed_rows_error_stays_on_one_table_line():
     assert cell == "failed: ExpertsOpError: needs the package \\| deep_gemm; two"
     line = "| " + " | ".join(["p", "8", cell]) + " |"
     assert "\n" not in line and line.replace("\\|", "").count("|") == 4
+    # a bucket not split is an outcome, not a failure: its reason alone
+    assert failed_cell({"errors": ["not split: 8 tokens per rank is below"]}) == (
+        "not split: 8 tokens per rank is below")
 
 
 def test_a_run_whose_every_row_failed_is_a_failed_run():
@@ -343,3 +346,28 @@ def test_link_without_cuda_is_refused(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         parse_moe(["--link", "nvlink"])
     assert info.value.code == 2 and "--link: not read without CUDA" in capsys.readouterr().err
+
+
+def test_a_bucket_without_a_split_graph_says_why():
+    """``bench_moe --emulate-ep 2 --buckets decode:8`` printed "not split: None": the bucket
+    was below the split threshold, which no row said. Every reason a bucket has no split graph
+    is named: the graph cannot split, the threshold, the pruning, the memory."""
+    from types import SimpleNamespace
+
+    from dbo_compile import DboConfig
+    from dbo_compile.runtime.prune import PrunePlan
+    from dbo_compile.testing.bench_cli import no_split_reason
+
+    def bucket(tokens, reason=None, prune=None, dropped=None, **cfg):
+        art = SimpleNamespace(reason=reason, config=DboConfig(**cfg))
+        return SimpleNamespace(tokens=tokens, artifact=art, prune=prune, dropped=dropped or {})
+
+    assert "no all-to-all" in no_split_reason(bucket(8, reason="no all-to-all found"))
+    why = no_split_reason(bucket(8))
+    assert "8 tokens" in why and "threshold" in why and "32" in why, why
+    assert "multiple of 2" in no_split_reason(bucket(33, split="always"))
+    why = no_split_reason(bucket(64, prune=PrunePlan(timed=(), skip_split="cannot win by 3 %")))
+    assert "cannot win by 3 %" in why, why
+    why = no_split_reason(bucket(64, prune=PrunePlan(timed=()),
+                                 dropped={"list": "bucket 64: list ran out of GPU memory"}))
+    assert "out of GPU memory" in why, why

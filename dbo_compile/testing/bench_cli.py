@@ -269,9 +269,11 @@ def md_cell(text: Any, limit: int | None = None) -> str:
 
 
 def failed_cell(row: Mapping[str, Any], limit: int = 200) -> str:
-    """The markdown cell of a row without figures: ``"failed: "`` and its ``errors`` joined
-    by ``"; "``, on one line (:func:`md_cell`, at most ``limit`` characters of errors)."""
-    return "failed: " + md_cell("; ".join(map(str, row.get("errors", []))), limit)
+    """The markdown cell of a row without figures: its ``errors`` joined by ``"; "``, on one
+    line (:func:`md_cell`, at most ``limit`` characters of errors), after ``"failed: "`` where
+    the row failed (:func:`row_failed`; a bucket not split is an outcome: its reason alone)."""
+    text = md_cell("; ".join(map(str, row.get("errors", []))), limit)
+    return ("failed: " + text) if row_failed(row) else text
 
 
 def row_failed(row: Mapping[str, Any]) -> bool:
@@ -287,6 +289,33 @@ def all_rows_failed(rows: Sequence[Mapping[str, Any]]) -> bool:
     """Whether a run's ``rows`` (those it wrote, not ``--append``'s older ones) all failed
     (:func:`row_failed`): the run then exits non-zero. ``False`` for no rows."""
     return bool(rows) and all(row_failed(r) for r in rows)
+
+
+def no_split_reason(b: Any) -> str:
+    """Why bucket ``b`` (a runner's ``BucketGraphs``) has no split graph, in words: the graph
+    cannot split (the artifact's ``reason``), the bucket is below the vote's threshold or not a
+    multiple of ``num_ubatches``, the pruning skipped the split (``prune.skip_split``), or every
+    split graph was dropped (out of GPU memory, the memory budget: ``dropped``)."""
+    from dbo_compile.runtime.vote import min_split_tokens
+
+    art = b.artifact
+    if getattr(art, "reason", None):
+        return str(art.reason)
+    cfg = art.config
+    least = min_split_tokens(cfg)
+    if b.tokens < least:
+        return (f"{b.tokens} tokens per rank is below the split threshold (split="
+                f"{cfg.split!r}: {least:g} tokens for any step to split)")
+    if b.tokens % cfg.num_ubatches:
+        return (f"{b.tokens} tokens is not a multiple of {cfg.num_ubatches} ubatches (a split "
+                "step runs in the next bucket that is)")
+    prune = getattr(b, "prune", None)
+    if prune is not None and prune.skip_split:
+        return f"pruned: {prune.skip_split}"
+    dropped = getattr(b, "dropped", None) or {}
+    if dropped:
+        return "every split graph dropped: " + "; ".join(dropped.values())
+    return "no split graph captured (split='never', or the runner kept none)"
 
 
 def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, Any]:
