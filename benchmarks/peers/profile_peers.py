@@ -1,4 +1,4 @@
-"""Why a step runs faster eagerly than in one CUDA graph: the same step both ways, profiled.
+r"""Why a step runs faster eagerly than in one CUDA graph: the same step both ways, profiled.
 
 Why (issue 28, ``docs/results.md`` "Peers again"): at V3 EP-32 prefill both peers' split step
 ran 9-13 % faster eagerly than captured in one CUDA graph, and so beat our graphs "as they run".
