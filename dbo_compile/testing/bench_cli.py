@@ -17,6 +17,7 @@ import torch
 
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import DboConfigError
+from dbo_compile.runtime.vote import min_split_tokens
 from dbo_compile.testing.graph_soak import SIZES, TOLERANCES
 from dbo_compile.testing.moe import ATTENTION_KINDS
 
@@ -296,8 +297,6 @@ def no_split_reason(b: Any) -> str:
     cannot split (the artifact's ``reason``), the bucket is below the vote's threshold or not a
     multiple of ``num_ubatches``, the pruning skipped the split (``prune.skip_split``), or every
     split graph was dropped (out of GPU memory, the memory budget: ``dropped``)."""
-    from dbo_compile.runtime.vote import min_split_tokens
-
     art = b.artifact
     if getattr(art, "reason", None):
         return str(art.reason)
