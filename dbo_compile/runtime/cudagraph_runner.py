@@ -380,9 +380,10 @@ class CudaGraphRunner:
         try:
             self._graph(b, "unsplit", lambda: run_watched(art.unsplit, *b.args), cuda)
         except Exception as e:  # noqa: BLE001 - an OOM, or an error an OOM caused
-            if oom_in(e) is None:
+            oom = oom_in(e)
+            if oom is None:
                 raise
-            raise unsplit_oom_error(b, oom_in(e), cuda, earlier) from e
+            raise unsplit_oom_error(b, oom, cuda, earlier) from e
         # DBO's optional graphs: dropped where they do not fit (:mod:`.graph_memory`)
         optional: list[tuple[str, Callable[[], Any] | str]] = []
         if art.unsplit_overlap is not None:  # the same inputs, outputs and collectives

@@ -257,7 +257,6 @@ def check_vocab_size(compiled: Callable[..., Any], vocab_size: int | None) -> st
     return None
 
 
-
 def check_fractions(min_gain: Any, prune_margin: Any) -> tuple[float, float | None]:
     """The runner's ``min_gain`` (a fraction in ``[0, 1)``) and ``prune_margin`` (``None``:
     off, or a fraction in ``[0, 10)``), as floats.
