@@ -128,7 +128,7 @@ from dbo_compile.runtime.padding import pad_args
 from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
 from dbo_compile.runtime.runner_args import (check_buckets, check_fractions, log_unchecked,
                                              positive_int)
-from dbo_compile.runtime.vote import min_split_tokens
+from dbo_compile.runtime.vote import bucket_never_splits
 
 log = logging.getLogger(__name__)
 
@@ -389,11 +389,8 @@ class CudaGraphRunner:
         if art.unsplit_overlap is not None:  # the same inputs, outputs and collectives
             optional.append((UNSPLIT_OVERLAP,
                              lambda: run_watched(art.unsplit_overlap, *b.args)))
-        # no step of this bucket can split (the vote's own thresholds; a split step is padded
-        # to a multiple of num_ubatches, so it never runs in another bucket): no split graph
-        never = (b.tokens < min_split_tokens(art.config)
-                 or b.tokens % art.config.num_ubatches != 0)
-        if art.is_split and not never:
+        # no step of this bucket can split (the vote's own rules): no split graph
+        if art.is_split and bucket_never_splits(b.tokens, art.config) is None:
             names = list(art.candidates)
             prediction = (None if self.prune_margin is None
                           else agreed(self.predictor(art, b.tokens, names), names, max_over_ranks))

@@ -50,8 +50,8 @@ from dbo_compile.errors import DpVoteError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VoteResult", "coordinate_across_dp", "decide_from_table", "fingerprint_to_int64",
-           "min_split_tokens", "vote_device"]
+__all__ = ["VoteResult", "bucket_never_splits", "coordinate_across_dp", "decide_from_table",
+           "fingerprint_to_int64", "min_split_tokens", "vote_device"]
 
 # Rows of the vote table (one column per DP rank).
 _REAL = 0  # real tokens of the rank
@@ -121,6 +121,20 @@ def min_split_tokens(config: DboConfig, uniform_decode: bool | None = None) -> f
     if uniform_decode is None:
         return min(config.decode_token_threshold, config.prefill_token_threshold)
     return config.decode_token_threshold if uniform_decode else config.prefill_token_threshold
+
+
+def bucket_never_splits(tokens: int, config: DboConfig) -> str | None:
+    """Why no step runs split in a CUDA-graph bucket of ``tokens`` rows, or ``None`` where one
+    can: below :func:`min_split_tokens` (the vote's thresholds), or not a multiple of
+    ``num_ubatches`` (a split step is padded to one, so it runs in another bucket)."""
+    least = min_split_tokens(config)
+    if tokens < least:
+        return (f"{tokens} tokens per rank is below the split threshold (split="
+                f"{config.split!r}: {least:g} tokens for any step to split)")
+    if tokens % config.num_ubatches:
+        return (f"{tokens} tokens is not a multiple of {config.num_ubatches} ubatches (a split "
+                "step runs in the next bucket that is)")
+    return None
 
 
 def _ranks(mask: list[bool]) -> list[int]:

@@ -17,14 +17,14 @@ import torch
 
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import DboConfigError
-from dbo_compile.runtime.vote import min_split_tokens
+from dbo_compile.runtime.vote import bucket_never_splits
 from dbo_compile.testing.graph_soak import SIZES, TOLERANCES
 from dbo_compile.testing.moe import ATTENTION_KINDS
 
 __all__ = ["CPU_ONLY", "CUDA_ONLY", "EMULATED_ONLY", "GPU_ONLY", "TORCHRUN_ONLY",
            "all_rows_failed", "failed_cell", "given_flags", "link_label", "md_cell",
-           "moe_parser", "parse_moe", "parse_soak", "refuse_unread", "row_failed",
-           "soak_parser", "timing_note", "world_options"]
+           "moe_parser", "no_split_reason", "parse_moe", "parse_soak", "refuse_unread",
+           "row_failed", "soak_parser", "timing_note", "world_options"]
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
@@ -294,20 +294,15 @@ def all_rows_failed(rows: Sequence[Mapping[str, Any]]) -> bool:
 
 def no_split_reason(b: Any) -> str:
     """Why bucket ``b`` (a runner's ``BucketGraphs``) has no split graph, in words: the graph
-    cannot split (the artifact's ``reason``), the bucket is below the vote's threshold or not a
-    multiple of ``num_ubatches``, the pruning skipped the split (``prune.skip_split``), or every
+    cannot split (the artifact's ``reason``), no step of the bucket can split
+    (:func:`~dbo_compile.runtime.vote.bucket_never_splits`, the runner's own rule), the pruning skipped the split (``prune.skip_split``), or every
     split graph was dropped (out of GPU memory, the memory budget: ``dropped``)."""
     art = b.artifact
     if getattr(art, "reason", None):
         return str(art.reason)
-    cfg = art.config
-    least = min_split_tokens(cfg)
-    if b.tokens < least:
-        return (f"{b.tokens} tokens per rank is below the split threshold (split="
-                f"{cfg.split!r}: {least:g} tokens for any step to split)")
-    if b.tokens % cfg.num_ubatches:
-        return (f"{b.tokens} tokens is not a multiple of {cfg.num_ubatches} ubatches (a split "
-                "step runs in the next bucket that is)")
+    never = bucket_never_splits(b.tokens, art.config)
+    if never:
+        return never
     prune = getattr(b, "prune", None)
     if prune is not None and prune.skip_split:
         return f"pruned: {prune.skip_split}"
