@@ -6,6 +6,7 @@ import torch
 
 from dbo_compile.models.batch import fill_kv_cache, make_step
 from dbo_compile.models.deepseek import DeepseekMoEModel, get_config
+from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner
 from dbo_compile.testing.faults import FaultyMoEModel, _FaultyMoE
 
 DECODE_64 = dict(decode_context_lens=[100 + 7 * i for i in range(64)], prefills=[])
@@ -53,6 +54,24 @@ def capture_then_serve(runner, model, step, saved, reset=None):
     if reset is not None:
         reset()
     return runner(step.input_ids, step.positions, step.attn_metadata, step.num_scheduled_tokens)
+
+
+def faulty_emulated_runner(layers: int, **options):
+    """A tiny :class:`FaultyMoEModel` (8 experts, top-3) as rank 0 of an emulated EP-4 world,
+    its one-device reference, both with KV caches of 64 blocks of 16 tokens, and a CPU
+    ``CudaGraphRunner`` of bucket 32 over the model compiled with ``split="always"`` and
+    ``options``: ``(cfg, model, ref, runner)``, not captured yet (the tests that fail an op
+    between an emulated dispatch and its combine: ``dbo_compile.testing.faults``)."""
+    cfg = get_config("tiny", num_experts=8, top_k=3, num_layers=layers)
+    model = FaultyMoEModel(cfg, emulated_world_size=4)
+    ref = model.emulated_reference()
+    for m in (model, ref):
+        m.allocate_kv_cache(64, 16)
+    cm = torch.compile(model, backend="dbo", options={
+        "split": "always", "comm_backend": "emulated", "comm_backend_options": {"world_size": 4},
+        **options})
+    runner = CudaGraphRunner(cm, [32], max_blocks_per_req=8, block_size=16, timing_iters=1)
+    return cfg, model, ref, runner
 
 
 class CountingModel(FaultyMoEModel):

@@ -208,16 +208,9 @@ def test_a_candidate_out_of_memory_between_dispatch_and_combine_leaves_nothing_i
     from dbo_compile.models.batch import fill_kv_cache, make_step
     from dbo_compile.ops import emulated as E
     from dbo_compile.testing import faults
+    from moe_cases import faulty_emulated_runner
 
-    cfg = get_config("tiny", num_experts=8, top_k=3, num_layers=1)
-    model = faults.FaultyMoEModel(cfg, emulated_world_size=4)
-    ref = model.emulated_reference()
-    for m in (model, ref):
-        m.allocate_kv_cache(64, 16)
-    cm = torch.compile(model, backend="dbo", options={
-        "split": "always", "comm_backend": "emulated",
-        "comm_backend_options": {"world_size": 4}})
-    runner = CudaGraphRunner(cm, [32], max_blocks_per_req=8, block_size=16, timing_iters=1)
+    cfg, model, ref, runner = faulty_emulated_runner(layers=1)
     runner._time = lambda b, names: dict.fromkeys(names, 1.0)  # no replays: not under test
     monkeypatch.setattr(faults, "InjectedFault", torch.OutOfMemoryError)  # what the op raises
     real = CudaGraphRunner._graph

@@ -151,16 +151,9 @@ def test_a_failed_replay_leaves_no_deferred_call_in_flight():
     from dbo_compile.models.batch import fill_kv_cache
     from dbo_compile.ops import emulated as E
     from dbo_compile.testing import faults
+    from moe_cases import faulty_emulated_runner
 
-    cfg = get_config("tiny", num_experts=8, top_k=3, num_layers=2)
-    model = faults.FaultyMoEModel(cfg, emulated_world_size=4)
-    ref = model.emulated_reference()
-    for m in (model, ref):
-        m.allocate_kv_cache(64, 16)
-    cm = torch.compile(model, backend="dbo", options={
-        "split": "always", "comm_backend": "emulated", "comm_backend_options": {"world_size": 4},
-        "schedule_candidates": False})
-    runner = CudaGraphRunner(cm, [32], max_blocks_per_req=8, block_size=16, timing_iters=1)
+    cfg, model, ref, runner = faulty_emulated_runner(layers=2, schedule_candidates=False)
     runner.capture()
     step = make_step(cfg, decode_context_lens=[20, 37, 5, 60], prefills=[(0, 20)],
                      block_size=16, num_blocks=64)
