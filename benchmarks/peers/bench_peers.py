@@ -243,9 +243,15 @@ def bench_bucket(args, model, runner, step, phase, n, peers, traced, timer) -> d
     return row
 
 
-def run_world(args, preset, w, gbps, buckets, device, timer, save) -> None:
-    torch._dynamo.reset()
-    dbo_backend.reset_artifacts()
+def build_world(args, preset: str, w: int, gbps: float, buckets, device,
+                keep_candidates: bool = False):
+    """One emulated EP-``w`` world at ``gbps`` GB/s: the model (``preset``, ``args.layers``
+    layers), a step per bucket (``(phase, tokens)`` -> ``Step``), ours compiled with the
+    world's options (``world_options``) and captured by a ``CudaGraphRunner`` over the
+    buckets' token counts (``keep_candidates``: every split graph kept), the name of the
+    emulated comm instance the compiled program is bound to (the peers run the same world,
+    the same link) and the peers' streams. Returns ``(model, steps, runner, spec, streams,
+    capture_s)``; ``capture_s``: seconds from the model's build to the end of the capture."""
     t0 = time.perf_counter()
     model = H.build_model(preset, args.layers, None, str(device), emulated_world_size=w,
                           vocab_size=args.vocab, first_k_dense_replace=args.dense_layers)
@@ -257,14 +263,22 @@ def run_world(args, preset, w, gbps, buckets, device, timer, save) -> None:
     cmodel = torch.compile(model, backend="dbo", options=world_options(args, w, gbps))
     runner = CudaGraphRunner(cmodel, sorted({n for _, n in buckets}), max_blocks_per_req=width,
                              block_size=16, vocab_size=cfg.vocab_size,
-                             timing_iters=args.timing_iters, device=device)
+                             timing_iters=args.timing_iters, keep_candidates=keep_candidates,
+                             device=device)
     with torch.no_grad():
         runner.capture()
     capture_s = time.perf_counter() - t0
-    # the peers run the instance the compiled program is bound to (same world, same link)
     spec = E.register_emulated(E.EmulatedWorld(w, cfg.num_experts, cfg.top_k, link_gbps=gbps,
                                                latency_us=args.latency_us))
     streams = Streams(device if args.cuda else torch.device("cpu"))
+    return model, steps, runner, spec, streams, capture_s
+
+
+def run_world(args, preset, w, gbps, buckets, device, timer, save) -> None:
+    torch._dynamo.reset()
+    dbo_backend.reset_artifacts()
+    model, steps, runner, spec, streams, capture_s = build_world(args, preset, w, gbps, buckets,
+                                                                 device)
     ops = layer_ops(model, spec, args.fault)
     order: list[str] = []
     traced_ops = layer_ops(model, spec, args.fault, trace=order)
@@ -290,7 +304,7 @@ def run_world(args, preset, w, gbps, buckets, device, timer, save) -> None:
                    world=spec, capture_s=round(capture_s, 1))
         save(row)
         print("[peers] " + json.dumps(row, default=str), flush=True)
-    del runner, cmodel, model
+    del runner, model  # the compiled model goes with the runner
     torch._dynamo.reset()
     if args.cuda:
         torch.cuda.empty_cache()

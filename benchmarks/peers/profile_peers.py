@@ -47,15 +47,12 @@ import harness  # noqa: E402
 import sglang_tbo  # noqa: E402
 import vllm_dbo  # noqa: E402
 from kernel_summary import _short  # noqa: E402
-from layer_ops import Streams, layer_ops, split_step  # noqa: E402
+from layer_ops import layer_ops, split_step  # noqa: E402
 
 from dbo_compile import backend as dbo_backend  # noqa: E402
-from dbo_compile.ops import emulated as E  # noqa: E402
 from dbo_compile.runtime.buckets import split_program_fn  # noqa: E402
 from dbo_compile.runtime.capture import run_draining  # noqa: E402
-from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner  # noqa: E402
 from dbo_compile.testing import moe as H  # noqa: E402
-from dbo_compile.testing.bench_cli import world_options  # noqa: E402
 
 #: trace categories of GPU activity (torch.profiler's chrome trace)
 _KERNEL, _COPIES = "kernel", ("gpu_memcpy", "gpu_memset")
@@ -168,18 +165,9 @@ def main(argv=None) -> int:
     preset = args.preset or "deepseek-v2-lite"
     (w, gbps), = BE.parse_worlds(args.emulate_ep, args.link_gbps)
     timer = BE.Timer(args.iters, args.warmup)
-    model = H.build_model(preset, args.layers, None, str(device), emulated_world_size=w,
-                          vocab_size=args.vocab, first_k_dense_replace=args.dense_layers)
-    cfg = model.config
-    step = H.make_bucket_step(cfg, phase, n, str(device), seed=n, host_mirrors=True)
-    model.allocate_kv_cache(step.num_blocks, 16)
-    width = int(step.attn_metadata.block_table.shape[1])
-    cmodel = torch.compile(model, backend="dbo", options=world_options(args, w, gbps))
-    runner = CudaGraphRunner(cmodel, [n], max_blocks_per_req=width, block_size=16,
-                             vocab_size=cfg.vocab_size, timing_iters=args.timing_iters,
-                             keep_candidates=True, device=device)
-    with torch.no_grad():
-        runner.capture()
+    model, steps, runner, spec, streams, _ = BP.build_world(args, preset, w, gbps, [(phase, n)],
+                                                            device, keep_candidates=True)
+    step = steps[(phase, n)]
     b = runner.graphs[n]
     art = b.artifact
     print(f"[profile] {preset} W={w} {gbps:g} GB/s {phase}:{n}: {runner.describe()}", flush=True)
@@ -196,9 +184,6 @@ def main(argv=None) -> int:
                     programs[f"ours:{name}"] = (
                         split_program_fn(art.candidates[name], b.split_args, art, b.tokens),
                         b.graphs[name].replay)
-        spec = E.register_emulated(E.EmulatedWorld(w, cfg.num_experts, cfg.top_k,
-                                                   link_gbps=gbps, latency_us=args.latency_us))
-        streams = Streams(device)
         ops = layer_ops(model, spec)
         qlens = [int(q) for q in step.num_scheduled_tokens]
         cut = sglang_tbo.split_point(qlens, all(q == 1 for q in qlens)) or n // 2
