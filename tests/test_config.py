@@ -304,14 +304,6 @@ def test_docs_config_md_lists_the_options_as_the_groups_do():
         "`python tests/test_config.py` to write it again")
 
 
-if __name__ == "__main__":
-    text = open(DOC).read()
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    with open(DOC, "w") as f:
-        f.write(text[:start] + options_block() + text[end:])
-    print(f"wrote {os.path.normpath(DOC)}", file=sys.stderr)
-
-
 def test_path_options_take_a_pathlib_path_as_its_str(tmp_path, calibration):
     """A newcomer's probe: ``dump_dir=pathlib.Path(...)`` was refused ("must be None or a
     str"); a path-like value is its ``os.fspath`` (the same config, the same fingerprint)."""
@@ -347,3 +339,11 @@ def test_the_emulate_deprecation_is_shown_under_the_default_warning_filters():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "emulate_world_size" in r.stderr and "deprecated" in r.stderr, r.stderr[-2000:]
+
+
+if __name__ == "__main__":
+    text = open(DOC).read()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    with open(DOC, "w") as f:
+        f.write(text[:start] + options_block() + text[end:])
+    print(f"wrote {os.path.normpath(DOC)}", file=sys.stderr)

@@ -356,8 +356,8 @@ def test_default_candidates_pair_the_carveout_with_the_slow_link_schedule():
     assert list(art.candidates) == ["list", "list@link/4", "list@link/16+sms16", "list+join",
                                     "list@link/16+join", "staged"]
     assert {n: p.carveout_sms for n, p in art.candidates.items()} == {
-        "list": None, "list@link/4": None, "list@link/16+sms16": 16, "list+join": None, "list@link/16+join": None,
-        "staged": None}
+        "list": None, "list@link/4": None, "list@link/16+sms16": 16, "list+join": None,
+        "list@link/16+join": None, "staged": None}
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
 
 
