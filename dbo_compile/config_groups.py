@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
@@ -30,6 +31,26 @@ _THRESHOLD_DEFAULTS = {"decode_token_threshold": 32, "prefill_token_threshold": 
 #: the prefix)
 _EMULATE_FIELDS = ("emulate_world_size", "emulate_link_gbps", "emulate_latency_us",
                   "emulate_copy_gbps", "emulate_capacity_factor", "emulate_comm_sms")
+
+
+#: where a warning of this package is not blamed: its own modules, the dataclass machinery
+#: (``dataclasses.py`` and the ``__init__`` it generates, ``<string>``) and torch (whose
+#: ``torch.compile(options=...)`` path builds the config)
+_LIBRARY_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                  os.path.abspath(dataclasses.__file__), "<string>")
+
+
+def caller_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` that blames the first frame outside this package,
+    torch and the dataclass machinery (the user's ``DboConfig(...)``, ``from_options`` or
+    ``torch.compile`` call), however many of our frames lie between."""
+    torch = sys.modules.get("torch")
+    skip = _LIBRARY_FILES + ((os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,)
+                             if torch is not None else ())
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def canonical_options(value: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
@@ -427,11 +448,9 @@ class BackendsConfig(OptionGroup):
         if clash:
             raise bad("comm_backend_options", f"gives {clash} and so do the deprecated "
                       f"emulate_* fields, differently; give them in comm_backend_options alone")
-        # stacklevel: this, __post_init__, the dataclass __init__, option_group's __init__,
-        # DboConfig.__init__, then the caller of DboConfig(...)
         warnings.warn(f"DboConfig {', '.join(given)}: deprecated; give the emulated backend's "
                       f"options in comm_backend_options={moved}", FutureWarning,
-                      stacklevel=6)
+                      stacklevel=caller_stacklevel())
         object.__setattr__(self, "comm_backend_options",
                            canonical_options({**options, **moved}, lambda why: bad(
                                "comm_backend_options", why)))

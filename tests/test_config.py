@@ -174,6 +174,9 @@ def test_the_deprecated_emulate_fields_move_into_comm_backend_options():
     with pytest.warns(FutureWarning, match="emulate_world_size.*deprecated") as caught:
         old = DboConfig(comm_backend="emulated", emulate_world_size=8, emulate_link_gbps=25.0)
     assert caught[0].filename == __file__
+    with pytest.warns(FutureWarning, match="emulate_world_size") as caught:
+        DboConfig.from_options({"comm_backend": "emulated", "emulate_world_size": 8})
+    assert [w.filename for w in caught] == [__file__]  # the caller's line, not config.py
     assert old == want and old.fingerprint() == want.fingerprint()
     assert (old.emulate_world_size, old.backends.emulate_link_gbps) == (None, None)
     with pytest.warns(FutureWarning, match="emulate_world_size: deprecated"):
