@@ -420,7 +420,8 @@ def main(args) -> int:
              f"bf16, emulated EP world (comm_backend=emulated), experts={kernels['experts']}, "
              f"attention={kernels['attention']}, scheduler={args.scheduler}, "
              f"compute_backend={args.compute_backend}, candidates={args.candidates}, carve-out "
-             f"candidates {','.join(map(str, args.carveouts)) or 'none'}"
+             f"candidates {','.join(map(str, args.carveouts)) or 'none'} "
+             f"(sm_carveout_mode={args.carveout_mode})"
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
              + (f", hold_sms={args.hold_sms} (each transfer holds that many SMs)"
                 if getattr(args, "hold_sms", 0) else ", copy engines (no SM held)")

@@ -175,7 +175,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     options = {"scheduler": args.scheduler, "comm_sms": args.comm_sms,
                "sm_carveout_candidates": cand, "schedule_candidates": sched_cand,
                "compute_backend": args.compute_backend, "dp_group_name": args.vote_group_name,
-               "unsplit_overlap": args.unsplit_overlap}
+               "unsplit_overlap": args.unsplit_overlap, "sm_carveout_mode": args.carveout_mode}
     if args.calibration:
         options["calibration"] = args.calibration
     cmodel = torch.compile(model, backend="dbo", options=options)
@@ -351,7 +351,8 @@ def main(argv=None) -> int:
              f"EP={dist.get_world_size()}, experts={kernels['experts']}, "
              f"attention={kernels['attention']}, scheduler={args.scheduler}"
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
-             + f", carve-out candidates {args.carveout_candidates or 'none'}"
+             + f", carve-out candidates {args.carveout_candidates or 'none'} "
+             f"(sm_carveout_mode={args.carveout_mode})"
              + f", compute_backend={args.compute_backend}, DP vote over {args.vote_group}"
              + (f", calibration {args.calibration}" if args.calibration else ""))
     log(f"[bench] {machine} torch {torch.__version__} nccl {nccl} link={link} {setup}")

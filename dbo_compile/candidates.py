@@ -167,7 +167,8 @@ def candidate_programs(programs: dict[str, Any], alias: dict[str, str],
     """The split programs of an artifact by name (:func:`program_variants`, the primary
     first): ``programs[alias[candidate]]`` for a variant without a carve-out, a copy of it
     with the carve-out (same code and units) for one with. ``programs``: one program per
-    distinct host order (objects with a ``carveout_sms`` attribute); ``alias`` maps each
+    distinct host order (objects with ``carveout_sms`` and ``carveout_mode`` attributes, the
+    latter set from ``config.sm_carveout_mode``); ``alias`` maps each
     compiled candidate to the program of its host order; a variant of a candidate not
     compiled (no routed-expert call to join) or of a program already listed is left out."""
     out: dict[str, Any] = {}
@@ -182,6 +183,8 @@ def candidate_programs(programs: dict[str, Any], alias: dict[str, str],
         else:
             out[name] = copy.copy(prog)
             out[name].carveout_sms = sms
+    for prog in out.values():  # how a carve-out (a variant's, or comm_sms) is kept
+        prog.carveout_mode = config.sm_carveout_mode
     return out
 
 

@@ -36,6 +36,8 @@ __all__ = ["GROUPS", "BackendsConfig", "CostFigures", "DboConfig", "DebugConfig"
            "SplitPolicy", "load_calibration"]
 
 _SCHEDULERS = ("list", "naive", "staged", "staged-d2")
+#: how an SM carve-out keeps its SMs free (``ScheduleConfig.sm_carveout_mode``)
+CARVEOUT_MODES = ("cublas", "green_context")
 
 
 @option_group
@@ -71,6 +73,16 @@ class ScheduleConfig(OptionGroup):
             where torch has ``torch._C._set_sm_carveout_experimental``; cap the NCCL side with
             :func:`dbo_compile.runtime.streams.new_ep_group`). ``None``: none (vLLM's default
             is 20; it did not help on 2x H200: ``docs/config.md``).
+        sm_carveout_mode: how a carve-out (``+smsN``, ``sm_carveout_candidates``,
+            ``comm_sms``) keeps its SMs free of compute. ``"cublas"`` (default): cuBLAS GEMMs
+            leave them (``torch._C._set_sm_carveout_experimental``); Triton and
+            ``torch._grouped_mm`` kernels still take every SM. ``"green_context"``: the split
+            program's compute stream runs in a CUDA green context of the device's SMs less the
+            carve-out (rounded down to the partition granularity, 8 SMs on sm_90), so every
+            compute kernel leaves them, as SGLang's DeepGEMM ``set_num_sms`` beside DeepEP's
+            normal kernels does (:func:`dbo_compile.runtime.streams.sm_carveout`; needs
+            ``torch.cuda.green_contexts``, a ``DboConfigError`` at the first CUDA step
+            otherwise). Outside the fingerprint while ``"cublas"``.
         unsplit_overlap: also compile the unsplit program on the two streams (one ubatch,
             :mod:`dbo_compile.passes.unsplit_overlap`): each comm op on the comm stream, the
             compute that does not depend on it (the shared experts beside the dispatch) on
@@ -89,6 +101,7 @@ class ScheduleConfig(OptionGroup):
     sm_carveout_candidates: tuple | None = None
     join_experts: bool = False
     comm_sms: int | None = None
+    sm_carveout_mode: str = "cublas"
     unsplit_overlap: bool = False
 
     def fingerprint_data(self) -> dict[str, Any]:
@@ -98,10 +111,13 @@ class ScheduleConfig(OptionGroup):
         data = super().fingerprint_data()
         if not self.unsplit_overlap:
             del data["unsplit_overlap"]
+        if self.sm_carveout_mode == "cublas":
+            del data["sm_carveout_mode"]
         return data
 
     def __post_init__(self) -> None:
         self._check_choice("scheduler", _SCHEDULERS)
+        self._check_choice("sm_carveout_mode", CARVEOUT_MODES)
         if not isinstance(self.unsplit_overlap, bool):
             raise self.error("unsplit_overlap", "must be a bool")
         if self.comm_sms is not None and (not isinstance(self.comm_sms, int)

@@ -281,14 +281,19 @@ class SplitProgram:
         code: the generated Python source (also logged at DEBUG under ``dbo_compile``).
         schedule: the :class:`~dbo_compile.schedule.Schedule` it runs.
         split_gm: the split graph (joined, for a joined candidate) whose nodes the units run.
-        carveout_sms: on CUDA, SMs kept free of compute GEMMs while the program runs
-            (``torch._C._set_sm_carveout_experimental``, where torch has it; a CUDA graph
-            captured from the call keeps it), so that comm kernels find SMs; ``None``: none.
+        carveout_sms: on CUDA, SMs kept free of compute while the program runs, so that
+            comm kernels find SMs (a CUDA graph captured from the call keeps it); ``None``:
+            none.
+        carveout_mode: how (``DboConfig.sm_carveout_mode``, :func:`~dbo_compile.runtime.
+            streams.sm_carveout`): ``"cublas"``, GEMMs only; ``"green_context"``, every
+            compute kernel.
 
     The schedule candidates of one split graph pass the same ``built`` dict, so that they share
     their units' callables, and every program of an artifact the same ``modules`` dict, so
     that units computing the same thing share one GraphModule (:func:`build_unit_modules`).
     """
+
+    carveout_mode: str = "cublas"
 
     def __init__(self, split_gm: fx.GraphModule, schedule: Schedule,
                  compile_stage: Callable[[fx.GraphModule, Any], Callable] | None = None,
@@ -357,5 +362,6 @@ class SplitProgram:
         fn = self._fn or self._compiled()
         if self.carveout_sms is None:
             return fn(self, *args)
-        with _streams.sm_carveout(self.carveout_sms, _streams.device_of(args)):
+        with _streams.sm_carveout(self.carveout_sms, _streams.device_of(args),
+                                  self.carveout_mode):
             return fn(self, *args)

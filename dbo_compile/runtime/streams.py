@@ -78,12 +78,82 @@ def device_of(values: Any) -> torch.device | None:
     return None
 
 
+#: SMs per green-context partition on sm_90 and later (the CUDA driver API's
+#: ``cuDevSmResourceSplitByCount``: a multiple of 8, at least 8)
+GREEN_CONTEXT_GRANULARITY = 8
+#: per ``(device index, compute SMs)``: the green context and its stream
+_green: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def green_context_sms(total: int, carveout: int) -> int:
+    """The SMs a green context leaves compute when ``carveout`` of ``total`` are kept free:
+    ``total - carveout`` rounded down to :data:`GREEN_CONTEXT_GRANULARITY` (132 SMs less 24:
+    104, so 28 stay free).
+
+    Raises:
+        DboConfigError: fewer than one partition would remain.
+    """
+    sms = (total - carveout) // GREEN_CONTEXT_GRANULARITY * GREEN_CONTEXT_GRANULARITY
+    if sms < GREEN_CONTEXT_GRANULARITY:
+        raise DboConfigError(f"SM carve-out of {carveout} of the device's {total} SMs leaves "
+                             f"{total - carveout} for compute, less than one green-context "
+                             f"partition ({GREEN_CONTEXT_GRANULARITY} SMs): carve out fewer")
+    return sms
+
+
+def _green_stream(index: int, carveout: int) -> Any:
+    """The stream of a green context of ``cuda:index`` with :func:`green_context_sms` SMs
+    (created once per device and size)."""
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    sms = green_context_sms(total, carveout)
+    if (index, sms) not in _green:
+        gc_mod = getattr(torch.cuda, "green_contexts", None)
+        if gc_mod is None or not getattr(gc_mod, "SUPPORTED", False) \
+                or not hasattr(gc_mod.GreenContext, "Stream"):
+            raise DboConfigError(
+                f"sm_carveout_mode='green_context' needs torch.cuda.green_contexts with "
+                f"GreenContext.Stream (a CUDA build of torch >= 2.10 on CUDA >= 12.4); this "
+                f"torch {torch.__version__} has none: use sm_carveout_mode='cublas'")
+        ctx = gc_mod.GreenContext.create(num_sms=sms, device_id=index)
+        _green[(index, sms)] = (ctx, ctx.Stream())
+    return _green[(index, sms)][1]
+
+
 @contextlib.contextmanager
-def sm_carveout(sms: int, device: torch.device | None):
-    """Within the block, compute GEMMs leave ``sms`` SMs free (CUDA only, where torch has
-    ``torch._C._set_sm_carveout_experimental``; otherwise a no-op)."""
+def sm_carveout(sms: int, device: torch.device | None, mode: str = "cublas"):
+    """Within the block, compute leaves ``sms`` SMs free for comm kernels (CUDA only; on CPU a
+    no-op). ``mode`` (``DboConfig.sm_carveout_mode``):
+
+    - ``"cublas"``: cuBLAS GEMMs leave them (``torch._C._set_sm_carveout_experimental``,
+      where torch has it; otherwise a no-op); other kernels take every SM.
+    - ``"green_context"``: the block runs on the stream of a CUDA green context of the
+      device's SMs less ``sms`` (:func:`green_context_sms`), forked from the current stream
+      and joined back to it at the end (event edges; inside a CUDA-graph capture both
+      become graph dependencies), so every kernel launched on the current stream in the
+      block leaves them; streams the block makes current itself (the comm stream) keep
+      every SM. The rule is SGLang's beside DeepEP's normal kernels: DeepGEMM's
+      ``set_num_sms(device SMs - DeepEP's SMs)``, here for every compute kernel.
+
+    Raises:
+        DboConfigError: ``"green_context"`` where torch has no green contexts, or a carve-out
+            that leaves less than one partition.
+    """
+    if device is None or device.type != "cuda":
+        yield
+        return
+    if mode == "green_context":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = _green_stream(index, sms)
+        current = torch.cuda.current_stream(index)
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            current.wait_stream(stream)
+        return
     setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    if setter is None or device is None or device.type != "cuda":
+    if setter is None:
         yield
         return
     getter = getattr(torch._C, "_get_sm_carveout_experimental", None)

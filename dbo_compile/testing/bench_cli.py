@@ -111,6 +111,10 @@ def moe_parser(description: str | None = None, json_default: str | None = None
                    help="option sm_carveout_candidates: comma-separated SM counts (e.g. 16), '' "
                         "for none, 'default' for the package default ((16,) on CUDA; with "
                         "--emulate-ep none: the emulated link's copy engines hold no SMs)")
+    p.add_argument("--carveout-mode", default="cublas", choices=["cublas", "green_context"],
+                   help="option sm_carveout_mode: how a carve-out keeps its SMs free: cuBLAS "
+                        "GEMMs only (default) or every compute kernel (the split program's "
+                        "compute stream in a CUDA green context)")
     p.add_argument("--candidates", default="all",
                    help="option schedule_candidates: 'all' (default: every candidate timed, the "
                         "data the package default is chosen from), 'default' (the package "
@@ -318,6 +322,7 @@ def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, An
     the cost model's figures and every option flag of ``bench_moe.py`` that applies to one
     process (``--scheduler``, ``--comm-sms``: the split program's SM carve-out, as the
     emulated comm kernels would hold them; ``--compute-backend``, ``--carveout-candidates``,
+    ``--carveout-mode``,
     ``--candidates``, ``--calibration``, ``--latency-us``, ``--hold-sms``: the SMs each
     transfer holds; ``--unsplit-overlap``; ``--experts-backend`` and ``--fp8``: the experts
     backend and its FP8 option)."""
@@ -326,6 +331,7 @@ def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, An
                "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
                "scheduler": args.scheduler, "compute_backend": args.compute_backend,
                "sm_carveout_candidates": args.carveouts,
+               "sm_carveout_mode": getattr(args, "carveout_mode", "cublas"),
                "schedule_candidates": args.candidate_names, "dp_group_name": None,
                "unsplit_overlap": getattr(args, "unsplit_overlap", False)}
     if args.comm_sms is not None:
