@@ -197,3 +197,18 @@ def test_schedule_units_schedules_and_predicts_with_the_hold():
     plain = stream_assign.schedule_units(units, deps, [], _emulated(), 2)
     assert [u.name for u in plain.units] == ["D0", "A0", "D1", "A1"]
     assert "hold_fraction" not in plain.meta
+
+
+def test_a_calibrated_prediction_of_a_held_schedule_uses_the_hold():
+    """``predict_split`` re-times a schedule with calibrated costs on the timeline of its
+    ``meta["hold_fraction"]``: the hold case predicts 202 µs (D1's hold [102, 202)); the same
+    order without the hold 201 (D1 issued at 1, its copies after D0's, 101-201)."""
+    from dbo_compile.passes.calibrate import predict_split
+
+    units, deps = _two_dispatches()
+    sched = stream_assign.schedule_units(units, deps, [], _emulated(hold_sms=66), 2)
+    features = {str(u.id): [("c", u.latency_us or u.cost_us, 0.0, 0.0)] for u in sched.units}
+    step = {"schedule": sched.to_dict(), "features": features}
+    assert predict_split(lambda f: f[1], step)[0] == pytest.approx(202.0)
+    del step["schedule"]["meta"]["hold_fraction"]
+    assert predict_split(lambda f: f[1], step)[0] == pytest.approx(201.0)
