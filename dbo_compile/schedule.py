@@ -107,7 +107,9 @@ class Schedule:
             (:meth:`DboConfig.fingerprint <dbo_compile.config.DboConfig.fingerprint>`).
         predicted_step_us: makespan of the simulated two-stream timeline (µs).
         serial_us: sum of all unit costs (everything on one stream), µs.
-        meta: facts about how it was made (comm ops per ubatch, joined experts, candidate).
+        meta: facts about how it was made (comm ops per ubatch, joined experts, candidate;
+            ``hold_fraction``: the share of SMs its transfers hold, where its timeline had
+            the hold model, :class:`Timeline`).
         pools: per result pool the comm units draw from (their ``pool``), its declaration
             (``live``, ``in_flight``: ``dbo_compile.ops.comm.ResultPool``), which the schedule
             honours (``hidden_deps`` holds the edges it added).

@@ -4,6 +4,9 @@ List scheduling (``scheduler="list"``, :func:`list_order`). Simulate the two in-
 with the cost model; repeatedly issue the ready unit with the earliest possible start (ties:
 comm first, so the collective is launched before the compute it hides behind; then the longest
 path to the end of the step, the critical path; then lower ubatch; then graph order).
+Where the comm backend's transfers hold SMs
+(``hold_sms``), the simulated streams slow the compute beside a transfer and keep the comm
+stream busy for its hold (:class:`~dbo_compile.schedule.Timeline`'s hold model).
 Deterministic: no timing, data, rank or set order enters. The naive order
 (``scheduler="naive"``, :func:`naive_order`) interleaves the ubatches' stage lists round-robin.
 The staged order (``scheduler="staged"`` / ``"staged-d2"``, :func:`staged_order`) is SGLang's
