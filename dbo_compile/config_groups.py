@@ -277,6 +277,12 @@ class CostFigures(OptionGroup):
             first use, once (:meth:`calibration_data`, which raises ``DboConfigError`` on a
             bad file); its content, not its path, is in the fingerprint. ``None``: the
             rooflines.
+        device_sms: the device's SM count, an int >= 1, for the scheduler's hold model where
+            the comm backend's transfers hold SMs (the emulated backend's option
+            ``hold_sms``: compute beside a transfer runs on the others,
+            :func:`~dbo_compile.passes.cost_model.hold_fraction`). ``None``: the CUDA
+            device's ``multi_processor_count`` where the graph's inputs are on CUDA and a
+            transfer holds SMs, else 132 (H100 / H200 SXM). In the fingerprint only when set.
 
     Raises:
         DboConfigError: a figure that is not a finite number in its range.
@@ -289,10 +295,15 @@ class CostFigures(OptionGroup):
     comm_latency_us: float = 15.0
     launch_us: float = 4.0
     calibration: str | None = None
+    device_sms: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.cost_model_tokens, bool) or not isinstance(self.cost_model_tokens, int):
             raise self.error("cost_model_tokens", "must be an int >= num_ubatches")
+        if self.device_sms is not None and (isinstance(self.device_sms, bool) or not isinstance(
+                self.device_sms, int) or self.device_sms < 1):
+            raise self.error("device_sms", "must be None or an int >= 1 (the device's SMs, "
+                             "e.g. 132 on H100 / H200 SXM)")
         for name in ("peak_tflops", "hbm_gbps", "link_gbps", "comm_latency_us", "launch_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -327,10 +338,13 @@ class CostFigures(OptionGroup):
 
     def fingerprint_data(self) -> dict[str, Any]:
         """The figures, with the calibration file's content in place of its path (what the
-        file says, not where it lies)."""
+        file says, not where it lies); ``device_sms`` only when set (unset, the fingerprint
+        of a config without the option: the same compile-cache entries and dump names)."""
         data = super().fingerprint_data()
         if self.calibration is not None:
             data["calibration"] = self.calibration_data()
+        if self.device_sms is None:
+            del data["device_sms"]
         return data
 
 

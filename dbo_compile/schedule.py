@@ -10,10 +10,13 @@ one ubatch's compute between two of its yield points, on the compute stream) or 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
+
+from dbo_compile.errors import ScheduleError
 
 __all__ = ["COMM", "COMPUTE", "RANGE_PREFIX", "SCHEDULE_VERSION", "STREAM_INDEX", "CommCall",
            "CommPlan", "NullArg", "Schedule", "Timeline", "Unit", "annotate_stream",
@@ -104,7 +107,9 @@ class Schedule:
             (:meth:`DboConfig.fingerprint <dbo_compile.config.DboConfig.fingerprint>`).
         predicted_step_us: makespan of the simulated two-stream timeline (µs).
         serial_us: sum of all unit costs (everything on one stream), µs.
-        meta: facts about how it was made (comm ops per ubatch, joined experts, candidate).
+        meta: facts about how it was made (comm ops per ubatch, joined experts, candidate;
+            ``hold_fraction``: the share of SMs its transfers hold, where its timeline had
+            the hold model, :class:`Timeline`).
         pools: per result pool the comm units draw from (their ``pool``), its declaration
             (``live``, ``in_flight``: ``dbo_compile.ops.comm.ResultPool``), which the schedule
             honours (``hidden_deps`` holds the edges it added).
@@ -239,11 +244,40 @@ class Timeline:
     when its issue ended and the link is free (two ops in flight share the link's bandwidth;
     they do not each get all of it).
 
+    **Hold model** (``hold_fraction`` = held SMs / the device's SMs, ``f``; 0: off). Comm
+    kernels that move the data with SMs of their own hold them for the transfer: DeepEP's
+    normal-mode kernels hold 20-24 SMs, the emulated link's ``hold_sms`` option holds ``N``
+    (the hold kernel's semantics: :mod:`dbo_compile.ops.emulated.hold`). With ``f > 0``:
+
+    - a transfer's SMs are held over ``[h, h + latency_us)`` µs, ``h`` the latest of its begin
+      on the link, the end of the compute unit running on the compute stream at that begin
+      (it fills every SM; the hold waits for it to retire) and the end of the previous hold
+      (the hold kernels run in turn on the issuing stream), so holds never overlap;
+    - its dependents may start at the later of the copies' end and the hold's end, and its
+      issuing stream (the comm stream) is busy until the hold's end;
+    - a unit of the compute stream placed later does its ``cost_us`` of work at pace 1
+      outside the holds and ``1 - f`` inside them (compute beside a hold runs on the other
+      SMs), so it ends later where it overlaps one.
+
+    Placement order is time order only roughly: a compute unit placed before a transfer whose
+    hold it overlaps keeps its times (the list scheduler places units in nearly increasing
+    start order, so this is rare). A placement costs ``O(log H)`` plus the holds the unit
+    spans (``H`` holds so far), so a deep model stays linear in its units.
+
     Args:
         preds: per unit id, the ids it depends on.
+        hold_fraction: the share of the device's SMs a transfer holds, ``0 <= f < 1``
+            (:func:`dbo_compile.passes.cost_model.hold_fraction`); 0: the timeline without
+            holds, unchanged.
+
+    Raises:
+        ScheduleError: ``hold_fraction`` outside ``[0, 1)``.
     """
 
-    def __init__(self, preds: dict[int, list[int]]):
+    def __init__(self, preds: dict[int, list[int]], hold_fraction: float = 0.0):
+        if not 0.0 <= hold_fraction < 1.0:  # NaN fails too
+            raise ScheduleError(f"Timeline: hold_fraction={hold_fraction!r} must be in [0, 1) "
+                                "(held SMs / the device's SMs)")
         self.preds = preds
         self.free = {COMPUTE: 0.0, COMM: 0.0}
         #: when the link is free of the transfers placed so far
@@ -253,6 +287,15 @@ class Timeline:
         self.end: dict[int, float] = {}
         #: when a placed unit's dependents may start (its end plus its ``latency_us``)
         self.ready: dict[int, float] = {}
+        self.hold_fraction = hold_fraction
+        #: per placed send, the ``(start, end)`` its SMs are held (µs; empty without holds)
+        self.holds: dict[int, tuple[float, float]] = {}
+        # the holds' starts and ends in time order (they never overlap), and the compute
+        # stream's units' starts and ends (in order: the stream runs one at a time)
+        self._hold_starts: list[float] = []
+        self._hold_ends: list[float] = []
+        self._compute_starts: list[float] = []
+        self._compute_ends: list[float] = []
 
     def start_of(self, unit: Unit, extra: Iterable[int] = ()) -> float:
         """When ``unit`` would start if placed next (its dependencies, and the units
@@ -263,17 +306,56 @@ class Timeline:
     def place(self, unit: Unit, extra: Iterable[int] = ()) -> tuple[float, float]:
         """Place ``unit`` next on its stream (after ``extra`` too); its ``(start, end)`` in µs."""
         start = self.start_of(unit, extra)
-        end = start + unit.cost_us
+        if self.hold_fraction and unit.stream == COMPUTE:
+            end = self._end_beside_holds(start, unit.cost_us)
+            self._compute_starts.append(start)
+            self._compute_ends.append(end)
+        else:
+            end = start + unit.cost_us
         self.end[unit.id] = end
+        self.free[unit.stream] = end
         if unit.latency_us > 0:
             begin = max(end, self.link_free)
             self.link_free = begin + unit.latency_us
             self.transfers[unit.id] = (begin, self.link_free)
             self.ready[unit.id] = self.link_free
+            if self.hold_fraction:
+                held = self._hold(begin, unit.latency_us)
+                self.holds[unit.id] = held
+                self.ready[unit.id] = max(self.link_free, held[1])
+                self.free[unit.stream] = max(end, held[1])
         else:
             self.ready[unit.id] = end
-        self.free[unit.stream] = end
         return start, end
+
+    def _hold(self, begin: float, duration: float) -> tuple[float, float]:
+        """Record the hold of a transfer beginning at ``begin`` (µs) for ``duration`` µs and
+        return its ``(start, end)``: from ``begin``, the end of the compute unit running then
+        and the previous hold's end, whichever is latest."""
+        h = max(begin, self._hold_ends[-1] if self._hold_ends else 0.0)
+        k = bisect.bisect_right(self._compute_starts, begin) - 1
+        if k >= 0 and self._compute_ends[k] > begin:
+            h = max(h, self._compute_ends[k])
+        self._hold_starts.append(h)
+        self._hold_ends.append(h + duration)
+        return h, h + duration
+
+    def _end_beside_holds(self, start: float, work: float) -> float:
+        """The end (µs) of ``work`` µs of compute from ``start``: pace 1 outside the holds,
+        ``1 - hold_fraction`` inside them."""
+        t, pace = start, 1.0 - self.hold_fraction
+        for k in range(bisect.bisect_right(self._hold_ends, start), len(self._hold_ends)):
+            hs, he = self._hold_starts[k], self._hold_ends[k]
+            if hs > t:  # unheld until this hold
+                if work <= hs - t:
+                    return t + work
+                work -= hs - t
+                t = hs
+            if work <= (he - t) * pace:  # ends inside this hold
+                return t + work / pace
+            work -= (he - t) * pace
+            t = he
+        return t + work
 
     @property
     def makespan(self) -> float:
@@ -288,9 +370,15 @@ def predecessors(units: Iterable[Unit], deps: Iterable[tuple[int, int]]) -> dict
     return preds
 
 
-def simulate(units: list[Unit], deps: list[tuple[int, int]]) -> float:
-    """Set ``start_us``/``end_us`` of units (already in host order); return the makespan (µs)."""
-    timeline = Timeline(predecessors(units, deps))
+def simulate(units: list[Unit], deps: list[tuple[int, int]], hold_fraction: float = 0.0
+             ) -> float:
+    """Set ``start_us``/``end_us`` of units (already in host order); return the makespan (µs).
+    ``hold_fraction``: the share of SMs a transfer holds (:class:`Timeline`'s hold model).
+
+    Raises:
+        ScheduleError: ``hold_fraction`` outside ``[0, 1)``.
+    """
+    timeline = Timeline(predecessors(units, deps), hold_fraction)
     for u in units:
         u.start_us, u.end_us = timeline.place(u)
     return timeline.makespan

@@ -49,7 +49,7 @@ FLAT_OPTIONS = {
     "emulate_capacity_factor", "emulate_comm_sms", "calibration", "step_agreement",
     "disable_passes"}
 #: options added since, outside the fingerprint at their defaults (the flat configs' value stays)
-NEW_OPTIONS = {"unsplit_overlap", "sm_carveout_mode"}
+NEW_OPTIONS = {"unsplit_overlap", "sm_carveout_mode", "device_sms"}
 #: options outside the fingerprint before the groups: they cannot change the compiled program
 LOCAL = {"dump_dir", "check_host_mirrors", "cache_dir"}
 

@@ -112,10 +112,12 @@ Slowdown = float | tuple[float, float]
 
 
 def _placed(sched: Schedule) -> tuple[float, dict[int, tuple[float, float]]]:
-    """Simulate ``sched`` (:class:`~dbo_compile.schedule.Timeline`; sets the units' times):
-    the makespan and, per send (a unit with ``latency_us``), its transfer's interval on the
-    link (µs)."""
-    timeline = Timeline(predecessors(sched.units, sched.deps))
+    """Simulate ``sched`` (:class:`~dbo_compile.schedule.Timeline`, with the hold model of
+    its ``meta["hold_fraction"]`` where the schedule was made with one; sets the units'
+    times): the makespan and, per send (a unit with ``latency_us``), its transfer's interval
+    on the link (µs)."""
+    timeline = Timeline(predecessors(sched.units, sched.deps),
+                        sched.meta.get("hold_fraction", 0.0))
     for u in sched.units:
         u.start_us, u.end_us = timeline.place(u)
     return timeline.makespan, timeline.transfers

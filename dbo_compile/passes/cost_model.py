@@ -37,11 +37,13 @@ import torch
 import torch.fx as fx
 
 from dbo_compile.config import DboConfig
+from dbo_compile.errors import DboConfigError
 from dbo_compile.ops.comm import comm_backend_of
 from dbo_compile.ops.registry import comm_kind, is_getitem, op_info
 from dbo_compile.passes.meta import dbo_meta
 
-__all__ = ["CLASSES", "CostModel", "Figures", "node_class", "predict_us"]
+__all__ = ["CLASSES", "DEFAULT_DEVICE_SMS", "CostModel", "Figures", "hold_fraction", "node_class",
+           "predict_us"]
 
 _FREE = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "t", "permute",
          "transpose", "alias", "detach", "slice", "select", "split", "split_with_sizes",
@@ -49,6 +51,30 @@ _FREE = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "t
 _GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
 #: the node classes of the calibrated model, and ``comm``
 CLASSES = ("gemm", "experts", "attention", "other", "comm")
+#: the SM count of the hold model where ``DboConfig.device_sms`` is unset (H100 / H200 SXM)
+DEFAULT_DEVICE_SMS = 132
+
+
+def hold_fraction(config: DboConfig) -> float:
+    """The share of the device's SMs each transfer of the comm backend holds while it lasts:
+    the comm backend option ``hold_sms`` (the emulated backend's; DeepEP's normal-mode kernels
+    hold 20-24 SMs, :mod:`dbo_compile.ops.emulated.hold`) over ``device_sms`` (unset:
+    :data:`DEFAULT_DEVICE_SMS`); 0 without ``hold_sms``. The scheduler's timeline slows the
+    compute beside a transfer by it (:class:`~dbo_compile.schedule.Timeline`).
+
+    Raises:
+        DboConfigError: ``hold_sms`` is not below the device's SMs (nothing would be left
+            to compute on).
+    """
+    held = dict(config.comm_backend_options).get("hold_sms") or 0
+    if not held or isinstance(held, bool) or not isinstance(held, int) or held < 0:
+        return 0.0  # none, or a value the backend refuses at bind time (CommBackendError)
+    sms = config.device_sms if config.device_sms is not None else DEFAULT_DEVICE_SMS
+    if held >= sms:
+        raise DboConfigError(f"comm_backend_options hold_sms={held} with device_sms={sms}: a "
+                             f"transfer would hold every SM; hold fewer than {sms} SMs, or set "
+                             "device_sms to this device's SM count")
+    return held / sms
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,9 @@ List scheduling (``scheduler="list"``, :func:`list_order`). Simulate the two in-
 with the cost model; repeatedly issue the ready unit with the earliest possible start (ties:
 comm first, so the collective is launched before the compute it hides behind; then the longest
 path to the end of the step, the critical path; then lower ubatch; then graph order).
+Where the comm backend's transfers hold SMs
+(``hold_sms``), the simulated streams slow the compute beside a transfer and keep the comm
+stream busy for its hold (:class:`~dbo_compile.schedule.Timeline`'s hold model).
 Deterministic: no timing, data, rank or set order enters. The naive order
 (``scheduler="naive"``, :func:`naive_order`) interleaves the ubatches' stage lists round-robin.
 The staged order (``scheduler="staged"`` / ``"staged-d2"``, :func:`staged_order`) is SGLang's
@@ -31,12 +34,16 @@ log = logging.getLogger(__name__)
 
 
 def list_order(units: list[Unit], deps: list[tuple[int, int]], plan: PoolPlan | None = None,
-                num_ubatches: int = 2) -> tuple[list[int], list[tuple[int, int]]]:
+                num_ubatches: int = 2, hold_fraction: float = 0.0
+                ) -> tuple[list[int], list[tuple[int, int]]]:
     """Step 3: earliest-start list scheduling over two in-order streams (simulated), honouring
-    the result pools; returns the order and the pool edges it added.
+    the result pools; returns the order and the pool edges it added. ``hold_fraction``: the
+    share of the device's SMs each transfer holds (the timeline's hold model,
+    :class:`~dbo_compile.schedule.Timeline`; 0: none).
 
     Raises:
         UnsplittableGraphError: no order honours the pools.
+        ScheduleError: ``hold_fraction`` outside ``[0, 1)``.
     """
     plan = plan or PoolPlan()
     preds = predecessors(units, deps)
@@ -45,7 +52,7 @@ def list_order(units: list[Unit], deps: list[tuple[int, int]], plan: PoolPlan | 
         succs[a].append(b)
     missing = {u.id: len(preds[u.id]) for u in units}
     ready = sorted(i for i, m in missing.items() if m == 0)
-    timeline = Timeline(preds)
+    timeline = Timeline(preds, hold_fraction)
     order: list[int] = []
     placed: set[int] = set()
     by_id = {u.id: u for u in units}

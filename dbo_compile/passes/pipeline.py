@@ -239,12 +239,19 @@ def resolve_device_defaults(config: DboConfig, example_inputs: Sequence[Any]) ->
     """The defaults that depend on the device, for a graph with CUDA inputs / otherwise (every
     rank of a job sees the same device type, so every rank resolves the same way):
     ``compute_backend="auto"`` -> ``"inductor"`` / ``"aten"``; ``sm_carveout_candidates=None``
-    -> ``(16,)`` where torch can carve SMs out / ``()``. Resolved once, before the passes;
-    a resolved config resolves to itself."""
+    -> ``(16,)`` where torch can carve SMs out / ``()``; ``device_sms=None``, where the comm
+    backend's transfers hold SMs (``hold_sms``) -> the first CUDA input's device's
+    ``multi_processor_count`` / left unset (the hold model's default, 132). Resolved once,
+    before the passes; a resolved config resolves to itself."""
     cuda = has_cuda_inputs(example_inputs)
     if config.compute_backend == "auto":
         config = config.replace(compute_backend="inductor" if cuda else "aten")
     if config.sm_carveout_candidates is None:
         carve = cuda and hasattr(torch._C, "_set_sm_carveout_experimental")
         config = config.replace(sm_carveout_candidates=(16,) if carve else ())
+    if cuda and config.device_sms is None and dict(config.comm_backend_options).get("hold_sms"):
+        device = next(x.device for x in example_inputs
+                      if isinstance(x, torch.Tensor) and x.device.type == "cuda")
+        props = torch.cuda.get_device_properties(device.index or 0)
+        config = config.replace(device_sms=int(props.multi_processor_count))
     return config

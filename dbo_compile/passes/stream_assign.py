@@ -35,7 +35,7 @@ from dbo_compile.config import DboConfig
 from dbo_compile.errors import ScheduleError
 from dbo_compile.ops.comm import comm_spec_of
 from dbo_compile.ops.registry import comm_kind, is_receive, is_wait
-from dbo_compile.passes.cost_model import CostModel
+from dbo_compile.passes.cost_model import CostModel, hold_fraction
 from dbo_compile.passes.events import minimal_event_edges
 from dbo_compile.passes.manager import CompileState, GraphPass
 from dbo_compile.passes.meta import dbo_meta, set_stream
@@ -54,17 +54,25 @@ def schedule_units(units: list[Unit], deps: list[tuple[int, int]], hidden: list[
                    config: DboConfig, num_ubatches: int, plan: PoolPlan | None = None,
                    comm_backends: list[str] | None = None) -> Schedule:
     """Order ``units`` (steps 3-4) and return the :class:`Schedule` with ids in host order.
+    Where the comm backend's transfers hold SMs (its option ``hold_sms``), the list scheduler
+    and the predicted step time use the timeline's hold model
+    (:func:`~dbo_compile.passes.cost_model.hold_fraction`, recorded as the schedule's
+    ``meta["hold_fraction"]``); the naive and staged orders do not simulate, but their
+    predicted time does.
 
     Raises:
         UnsplittableGraphError: no order honours the comm backends' result pools.
+        DboConfigError: ``hold_sms`` is not below the device's SMs.
     """
     plan = plan or PoolPlan()
+    held = hold_fraction(config)
     if config.scheduler in STAGED_DELTA:
         order, added = staged_order(units, deps, plan, num_ubatches,
                                     delta=STAGED_DELTA[config.scheduler])
+    elif config.scheduler == "list":
+        order, added = list_order(units, deps, plan, num_ubatches, hold_fraction=held)
     else:
-        order, added = (list_order if config.scheduler == "list" else naive_order)(
-            units, deps, plan, num_ubatches)
+        order, added = naive_order(units, deps, plan, num_ubatches)
     deps = sorted(set(deps) | set(added))
     hidden = sorted(set(hidden) | set(added))
     remap = {old: new for new, old in enumerate(order)}
@@ -75,7 +83,7 @@ def schedule_units(units: list[Unit], deps: list[tuple[int, int]], hidden: list[
         new_units.append(u)
     deps = sorted((remap[a], remap[b]) for a, b in deps)
     hidden = sorted((remap[a], remap[b]) for a, b in hidden)
-    makespan = simulate(new_units, deps)
+    makespan = simulate(new_units, deps, held)
     events = minimal_event_edges(new_units, deps)
     schedule = Schedule(
         units=new_units, deps=deps, hidden_deps=hidden, event_edges=events,
@@ -85,6 +93,8 @@ def schedule_units(units: list[Unit], deps: list[tuple[int, int]], hidden: list[
         serial_us=round(sum(u.cost_us + u.latency_us for u in new_units), 3),
         pools=dict(sorted(plan.pools.items())), comm_backends=sorted(comm_backends or []),
     )
+    if held:
+        schedule.meta["hold_fraction"] = held
     check_pools(schedule, plan.remap(remap))
     return schedule
 
