@@ -51,7 +51,7 @@ def test_on_a_gpu_every_graph_is_counted_in_one_pool(monkeypatch):
     assert len(pools) == sum(len(b["graphs"]) for b in rep["buckets"].values()) > 2
     assert runner.pool is not None and all(p is runner.pool for p in pools)
     for t, b in rep["buckets"].items():
-        assert all(isinstance(v, int) and v >= 0 for v in b["graphs"].values())
+        assert all(isinstance(v, int) and v >= 0 for v in b["graphs"].values()), b["graphs"]
         kept = [k for k in runner.graphs[t].graphs if k != "unsplit"]
         assert b["split"] == sum(b["graphs"][k] for k in kept) <= b["split_all"]
     # the largest bucket is captured first, into an empty pool: its unsplit graph grows it

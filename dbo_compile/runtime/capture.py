@@ -82,9 +82,12 @@ def capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
-    before = reserved_bytes(True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+        # read after torch.cuda.graph's entry, which empties the allocator's cache: read
+        # before it, a capture that grew the pool less than the cache released came out < 0
+        # (the allocator's host-side counters; no CUDA call in the capture)
+        before = reserved_bytes(True)
         out = run_draining(fn)
     torch.cuda.synchronize()
     if times is not None:
