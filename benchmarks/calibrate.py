@@ -151,7 +151,10 @@ def fit_compute(samples: list, fit: dict | None = None,
     :data:`FIT`), each within :data:`BOUNDS` and at most ``peaks`` (``{"tflops": ...,
     "gbps": ...}``, the device's); returns the figures and the fit's errors."""
     fit = FIT if fit is None else fit
-    bounds = {n: (lo, min(hi, (peaks or {}).get(n, hi))) for n, (lo, hi) in BOUNDS.items()}
+    # with the device's peaks, an effective rate may go as low as it must: attention's bytes
+    # are its new tokens', its context read is ~its context length times them
+    bounds = {n: (1.0 if peaks and n == "gbps" else lo, min(hi, (peaks or {}).get(n, hi)))
+              for n, (lo, hi) in BOUNDS.items()}
     x0 = np.log([min(START[n], bounds[n][1]) for names in fit.values() for n in names])
     lo = np.log([bounds[n][0] for names in fit.values() for n in names])
     hi = np.log([bounds[n][1] for names in fit.values() for n in names])
