@@ -16,7 +16,9 @@ How a row is predicted (every assumption is named in :data:`ASSUMPTIONS` and pri
    device (``dbo_compile/passes/calibrate.py``).
 2. Compute costs: the calibrated per-class figures measured on one H200
    (``benchmarks/calibrate.py``), except attention, modelled for MLA at production contexts
-   (the calibration's attention is the benchmark's short-context GQA).
+   (the calibration's attention is the benchmark's short-context GQA). A calibration fitted on
+   Inductor's fused runs (``"fusion": "runs"``) costs each unit's runs of element-wise nodes
+   as fused kernels, as it was fitted (``dbo_compile/passes/calibrate.py``: ``fuse_runs``).
 3. Comm costs: DeepEP's published per-GPU bandwidths (``docs/legacy.md`` of
    github.com/deepseek-ai/DeepEP, V1 kernels, H800 + CX7 400 Gb/s): decode with the
    low-latency kernels (pure RDMA, one message per token and expert), prefill with the normal
@@ -47,7 +49,7 @@ from dbo_compile.backend import compiled_artifacts, reset_artifacts
 from dbo_compile.errors import DpVoteError
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops.emulated import EmulatedWorld
-from dbo_compile.passes.calibrate import simulate_overlapped, step_features
+from dbo_compile.passes.calibrate import FUSED, fuse_runs, simulate_overlapped, step_features
 from dbo_compile.passes.cost_model import Figures
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.schedule import COMM, Schedule
@@ -67,7 +69,7 @@ ANCHORS = [("prefill", 32, 4096, (0.27, 0.35)), ("prefill", 32, 16384, (0.27, 0.
 
 ASSUMPTIONS = {
     "hardware": "compute figures calibrated on one H200 (bf16 GEMMs, the benchmark's kernels: "
-                "torch grouped GEMM, ATen stages){fp8}; the anchors ran on H100 (≈30 % less "
+                "torch grouped GEMM, {stages}){fp8}; the anchors ran on H100 (≈30 % less "
                 "HBM bandwidth) with FP8 GEMMs",
     "model": "DeepSeek-V3 shapes: hidden 7168, 256 routed experts top-8 (uniform routing), "
              "1 shared expert, moe_intermediate 2048, vocab 129280; MLA replaced by GQA with 8 KV "
@@ -157,8 +159,10 @@ def attention_us(args, figs, phase: str, rows: float) -> float:
 
 
 def unit_cost(args, figs, cfg, world, phase, feats, tokens_u, torch_backend=False) -> float:
+    """µs of the compute nodes ``feats`` (one unit's, or the unsplit program's), their runs of
+    element-wise nodes fused where the calibration was fitted so (``args.fusion``)."""
     t = 0.0
-    for cls, f, b, r in feats:
+    for cls, f, b, r in fuse_runs(feats) if args.fusion == "runs" else feats:
         if cls == "comm":
             continue
         t += attention_us(args, figs, phase, r) if cls == "attention" else figs[cls].cost_us(f, b, r)
@@ -199,20 +203,20 @@ def predict(args, figs, art, cfg, world: int, phase: str, tokens: int, torch_bac
     return unsplit, out
 
 
-def load_figures(path: str | None) -> tuple[dict, str, tuple[float, float]]:
-    """The compute figures, their source, and the measured slowdown of compute / comm units
-    where they overlap (``benchmarks/calibrate.py``)."""
+def load_figures(path: str | None) -> tuple[dict, str, tuple[float, float], str | None]:
+    """The compute figures, their source, the measured slowdown of compute / comm units where
+    they overlap, and the calibration's fusion (``benchmarks/calibrate.py``)."""
     if path is None:  # the uncalibrated roofline (DboConfig's defaults)
         d = {c: Figures(790.0, 4300.0, 4.0) for c in ("gemm", "experts", "other")}
         d["attention"] = Figures(None, 4300.0, 4.0)
-        return d, "uncalibrated roofline (DboConfig defaults)", (1.0, 1.0)
+        return d, "uncalibrated roofline (DboConfig defaults)", (1.0, 1.0), None
     with open(path) as f:
         cal = json.load(f)
     slow = cal.get("overlap_slowdown") or {}
     return ({c: Figures(**v) for c, v in cal["figures"].items()
-             if c in ("gemm", "experts", "attention", "other")},
+             if c in ("gemm", "experts", "attention", "other", FUSED)},
             f"{path} ({cal.get('machine')}, measured {', '.join(cal.get('measured', []))})",
-            (slow.get("compute", 1.0), slow.get("comm", 1.0)))
+            (slow.get("compute", 1.0), slow.get("comm", 1.0)), cal.get("fusion"))
 
 
 def main(argv=None) -> int:
@@ -241,7 +245,7 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
     logging.getLogger("dbo_compile").setLevel(logging.ERROR)
-    figs, source, args.slowdown = load_figures(args.calibration)
+    figs, source, args.slowdown, args.fusion = load_figures(args.calibration)
     if args.hbm_scale != 1.0:  # another GPU's memory: every bandwidth-bound term
         figs = {c: dataclasses.replace(f, gbps=f.gbps * args.hbm_scale if f.gbps else None)
                 for c, f in figs.items()}
@@ -255,6 +259,8 @@ def main(argv=None) -> int:
                                attn_tflops=args.attn_tflops, ll_lat=args.ll_lat,
                                hn_lat=args.hn_lat, sms=args.sms, free=132 - args.sms,
                                slow="compute ×{:.2f}, comm ×{:.2f}".format(*args.slowdown),
+                               stages=("Inductor stages, element-wise runs fused"
+                                       if args.fusion == "runs" else "ATen stages"),
                                fp8=(f"; here FP8 GEMMs: bf16 TFLOP/s × {args.fp8_speedup:g}, "
                                     "weight bytes halved" if args.fp8 else "")
                                + (f"; memory bandwidths × {args.hbm_scale:g}"

@@ -371,3 +371,44 @@ def test_a_bucket_without_a_split_graph_says_why():
     why = no_split_reason(bucket(64, prune=PrunePlan(timed=()),
                                  dropped={"list": "bucket 64: list ran out of GPU memory"}))
     assert "out of GPU memory" in why, why
+
+
+INDUCTOR_RESULTS = [os.path.join(ROOT, "benchmarks", "results", f"{name}_h200_2026-12-01.json")
+                    for name in ("emulated_v2lite_w8_pipelined", "emulated_v2lite_worlds_pipelined",
+                                 "emulated_v3_pipelined")]
+
+
+def test_calibrate_fits_physical_figures_on_fused_runs_and_holds_out_worlds(tmp_path):
+    """``--physical TFLOPS:GBPS --fusion runs --fit-worlds W@GBPS``: every class's figures
+    within the device's peaks, attention by its bytes alone (its per-row term does not scale
+    with the heads, so it cannot carry from one model to another), element-wise runs as one
+    ``fused`` class; fitted on the named worlds' rows only, checked on every row with the
+    held-out ones marked; ``--check`` of the stored file fuses the rows as the fit did."""
+    cal, fit, again = tmp_path / "cal.json", tmp_path / "fit.json", tmp_path / "check.json"
+    r1, r2, *bad = run_scripts([
+        (CALIBRATE, [*INDUCTOR_RESULTS, "--physical", "989:4800", "--fusion", "runs",
+                     "--fit-worlds", "8@50", "--out", str(cal), "--checks-json", str(fit)]),
+        (CALIBRATE, [*INDUCTOR_RESULTS, "--check", str(cal), "--checks-json", str(again)]),
+        (CALIBRATE, [*INDUCTOR_RESULTS, "--physical", "989", "--out", str(cal)]),
+        (CALIBRATE, [*INDUCTOR_RESULTS, "--fit-worlds", "12@50", "--out", str(cal)]),
+        (CALIBRATE, [*INDUCTOR_RESULTS, "--fusion", "kernels", "--out", str(cal)])])
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr[-3000:] + r2.stderr[-3000:]
+    stored = json.loads(cal.read_text())
+    figs = stored["figures"]
+    assert stored["fusion"] == "runs" and "fused" in figs and "other" not in figs
+    assert stored["physical"] == {"tflops": 989.0, "gbps": 4800.0}
+    assert stored["fit_worlds"] == [[8, 50.0]]
+    for c in ("gemm", "experts", "attention.decode", "attention.prefill", "fused"):
+        assert (figs[c]["tflops"] or 0) <= 989.0 + 1e-6 and figs[c]["gbps"] <= 4800.0 + 1e-6, c
+    assert figs["attention.decode"]["us_per_row"] == figs["attention.prefill"]["us_per_row"] == 0
+    rows = json.loads(fit.read_text())
+    assert {(c["world_size"], c["link_gbps"]) for c in rows if c["fitted"]} == {(8, 50.0)}
+    assert sum(not c["fitted"] for c in rows) >= 20
+    assert stored["check"]["held_out"]["rows"] == sum(not c["fitted"] for c in rows)
+    for a, b in zip(rows, json.loads(again.read_text())):
+        assert a["dbo_pred_us"] == pytest.approx(b["dbo_pred_us"], rel=1e-9)
+        assert a["unsplit_pred_us"] == pytest.approx(b["unsplit_pred_us"], rel=1e-9)
+    assert [b.returncode for b in bad] == [2, 2, 2]
+    assert "--physical '989' is not TFLOPS:GBPS" in bad[0].stderr
+    assert "--fit-worlds 12@50: no such rows" in bad[1].stderr
+    assert "invalid choice: 'kernels'" in bad[2].stderr

@@ -12,7 +12,14 @@ import torch
 from conftest import last_artifact
 from dbo_compile.config import DboConfig
 from dbo_compile.errors import DboConfigError
-from dbo_compile.passes.calibrate import node_cost, predict_split, predict_unsplit, step_features
+from dbo_compile.passes.calibrate import (
+    FUSED,
+    fuse_runs,
+    node_cost,
+    predict_split,
+    predict_unsplit,
+    step_features,
+)
 from dbo_compile.passes.cost_model import CostModel, Figures, node_class
 from dbo_compile.runtime.engine import run_step
 from test_emulated import _options, _world_model
@@ -123,3 +130,44 @@ def test_a_send_predicts_its_comm_op_as_its_transfer_on_one_link(calibration):
     compute = [(a.cost_us, b.cost_us) for a, b in zip(plain.units, slowed.units)
                if a.kind == "compute" and a.ubatch is not None]
     assert sum(b for _, b in compute) > 1.1 * sum(a for a, _ in compute)
+
+
+def test_a_run_of_elementwise_nodes_is_one_fused_kernel():
+    """Inductor compiles each run of element-wise / reduction nodes between two extern kernels
+    (GEMMs, the experts and attention ops, comm) into fused kernels that read the run's inputs
+    and write its outputs once: the run becomes one ``fused`` feature whose bytes are its
+    largest node's and whose rows are its widest node's; extern nodes stay as they are."""
+    feats = [("other", 0.0, 10.0, 4.0), ("other", 0.0, 30.0, 2.0), ("gemm", 8.0, 5.0, 4.0),
+             ("other", 0.0, 7.0, 4.0), ("attention", 1.0, 3.0, 4.0), ("comm", 0.0, 9.0, 1.0),
+             ("other", 0.0, 2.0, 1.0), ("other", 0.0, 1.0, 8.0), ("other", 0.0, 6.0, 1.0)]
+    assert fuse_runs(feats) == [(FUSED, 0.0, 30.0, 4.0), ("gemm", 8.0, 5.0, 4.0),
+                                (FUSED, 0.0, 7.0, 4.0), ("attention", 1.0, 3.0, 4.0),
+                                ("comm", 0.0, 9.0, 1.0), (FUSED, 0.0, 6.0, 8.0)]
+    assert fuse_runs([]) == [] and fuse_runs([("gemm", 1.0, 2.0, 3.0)]) == [("gemm", 1.0, 2.0, 3.0)]
+
+
+def test_a_fused_calibration_costs_each_run_once(calibration):
+    """``fusion="runs"``: the unsplit program and every unit of the split one are costed on
+    their fused runs (a run's launch paid once); without it the ``fused`` figures meet no
+    node; an unknown fusion is refused."""
+    art = _compile(calibration=calibration)
+    cand = next(iter(art.candidates))
+    step = step_features(art, cand, 64)
+    comm = {"launch_us": 30.0, "gbps": 50.0}
+    figs = {**{c: f for c, f in FIGURES.items() if c != "other"}, "comm": comm,
+            FUSED: {"gbps": 1800.0, "launch_us": 100.0}}
+    cost = node_cost(figs)
+    runs = fuse_runs([tuple(f) for f in step["unsplit"]])
+    assert sum(c == FUSED for c, *_ in runs) >= 2
+    assert predict_unsplit(figs, step, fusion="runs") == pytest.approx(sum(map(cost, runs)))
+    plain = predict_unsplit(figs, step)  # no run costed: the element-wise nodes are free
+    assert plain == pytest.approx(sum(cost(tuple(f)) for f in step["unsplit"] if f[0] != "other"))
+    assert predict_unsplit(figs, step, fusion="runs") >= plain + 100.0 * sum(
+        c == FUSED for c, *_ in runs) - 1e-6
+    _, sched = predict_split(figs, step, fusion="runs")
+    for u in sched.units:
+        if u.kind == "compute" and u.phase != "receive":
+            want = sum(map(cost, fuse_runs([tuple(f) for f in step["features"][str(u.id)]])))
+            assert u.cost_us == pytest.approx(want, abs=1e-3)
+    with pytest.raises(DboConfigError, match="fusion 'nodes'.*'runs'"):
+        predict_unsplit(figs, step, fusion="nodes")

@@ -184,6 +184,28 @@ def test_a_calibration_predicts_every_candidate_at_the_buckets_size(tmp_path):
     assert predict_bucket(art, 16, names, device=torch.device("cpu")).us is None
 
 
+def test_a_fused_calibration_is_predicted_on_fused_runs(tmp_path):
+    """A calibration fitted on Inductor's fused runs (``"fusion": "runs"``, a ``fused`` class
+    instead of ``other``) predicts the programs on their fused runs: each run's launch counts
+    once; read as per-node figures no node would meet the ``fused`` class."""
+    figs = {c: {"tflops": 1000.0, "gbps": 1000.0, "launch_us": 0.0, "us_per_row": 0.0}
+            for c in ("gemm", "experts", "attention")}
+    figs["fused"] = {"gbps": 1000.0, "launch_us": 500.0}
+    paths = {}
+    for name, extra in (("fused", {"fusion": "runs"}), ("plain", {})):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({"figures": figs, **extra,
+                                           "overlap_slowdown": {"compute": 1.0, "comm": 1.0}}))
+    us = {}
+    for name, path in paths.items():
+        compiled = _compiled(calibration=str(path))
+        runner = CudaGraphRunner(compiled, [16], max_blocks_per_req=4, timing_iters=1)
+        runner.capture()
+        art = runner.graphs[16].artifact
+        us[name] = predict_bucket(art, 16, list(art.candidates)).us
+    assert us["fused"]["unsplit"] > us["plain"]["unsplit"] + 500.0
+
+
 def test_a_warm_restart_prunes_from_the_stored_predictions(tmp_path):
     """With cache_dir the predictions are stored beside the compile cache: an artifact read
     back from it (no traced graph to predict from) plans as the cold compile did."""

@@ -17,6 +17,13 @@ us_per_row`` per node class) to them, and checks the fit on whole steps:
 
 Features are plain data (``(class, flops, bytes, rows)`` per node, :func:`step_features`), so a
 fit and its predictions run anywhere from a results file, without the graph or a GPU.
+
+**Fused runs** (``fusion="runs"``, a calibration fitted on Inductor stages): Inductor compiles
+each run of element-wise / reduction nodes (class ``other``) between two extern kernels (GEMMs,
+the experts and attention ops, comm) into fused kernels that read the run's inputs and write its
+outputs once, so per-node figures of ``other`` become effective rates (above the device's memory
+bandwidth, a fraction of a launch per node) that do not carry to another graph. With fusion,
+each run is one ``fused`` feature (:func:`fuse_runs`) costed with the ``fused`` class's figures.
 """
 
 from __future__ import annotations
@@ -28,10 +35,54 @@ from dbo_compile.errors import DboConfigError
 from dbo_compile.passes.cost_model import CostModel, Figures, predict_us
 from dbo_compile.schedule import COMM, Schedule, Timeline, predecessors
 
-__all__ = ["node_cost", "predict_split", "predict_unsplit", "simulate_overlapped", "step_features",
-           "unit_features"]
+__all__ = ["FUSED", "FUSIONS", "fuse_runs", "node_cost", "predict_split", "predict_unsplit",
+           "simulate_overlapped", "step_features", "unit_features"]
 
 Feature = tuple[str, float, float, float]
+
+#: the class of a fused run of element-wise nodes (:func:`fuse_runs`)
+FUSED = "fused"
+#: what a calibration's ``fusion`` may be: ``None`` (node by node) or ``"runs"``
+FUSIONS = (None, "runs")
+
+
+def fuse_runs(features: list[Feature]) -> list[Feature]:
+    """``features`` (one unit's or program's, in node order) with each maximal run of
+    consecutive ``other`` nodes as one ``(FUSED, 0, bytes, rows)`` feature: ``bytes`` the
+    largest of its nodes' (a fused kernel reads the run's inputs and writes its outputs once;
+    the intermediates stay on chip), ``rows`` the widest. Other classes break a run and are
+    kept as they are.
+
+    Example::
+
+        >>> fuse_runs([("other", 0, 10, 4), ("other", 0, 30, 2), ("gemm", 8, 5, 4)])
+        [('fused', 0.0, 30.0, 4.0), ('gemm', 8, 5, 4)]
+    """
+    out: list[Feature] = []
+    run: list[Feature] = []
+    for f in [*features, None]:
+        if f is not None and f[0] == "other":
+            run.append(f)
+            continue
+        if run:
+            out.append((FUSED, 0.0, float(max(r[2] for r in run)), float(max(r[3] for r in run))))
+            run = []
+        if f is not None:
+            out.append(f)
+    return out
+
+
+def _fused(features: list, fusion: str | None) -> list[Feature]:
+    """``features`` as tuples, fused as ``fusion`` says (:data:`FUSIONS`).
+
+    Raises:
+        DboConfigError: ``fusion`` is not one of :data:`FUSIONS`.
+    """
+    if fusion not in FUSIONS:
+        raise DboConfigError(f"calibration fusion {fusion!r} is not one of {FUSIONS}: refit it "
+                             "with benchmarks/calibrate.py (--fusion runs, or none)")
+    feats = [tuple(f) for f in features]
+    return fuse_runs(feats) if fusion == "runs" else feats
 
 
 def _traced(artifact: Any) -> None:
@@ -101,11 +152,17 @@ def node_cost(figures: dict[str, Any] | NodeCost) -> NodeCost:
     return lambda f: predict_us(figs, [tuple(f)])
 
 
-def predict_unsplit(figures: dict[str, Any] | NodeCost, step: dict[str, Any]) -> float:
+def predict_unsplit(figures: dict[str, Any] | NodeCost, step: dict[str, Any],
+                    fusion: str | None = None) -> float:
     """Predicted µs of the unsplit program of ``step`` (:func:`step_features`): its nodes in
-    turn on one stream, comm included. ``figures``: per-class figures, or a cost per node."""
+    turn on one stream, comm included. ``figures``: per-class figures, or a cost per node;
+    ``fusion``: the calibration's (:data:`FUSIONS`; ``"runs"``: costed on :func:`fuse_runs`).
+
+    Raises:
+        DboConfigError: an unknown ``fusion``.
+    """
     cost = node_cost(figures)
-    return sum(cost(tuple(f)) for f in step["unsplit"])
+    return sum(cost(f) for f in _fused(step["unsplit"], fusion))
 
 
 Slowdown = float | tuple[float, float]
@@ -159,15 +216,21 @@ def simulate_overlapped(sched: Schedule, slowdown: Slowdown, rounds: int = 3) ->
 
 
 def predict_split(figures: dict[str, Any] | NodeCost, step: dict[str, Any],
-                  serial: bool = False, slowdown: Slowdown = 1.0) -> tuple[float, Schedule]:
+                  serial: bool = False, slowdown: Slowdown = 1.0,
+                  fusion: str | None = None) -> tuple[float, Schedule]:
     """Predicted µs of the split candidate of ``step``: the makespan of its schedule with the
     calibrated unit costs (``serial``: every unit on one stream, the "split serial" step;
-    ``slowdown``: of units overlapping the other stream, :func:`simulate_overlapped`), and the schedule
-    with those costs and times (for the viewer)."""
+    ``slowdown``: of units overlapping the other stream, :func:`simulate_overlapped`;
+    ``fusion``: each unit's features fused as the calibration's, :func:`predict_unsplit`), and
+    the schedule with those costs and times (for the viewer).
+
+    Raises:
+        DboConfigError: an unknown ``fusion``.
+    """
     cost = node_cost(figures)
     sched = Schedule.from_dict(copy.deepcopy(step["schedule"]))
     for u in sched.units:
-        us = round(sum(cost(tuple(f)) for f in step["features"][str(u.id)]), 3)
+        us = round(sum(cost(f) for f in _fused(step["features"][str(u.id)], fusion)), 3)
         if u.latency_us > 0:  # a send: the comm op's time is its transfer; the issue and
             u.latency_us = us  # its receive keep the schedule's launch
         elif u.phase != "receive":

@@ -49,8 +49,10 @@ _FREE = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "t
          "transpose", "alias", "detach", "slice", "select", "split", "split_with_sizes",
          "sym_size", "sym_numel", "_reshape_alias", "as_strided", "unbind", "chunk"}
 _GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
-#: the node classes of the calibrated model, and ``comm``
-CLASSES = ("gemm", "experts", "attention", "other", "comm")
+#: the node classes of the calibrated model, and ``comm``; ``fused``: a run of ``other`` nodes
+#: as Inductor fuses them (``passes/calibrate.py``: ``fuse_runs``), which a per-node estimate
+#: never meets (a calibration with ``"fusion": "runs"`` leaves ``other`` nodes to the roofline)
+CLASSES = ("gemm", "experts", "attention", "other", "fused", "comm")
 #: the SM count of the hold model where ``DboConfig.device_sms`` is unset (H100 / H200 SXM)
 DEFAULT_DEVICE_SMS = 132
 

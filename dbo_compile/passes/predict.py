@@ -91,13 +91,15 @@ def predict_bucket(artifact: Any, tokens: int, candidates: Sequence[str],
 
         slow = cal.get("overlap_slowdown") or {}
         slowdown = (float(slow.get("compute", 1.0)), float(slow.get("comm", 1.0)))
-        us = {"unsplit": predict_unsplit(cost, {"unsplit": unsplit_features(artifact, tokens)})}
+        fusion = cal.get("fusion")  # a calibration on Inductor's fused runs
+        us = {"unsplit": predict_unsplit(cost, {"unsplit": unsplit_features(artifact, tokens)},
+                                         fusion=fusion)}
         for name in candidates:
             program = artifact.candidates[name]
             feats = unit_features(artifact, name, tokens)
             step = {"schedule": program.schedule.to_dict(),
                     "features": {str(i): fs for i, fs in feats.items()}}
-            us[name] = predict_split(cost, step, slowdown=slowdown)[0]
+            us[name] = predict_split(cost, step, slowdown=slowdown, fusion=fusion)[0]
     except Exception as e:  # noqa: BLE001
         log.info("dbo graphs: no prediction for bucket %d: %s: %s", tokens, type(e).__name__, e)
         return BucketPrediction(None, why=f"prediction failed: {type(e).__name__}: {e}")
