@@ -65,6 +65,10 @@ def parse(argv=None):
     p.add_argument("--ref-iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also time the tile shapes of SWEEP")
+    p.add_argument("--pad-requests", type=int, default=0,
+                   help="pad each case's request dim to this many requests with zero-length "
+                        "ones, as the CUDA-graph runner pads a step to its bucket's request "
+                        "capacity (bucket / num_ubatches per ubatch); 0: none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "local",
                                                  "attention.json"),
@@ -95,6 +99,17 @@ def build_case(args, phase: str, device: str = "cuda") -> dict:
     else:
         raise SystemExit(f"unknown case {phase!r}: choose decode or prefill")
     md = step.attn_metadata.to(dev)
+    reqs = len(step.num_scheduled_tokens)
+    if args.pad_requests > reqs:  # zero-length requests: qsl repeats its end, seq_lens 0
+        extra = args.pad_requests - reqs
+        md = dataclasses.replace(
+            md, query_start_loc=torch.cat([md.query_start_loc,
+                                           md.query_start_loc[-1:].expand(extra)]),
+            seq_lens=torch.cat([md.seq_lens, md.seq_lens.new_zeros(extra)]),
+            num_computed_tokens=torch.cat([md.num_computed_tokens,
+                                           md.num_computed_tokens.new_zeros(extra)]),
+            block_table=torch.cat([md.block_table,
+                                   md.block_table.new_zeros(extra, md.block_table.shape[1])]))
     t, d = step.num_tokens, args.head_dim
     gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
     q = torch.randn(t, args.hq, d, device=dev, dtype=dtype, generator=gen)
@@ -109,7 +124,7 @@ def build_case(args, phase: str, device: str = "cuda") -> dict:
     visible = int((qlen * (seq - qlen) + qlen * (qlen + 1) // 2).sum())
     elem = torch.empty(0, dtype=dtype).element_size()
     return {
-        "phase": phase, "tokens": t, "reqs": len(step.num_scheduled_tokens),
+        "phase": phase, "tokens": t, "reqs": int(md.seq_lens.shape[0]),
         "context_tokens": int(seq.sum()), "q": q, "k": k, "v": v, "cache": cache,
         "slots": md.slot_mapping, "meta": (md.query_start_loc, md.seq_lens, md.block_table),
         "scale": d ** -0.5,
@@ -214,16 +229,17 @@ def main(argv=None) -> int:
     setup = (f"Hq={args.hq}, Hkv={args.hkv}, D={args.head_dim}, {args.dtype}, "
              f"block_size={args.block_size}, decode {args.decode_reqs} reqs ctx "
              f"[{args.decode_ctx}], prefill {args.prefill_tokens} tokens in {args.prompt}-token "
-             f"prompts")
+             f"prompts" + (f", request dim padded to {args.pad_requests}"
+                           if args.pad_requests else ""))
     print(f"[bench_attention] {dev_name} torch {torch.__version__} triton {triton.__version__} "
           f"{setup}", flush=True)
     rows = []
     for phase in args.cases.split(","):
         c = build_case(args, phase)
-        cfg = A.kernel_config(c["tokens"], c["reqs"],
-                              triton.next_power_of_2(args.hq // args.hkv), c["q"].dtype)
+        plan = A.kernel_plan(c["tokens"], c["reqs"],
+                             triton.next_power_of_2(args.hq // args.hkv), c["q"].dtype)
         row = bench_case(args, c)
-        row["default_config"] = dataclasses.asdict(cfg)
+        row["default_plan"] = [dict(dataclasses.asdict(cfg), qlen=[lo, hi]) for cfg, lo, hi in plan]
         rows.append(row)
         print("[bench_attention] " + json.dumps({k: v for k, v in row.items() if k != "sweep"}),
               flush=True)

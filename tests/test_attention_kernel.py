@@ -201,6 +201,14 @@ def _case_table_narrower_than_context():
     return _record(inp, inp.kernel(_config("m8_n32")), inp.reference(), 2e-5)
 
 
+def _case_padded_requests(config):
+    """The request dim padded past the tokens (every program past the last real block returns
+    after two loads): one launch of each tile shape equals the reference."""
+    inp = _Inputs(decodes=[5, 0, 9], prefills=[(3, 10), (0, 7)], hq=4, hkv=2, d=16,
+                  block_size=4, pad_to=22).pad_requests(30)
+    return _record(inp, inp.kernel(_config(config)), inp.reference(), 2e-5)
+
+
 def _case_padded_requests_two_launches():
     """A prefill step padded in its request dim to ``T <= 2 R`` (the runner's capture shape)
     runs :func:`kernel_plan`'s two launches (``MIXED_MIN_TOKENS`` lowered to fit the
@@ -227,6 +235,7 @@ INTERP_CASES = {
     "never_reads_past_context": _case_never_reads_past_context,
     "table_narrower_than_context": _case_table_narrower_than_context,
     "padded_requests_two_launches": _case_padded_requests_two_launches,
+    **{f"padded_requests/{c}": (lambda c=c: _case_padded_requests(c)) for c in CONFIGS},
 }
 
 

@@ -340,6 +340,15 @@ def _triton_kernel(triton, tl):
         # Request i owns blocks [qsl[i] // BLOCK_M + i, qsl[i+1] // BLOCK_M + i + 1), at least
         # cdiv(q_i, BLOCK_M) of them, so T // BLOCK_M + R programs cover every request.
         # (Inlined: Triton's interpreter cannot call a jit function defined in this closure.)
+        # First, two loads: a program past the last real block (the request dim padded with
+        # zero-length requests, as the CUDA-graph runner's capacity is) returns before the
+        # search. Its block would start request i0 = qblock - T_real // BLOCK_M; where every
+        # request from i0 on is empty (qsl[i0] == T_real), request i0 owns it and is empty.
+        t_real = tl.load(qsl_ptr + num_reqs)
+        i0 = qblock - t_real // BLOCK_M
+        if i0 >= 0:
+            if tl.load(qsl_ptr + tl.minimum(i0, num_reqs)) == t_real:
+                return
         lo = qblock * 0
         hi = lo + num_reqs
         while lo < hi:
