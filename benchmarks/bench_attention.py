@@ -236,10 +236,10 @@ def main(argv=None) -> int:
     rows = []
     for phase in args.cases.split(","):
         c = build_case(args, phase)
-        plan = A.kernel_plan(c["tokens"], c["reqs"],
-                             triton.next_power_of_2(args.hq // args.hkv), c["q"].dtype)
+        cfg = A.kernel_config(c["tokens"], c["reqs"],
+                              triton.next_power_of_2(args.hq // args.hkv), c["q"].dtype)
         row = bench_case(args, c)
-        row["default_plan"] = [dict(dataclasses.asdict(cfg), qlen=[lo, hi]) for cfg, lo, hi in plan]
+        row["default_config"] = dataclasses.asdict(cfg)
         rows.append(row)
         print("[bench_attention] " + json.dumps({k: v for k, v in row.items() if k != "sweep"}),
               flush=True)

@@ -474,20 +474,3 @@ def test_attention_kernel_config_rejects_tiles_triton_cannot_take(bad):
         _KernelConfig(**bad)
     _KernelConfig(block_m=1, tile_n=16)  # the smallest valid tile
 
-
-@pytest.mark.parametrize("tokens, reqs, g_pad, want", [
-    (2048, 2, 1, [(64, 0, None)]),            # prefill-shaped: 64-row tiles for all
-    (64, 64, 1, [(16, 0, None)]),             # a small decode step: one launch
-    (1024, 1024, 1, [(16, 0, 16), (64, 17, None)]),  # padded prefill or decode: both
-    (1024, 512, 1, [(16, 0, 16), (64, 17, None)]),
-    (1024, 1024, 4, [(4, 0, 4), (16, 5, None)]),   # GQA 4: tokens per tile / 4
-    (1024, 1024, 64, [(1, 0, None)]),         # 16 and 64 rows are one token either way
-])
-def test_attention_kernel_plan_from_shapes(tokens, reqs, g_pad, want):
-    """Which requests each launch of ``dbo.attention``'s kernel computes (``None``: no upper
-    bound): a decode-shaped call from 256 tokens is launched twice, because the runner's
-    padding of the request dim makes a prefill step look like decode."""
-    from dbo_compile.ops.attention import QLEN_ANY, kernel_plan
-
-    plan = kernel_plan(tokens, reqs, g_pad, torch.bfloat16)
-    assert [(c.block_m, lo, None if hi == QLEN_ANY else hi) for c, lo, hi in plan] == want

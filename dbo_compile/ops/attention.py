@@ -42,8 +42,8 @@ from dbo_compile.ops.registry import OpInfo, register_op
 log = logging.getLogger(__name__)
 
 __all__ = ["AttentionOpError", "KernelConfig", "attention", "attention_cuda",
-           "check_attention_args", "kernel_config", "kernel_plan", "paged_attention",
-           "paged_attention_triton", "write_kv"]
+           "check_attention_args", "kernel_config", "paged_attention", "paged_attention_triton",
+           "write_kv"]
 
 #: Upper bound on elements of one gathered context chunk ``[chunk, L, Hkv, D]`` (memory cap).
 _GATHER_ELEMS = 1 << 24
@@ -279,44 +279,15 @@ class KernelConfig:
 def kernel_config(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype) -> KernelConfig:
     """The launch config, from shapes only (capturable). Steps with about one token per request
     (decode) get 16-row tiles, the others 64 rows (prefill); fp32 gets narrower key tiles (the
-    tiles double in bytes). One config for a whole call; the launcher runs :func:`kernel_plan`."""
+    tiles double in bytes). A prefill step padded to the CUDA-graph runner's request capacity
+    looks like decode here and gets 16-row tiles. A second launch of 64-row tiles for its long
+    requests was tried (one H100, 2026-12-07): the V3 EP-32 prefill 2048 step got 1.6 ms
+    slower, the padding requests' programs, which it doubled, costing more than the wider
+    tiles saved (the kernel now returns from those programs after two loads)."""
     decode = num_tokens <= 2 * num_reqs
     rows = 16 if decode else 64
     tile_n = 32 if dtype == torch.float32 else 64
     return KernelConfig(block_m=max(1, rows // g_pad), tile_n=tile_n)
-
-
-#: a request's query length the kernel takes ("no upper bound")
-QLEN_ANY = 2**31 - 1
-#: tokens per call from which a decode-shaped call (``T <= 2 R``) is launched twice, short
-#: requests with 16-row tiles and long ones with 64-row tiles: below it, one launch of 16-row
-#: tiles (the second launch's few microseconds would show in a decode step)
-MIXED_MIN_TOKENS = 256
-
-
-def kernel_plan(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype
-                ) -> tuple[tuple[KernelConfig, int, int], ...]:
-    """The kernel launches of one call, from shapes only (capturable): ``(config, lo, hi)`` per
-    launch, each launch computing the requests whose query length is in ``[lo, hi]`` (its
-    other programs return at once; the launches' requests are disjoint and cover all).
-
-    - ``T > 2 R`` (prefill-shaped): one launch of 64-row tiles (:func:`kernel_config`).
-    - ``T <= 2 R`` below :data:`MIXED_MIN_TOKENS` tokens: one launch of 16-row tiles.
-    - ``T <= 2 R`` from :data:`MIXED_MIN_TOKENS` tokens: the shape no longer tells a decode
-      step from a prefill step whose request dim was padded (the CUDA-graph runner pads each
-      ubatch's metadata to ``bucket / num_ubatches`` zero-length requests, and captures each
-      bucket once for every step it serves): requests of up to one 16-row tile's tokens run in
-      16-row tiles, longer ones in 64-row tiles. With 16-row tiles a prefill chunk reads its
-      context once per 16 query tokens instead of once per 64: the attention of V3 prefill
-      2048 took 1.9 ms per two layers against 0.49 ms (one H100, 2026-12-07).
-    """
-    short = kernel_config(num_tokens, num_tokens, g_pad, dtype)
-    long = kernel_config(num_tokens, 0, g_pad, dtype)
-    if num_tokens > 2 * num_reqs:
-        return ((long, 0, QLEN_ANY),)
-    if num_tokens < MIXED_MIN_TOKENS or short == long:
-        return ((short, 0, QLEN_ANY),)
-    return ((short, 0, short.block_m), (long, short.block_m + 1, QLEN_ANY))
 
 
 @triton_kernels
@@ -326,10 +297,10 @@ def _triton_kernel(triton, tl):
     interpreter (``TRITON_INTERPRET=1`` before triton was imported; kernels take CPU tensors)."""
 
     # num_reqs changes every step: one compiled variant for all values (no ==1 / %16 variants)
-    @triton.jit(do_not_specialize=["num_reqs", "bt_width", "num_blocks", "qlen_lo", "qlen_hi"])
+    @triton.jit(do_not_specialize=["num_reqs", "bt_width", "num_blocks"])
     def paged_attention_kernel(
             out_ptr, q_ptr, k_ptr, v_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-            scale_log2, num_reqs, bt_width, num_blocks, qlen_lo, qlen_hi,
+            scale_log2, num_reqs, bt_width, num_blocks,
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_kb, stride_ks, stride_kh, stride_bt,
             G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
@@ -362,8 +333,6 @@ def _triton_kernel(triton, tl):
         q_len = tl.load(qsl_ptr + req + 1) - q_start
         local = qblock - (q_start // BLOCK_M + req)  # this program's query block in the request
         if local * BLOCK_M >= q_len:
-            return
-        if (q_len < qlen_lo) | (q_len > qlen_hi):  # another launch's request (kernel_plan)
             return
         seq_len = tl.load(seq_lens_ptr + req)
         ctx_len = seq_len - q_len
@@ -456,8 +425,7 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
             pool are clamped into it (as in the reference: bad metadata gives a wrong answer for
             that request, never an out-of-bounds read).
         scale: softmax scale.
-        config: tile shape of one launch for every request (default: the launches of
-            :func:`kernel_plan`, chosen from shapes).
+        config: tile shape (default :func:`kernel_config`, chosen from shapes).
 
     Returns:
         ``[T, Hq, D]`` of ``q.dtype``, softmax and accumulation in fp32; rows
@@ -482,7 +450,7 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
     hkv, bs = kv_cache.shape[3], kv_cache.shape[2]
     g = hq // hkv
     g_pad = triton.next_power_of_2(g)
-    plan = ((config, 0, QLEN_ANY),) if config else kernel_plan(t, r, g_pad, kv_cache.dtype)
+    cfg = config or kernel_config(t, r, g_pad, kv_cache.dtype)
     if kv_cache.stride(-1) != 1:
         raise AttentionOpError("dbo.attention: kv_cache must be contiguous in the head dim")
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -490,15 +458,14 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
     qsl, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
     # Triton's interpreter would multiply bf16 bit patterns as integers: fp32 dots there
     dot_fp32 = kv_cache.dtype == torch.float32 or (interpreted and kv_cache.dtype == torch.bfloat16)
-    for cfg, lo, hi in plan:
-        grid = (t // cfg.block_m + r, hkv)
-        kernel[grid](
-            out, q, kv_cache[0], kv_cache[1], qsl, seq_lens, block_table,
-            scale * _LOG2E, r, block_table.shape[1], kv_cache.shape[1], lo, hi,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
-            G=g, G_PAD=g_pad, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, HEAD_DIM=d, BLOCK_SIZE=bs,
-            DOT_FP32=dot_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (t // cfg.block_m + r, hkv)
+    kernel[grid](
+        out, q, kv_cache[0], kv_cache[1], qsl, seq_lens, block_table,
+        scale * _LOG2E, r, block_table.shape[1], kv_cache.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        G=g, G_PAD=g_pad, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, HEAD_DIM=d, BLOCK_SIZE=bs,
+        DOT_FP32=dot_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
