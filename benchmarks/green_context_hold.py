@@ -62,8 +62,11 @@ def graphed(fn):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the figures here (JSON)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("green_context_hold needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
     dev = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     gc_mod = getattr(torch.cuda, "green_contexts", None)
