@@ -937,3 +937,108 @@ def test_checks_the_runner_cannot_make_are_named_in_one_info_line(caplog):
                         block_size=16, vocab_size=int(model.embed_tokens.shape[0]))
         CudaGraphRunner(fn, [16], max_blocks_per_req=8)
     assert not _not_checked(caplog), caplog.text
+
+
+# -- max_num_reqs: the request capacity a serving engine promises ------------------------------
+
+
+def _request_capacities(runner, tokens):
+    """``(unsplit, [per ubatch])`` request capacity of bucket ``tokens``'s static buffers, per
+    request-layout field (they must agree): ``query_start_loc`` rows - 1, the others' rows."""
+    b = runner.graphs[tokens]
+    art = b.artifact
+    fields = ("query_start_loc", "seq_lens", "num_computed_tokens", "block_table")
+
+    def cap(t, name):
+        return int(t.shape[0]) - (1 if name == "query_start_loc" else 0)
+
+    unsplit = {cap(b.args[b.input_pos[f]], f) for f in fields if f in b.input_pos}
+    per_ub: dict[int, set[int]] = collections.defaultdict(set)
+    for pos, (index, u) in enumerate(art.signature.inputs):
+        f = art.specs[index].field
+        if u is not None and f in fields:
+            per_ub[u].add(cap(b.split_args[pos], f))
+    assert len(unsplit) == 1 and all(len(v) == 1 for v in per_ub.values()), (unsplit, per_ub)
+    return unsplit.pop(), [per_ub[u].pop() for u in sorted(per_ub)]
+
+
+@pytest.mark.parametrize("max_num_reqs", [None, 5, 20, 1])
+def test_max_num_reqs_bounds_the_captured_request_capacity(max_num_reqs):
+    """Without it every bucket holds ``bucket`` requests (``bucket // 2`` per ubatch): the
+    attention grid ``(T // BLOCK_M + R) x Hkv`` launches a program per padded request (475 us
+    vs 207 us at V3 prefill 2048 on one H100). With it the unsplit graph holds
+    ``min(bucket, M)`` and each ubatch ``min(bucket // 2, M)`` (a step's requests may all sit in
+    one ubatch); at least 2 (the smallest request count the compiled graph is traced for)."""
+    _, model = _model()
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    runner = CudaGraphRunner(compiled, BUCKETS, max_blocks_per_req=8, timing_iters=1,
+                             max_num_reqs=max_num_reqs)
+    runner.capture()
+    for t in BUCKETS:
+        m = t if max_num_reqs is None else max(max_num_reqs, 2)
+        assert runner.graphs[t].use_split
+        assert _request_capacities(runner, t) == (min(t, m), [min(t // 2, m)] * 2), t
+    if max_num_reqs is not None:
+        assert _request_capacities(runner, 48)[0] < 48
+
+
+@pytest.mark.parametrize("allow_split", [True, False])
+def test_max_num_reqs_serves_m_requests_however_they_fall_into_ubatches(allow_split):
+    """M requests in one ubatch: 5 decodes and the first 11 tokens of a 20-token prefill are
+    ubatch 0's 6 requests (bucket 32, cut at 16), ubatch 1 holds the prefill's rest; a
+    capacity of M / 2 per ubatch would not hold them. Also all-decode and all-prefill steps,
+    split and unsplit; every output equals eager."""
+    m = 6
+    cfg, model = _model()
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    runner = CudaGraphRunner(compiled, [32], max_blocks_per_req=8, block_size=16,
+                             timing_iters=1, max_num_reqs=m)
+    runner.capture()
+    assert _request_capacities(runner, 32) == (6, [6, 6])
+    graph = "split" if allow_split else "unsplit"
+    for dec, pre in (([5, 40, 17, 3, 60], [(0, 20)]),  # ubatch 0: 6 requests
+                     ([5, 40, 17, 3, 60, 33], []),  # M decodes
+                     ([], [(16, 9), (0, 14), (3, 2)]),  # prefills
+                     ([7], [(0, 3), (21, 1), (0, 2), (0, 1), (5, 12)])):
+        step = make_step(cfg, decode_context_lens=dec, prefills=pre, block_size=16,
+                         num_blocks=NUM_BLOCKS)
+        assert len(step.num_scheduled_tokens) <= m
+        with torch.no_grad():
+            ref = model(step.input_ids, step.positions, step.attn_metadata)
+            out = runner(step.input_ids, step.positions, step.attn_metadata,
+                         step.num_scheduled_tokens, allow_split=allow_split)
+        assert runner.last_choice == (32, graph), (dec, pre, runner.last_choice)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert runner.eager_steps == 0
+
+
+@pytest.mark.parametrize("split", ["always", "never"])
+def test_more_than_max_num_reqs_requests_run_eagerly_with_the_reason(split, caplog):
+    """A step of M + 1 requests fits no captured request buffer: it runs eagerly (on every
+    rank: the vote's ask for one token past the largest bucket), logged once, not a
+    GraphRunnerError from copy_into (``query_start_loc: 7 requests > captured capacity 6``)."""
+    m = 6
+    cfg, model = _model()
+    compiled = torch.compile(model, backend="dbo", options={"split": split})
+    runner = CudaGraphRunner(compiled, [32], max_blocks_per_req=8, block_size=16,
+                             timing_iters=1, max_num_reqs=m)
+    runner.capture()
+    step = make_step(cfg, decode_context_lens=[5, 40, 17, 3, 60, 33, 9], prefills=[],
+                     block_size=16, num_blocks=NUM_BLOCKS)
+    logger = "dbo_compile.runtime.cudagraph_runner"
+    for i in range(2):
+        with torch.no_grad(), caplog.at_level("WARNING", logger=logger):
+            ref = model(step.input_ids, step.positions, step.attn_metadata)
+            out = runner(step.input_ids, step.positions, step.attn_metadata,
+                         step.num_scheduled_tokens)
+        assert runner.last_choice == ("eager", "7 requests > max_num_reqs 6")
+        assert runner.eager_steps == i + 1
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert caplog.text.count("7 requests > max_num_reqs 6") == 1
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "256"])
+def test_a_bad_max_num_reqs_is_refused_at_construction(bad):
+    _, model = _model(layers=1)
+    with pytest.raises(GraphRunnerError, match=r"max_num_reqs must be None or an int >= 1"):
+        CudaGraphRunner(model, BUCKETS, max_blocks_per_req=8, max_num_reqs=bad)
