@@ -12,7 +12,8 @@ buffers (:mod:`~dbo_compile.runtime.cudagraph_runner` captures and replays them)
 - :func:`serving_buckets`: a serving engine's bucket list (decode sizes, then prefill sizes);
 - :func:`memory_report`: the CUDA-graph memory of the captured buckets; :func:`bucket_stats`,
   :func:`describe`, :func:`warmup_text`: the runner's per-bucket report;
-- :func:`dummy_step`: the synthetic warm-up step; :func:`copy_plan`: which static inputs a
+- :func:`dummy_step`: the synthetic warm-up step (its request layout,
+  :func:`capture_qlens`: the captured request capacity); :func:`copy_plan`: which static inputs a
   step is copied into; :func:`split_program_fn`: a split candidate as the callable captured.
 """
 
@@ -81,8 +82,11 @@ class BucketGraphs:
         tokens: the bucket's padded token count.
         artifact: the compiled artifact (a
             :class:`~dbo_compile.runtime.artifact.CompiledArtifact`).
-        args: the static graph inputs (token rows = ``tokens``; ``tokens`` requests).
-        split_args: the split program's static per-ubatch inputs (``None``: not split).
+        args: the static graph inputs (token rows = ``tokens``; ``tokens`` requests, or
+            ``min(tokens, max(max_num_reqs, 2))`` with the runner's ``max_num_reqs``).
+        split_args: the split program's static per-ubatch inputs (``None``: not split);
+            ``tokens // num_ubatches`` requests per ubatch, or
+            ``min(tokens // num_ubatches, max(max_num_reqs, 2))``.
         graphs / outs: ``"unsplit"``, ``"unsplit-overlap"`` (the unsplit program on the two
             streams, where the artifact has one: ``DboConfig.unsplit_overlap``) and each split
             schedule candidate's graph and static outputs (after the choice only
@@ -358,11 +362,40 @@ def memory_report(graphs: dict[int, BucketGraphs], cuda: bool) -> dict[str, Any]
     return {"pool_shared": True, "buckets": buckets, "total": total}
 
 
+def capture_qlens(tokens: int, max_num_reqs: int | None, num_ubatches: int = 1) -> list[int]:
+    """Tokens per request of the synthetic step whose request buffers a bucket of ``tokens``
+    rows captures: per ubatch (the token slices cut at ``k * tokens // num_ubatches``, as the
+    split cuts a step padded to the bucket) ``c = min(rows, max(max_num_reqs, 2))`` requests
+    of equal lengths (ceil / floor), none crossing a cut, so that each ubatch's static buffers
+    hold ``c`` requests. ``num_ubatches=1``: the unsplit graph's ``min(tokens, max(M, 2))``.
+
+    A step of at most ``M`` requests never has more than ``min(rows, M)`` in one ubatch (each
+    has a token there), however unevenly they fall. At least 2: the compiled graph is traced
+    for 2 or more requests (Dynamo specialises a size of 1). ``max_num_reqs=None``: ``tokens``
+    one-token requests, capacity ``tokens`` (``tokens // num_ubatches`` per ubatch).
+
+    Example::
+
+        >>> capture_qlens(16, 3, 2)
+        [3, 3, 2, 3, 3, 2]
+    """
+    if max_num_reqs is None:
+        return [1] * tokens
+    cuts = [k * tokens // num_ubatches for k in range(num_ubatches + 1)]
+    qlens: list[int] = []
+    for rows in (b - a for a, b in zip(cuts, cuts[1:])):
+        reqs = min(rows, max(max_num_reqs, 2))
+        qlens += [rows // reqs + (1 if i < rows % reqs else 0) for i in range(reqs)]
+    return qlens
+
+
 def dummy_step(tokens: int, device: torch.device, max_blocks_per_req: int,
-               vocab_size: int | None, prefill: bool = False
+               vocab_size: int | None, prefill: bool = False,
+               qlens: Sequence[int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
     """A synthetic step of ``tokens`` rows whose KV writes go nowhere (slot -1):
-    ``tokens`` one-token requests, or (``prefill``) two requests of half the tokens each.
+    ``tokens`` one-token requests, or (``prefill``) two requests of half the tokens each, or
+    requests of ``qlens`` tokens each (:func:`capture_qlens`; they sum to ``tokens``).
 
     Returns ``(input_ids, positions, attn_metadata, qlens)`` on ``device``: ``[tokens]`` int64
     ids (random below ``vocab_size``, seeded by ``tokens``, when given; else zeros), ``[tokens]``
@@ -370,7 +403,13 @@ def dummy_step(tokens: int, device: torch.device, max_blocks_per_req: int,
     tokens per request (host ints). The CUDA-graph runner's warm-up steps."""
     dev = device
     i32 = dict(dtype=torch.int32, device=dev)
-    qlens = [tokens // 2, tokens - tokens // 2] if prefill else [1] * tokens
+    if qlens is not None:
+        qlens = [int(q) for q in qlens]
+        if sum(qlens) != tokens or min(qlens, default=1) < 1:
+            raise GraphRunnerError(f"synthetic step of {tokens} rows: request lengths {qlens} "
+                                   "must be >= 1 and sum to the rows")
+    else:
+        qlens = [tokens // 2, tokens - tokens // 2] if prefill else [1] * tokens
     qsl = torch.tensor([0] + qlens, **i32).cumsum(0, dtype=torch.int32)
     md = AttentionMetadata(
         query_start_loc=qsl,

@@ -58,17 +58,19 @@ Per step (serving path; never captures):
    zero-length requests (``query_start_loc`` repeats its last value, ``seq_lens`` 0, block-table
    rows 0); for the split graph, the metadata is cut per ubatch first
    (:func:`~dbo_compile.runtime.ubatch.split_attn_metadata`) and each ubatch padded to its
-   captured request capacity (``bucket // num_ubatches`` requests);
+   captured request capacity (``bucket // num_ubatches`` requests; with ``max_num_reqs=M``
+   ``min(bucket, M)`` unsplit and ``min(bucket // num_ubatches, M)`` per ubatch);
 4. replay; the output rows of the real tokens are returned (**views of the graph's static
    output**: consume or copy them before the next step).
 
-A step larger than the largest bucket, or whose block table is wider than
-``max_blocks_per_req``, runs eagerly through the compiled model (logged once per reason), on
-every rank together (such a rank asks the vote for one token past the largest bucket): a
-capture never happens after warm-up. So does a step whose model holds another value of a number
-the graphs take as an input and bake in (a float attribute under ``torch.compile(dynamic=True)``:
-a norm's eps, a rope scale), read again from the model at every step
-(:mod:`~dbo_compile.runtime.numbers`): the eager path runs Dynamo's graph with the new value.
+A step larger than the largest bucket, whose block table is wider than
+``max_blocks_per_req``, or with more than ``max_num_reqs`` requests, runs eagerly through the
+compiled model (logged once per reason), on every rank together (such a rank asks the vote for
+one token past the largest bucket): a capture never happens after warm-up. So does a step
+whose model holds another value of a number the graphs take as an input and bake in (a float
+attribute under ``torch.compile(dynamic=True)``: a norm's eps, a rope scale), read again from
+the model at every step (:mod:`~dbo_compile.runtime.numbers`): the eager path runs Dynamo's
+graph with the new value.
 
 Caveat: the timings are taken on synthetic one-token-context steps; with an attention kernel
 whose cost grows with the context, long-context steps weigh attention more than measured.
@@ -101,6 +103,7 @@ from dbo_compile.runtime.buckets import (
     BucketGraphs,
     OutputMap,
     bucket_stats,
+    capture_qlens,
     check_artifact,
     copy_into,
     copy_plan,
@@ -155,6 +158,19 @@ class CudaGraphRunner:
             captures the unsplit graph only; a split step runs in the smallest bucket that
             holds it and is such a multiple.
         max_blocks_per_req: block-table width (KV blocks per request) of the static buffers.
+        max_num_reqs: the most requests a step holds (the engine's bound: vLLM
+            ``max_num_seqs``, SGLang ``max_running_requests``): each bucket's static request
+            buffers (``query_start_loc``, ``seq_lens``, ``num_computed_tokens``, block-table
+            rows) hold ``min(bucket, M)`` requests, each ubatch's of the split graph
+            ``min(bucket // num_ubatches, M)`` (a step's requests may all fall into one
+            ubatch), at least 2 (:func:`~.buckets.capture_qlens`); a step with more runs
+            eagerly. ``None`` (default): ``bucket`` requests (``bucket // num_ubatches`` per
+            ubatch). Why: every step is padded with zero-length requests to the capacity, and
+            the attention kernel's grid is ``(T // BLOCK_M + R) x Hkv`` programs, padding
+            included: one ubatch of V3 prefill 2048 (Hkv 128) launched 139,264 programs for
+            8,192 with work, 475 µs padded vs 207 µs unpadded on one H100
+            (``benchmarks/results/attn_v3_padded_h100_2026-12-07.json``,
+            ``attn_v3_unpadded_h100_2026-12-07.json``). Not yet measured end to end on a GPU.
         block_size: KV-cache block size (tokens), passed to the prefix-read veto; default the
             block size of the compiled graph's KV caches; where the model has ``kv_caches()``
             (allocated), it must be one of theirs.
@@ -203,8 +219,9 @@ class CudaGraphRunner:
     later) is named, with why, in one INFO line of this module's logger.
 
     Raises:
-        GraphRunnerError: bad buckets, ``max_blocks_per_req``, ``timing_iters`` or
-            ``graph_memory_budget`` (an int >= 1 or ``None``; not a bool), a
+        GraphRunnerError: bad buckets, ``max_blocks_per_req``, ``timing_iters``,
+            ``max_num_reqs`` or ``graph_memory_budget`` (an int >= 1 or ``None``; not a
+            bool), a
             ``block_size`` other than the model's KV cache's, a model keyword its forward does
             not take (a typo of a runner argument) or that is a step's own argument
             (``vetoes``, ``allow_split``), or a CUDA device without CUDA; at :meth:`capture`:
@@ -212,7 +229,8 @@ class CudaGraphRunner:
     """
 
     def __init__(self, compiled: Callable[..., Any], buckets: Sequence[int], *,
-                 max_blocks_per_req: int, block_size: int | None = None, timing_iters: int = 10,
+                 max_blocks_per_req: int, max_num_reqs: int | None = None,
+                 block_size: int | None = None, timing_iters: int = 10,
                  min_gain: float | None = None, device: torch.device | str | None = None,
                  vocab_size: int | None = None, keep_candidates: bool = False,
                  static_buckets: Sequence[int] = (),
@@ -221,6 +239,7 @@ class CudaGraphRunner:
                  graph_memory_budget: int | None = None, **model_kwargs: Any):
         buckets, self.static_buckets = check_buckets(buckets, static_buckets)
         max_blocks_per_req = positive_int("max_blocks_per_req", max_blocks_per_req)
+        self.max_num_reqs = positive_int("max_num_reqs", max_num_reqs, optional=True)
         timing_iters = positive_int("timing_iters", timing_iters)
         vocab_size = positive_int("vocab_size", vocab_size, optional=True)
         block_size = positive_int("block_size", block_size, optional=True)
@@ -260,7 +279,7 @@ class CudaGraphRunner:
         """Run one synthetic step through the compiled model; its artifact, graph args, the
         positions of the step's inputs among them, and where the model's outputs come from."""
         ids, pos, md, qlens = dummy_step(tokens, self.device, self.max_blocks_per_req,
-                                         self.vocab_size, prefill)
+                                         self.vocab_size, prefill, self._qlens(tokens, prefill))
         with torch.no_grad(), record_calls() as calls, uncounted():
             ret = run_step(self.compiled, ids, pos, md, qlens, block_size=self.block_size,
                            **self.model_kwargs)
@@ -329,7 +348,7 @@ class CudaGraphRunner:
                     "ignore that. Keep layout-dependent host values out of the model")
         check_artifact(art, tokens, args)
         ids, pos, md, _ = dummy_step(tokens, self.device, self.max_blocks_per_req,
-                                     self.vocab_size)
+                                     self.vocab_size, qlens=self._qlens(tokens))
         numbers = InputNumbers(self.compiled, art.specs, args, (ids, pos, md),
                                self.model_kwargs)
         bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map,
@@ -399,7 +418,7 @@ class CudaGraphRunner:
             inputs_oom = None
             if b.prune.timed:
                 try:
-                    b.split_args = art.split_args(b.args, [1] * b.tokens)
+                    b.split_args = self._split_capture_args(b)
                 except torch.OutOfMemoryError as e:
                     inputs_oom = (f"bucket {b.tokens}: the split graphs' static per-ubatch inputs "
                                   f"ran out of GPU memory ({oom_head(e)})")
@@ -413,6 +432,27 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         b.times_us = self._time(b, timed_graphs(b, art.config.split))
         b.warmup_s["timing"] = time.perf_counter() - t0
+
+    def _qlens(self, tokens: int, prefill: bool = False) -> list[int] | None:
+        """The request lengths of the synthetic step recorded for bucket ``tokens`` (the
+        unsplit graph's request capacity: :func:`~.buckets.capture_qlens`); ``None``:
+        :func:`~.buckets.dummy_step`'s own (``max_num_reqs`` unset, or the prefill-shaped
+        probe's two requests)."""
+        if self.max_num_reqs is None or prefill:
+            return None
+        return capture_qlens(tokens, self.max_num_reqs)
+
+    def _split_capture_args(self, b: BucketGraphs) -> list[Any]:
+        """The split program's static per-ubatch inputs of ``b``: the recorded step cut per
+        ubatch (``bucket // num_ubatches`` one-token requests each); with ``max_num_reqs``, a
+        synthetic step of ``min(rows, M)`` requests per ubatch, cut as a served step is."""
+        art = b.artifact
+        if self.max_num_reqs is None:
+            return art.split_args(b.args, [1] * b.tokens)
+        qlens = capture_qlens(b.tokens, self.max_num_reqs, art.config.num_ubatches)
+        ids, pos, md, _ = dummy_step(b.tokens, self.device, self.max_blocks_per_req,
+                                     self.vocab_size, qlens=qlens)
+        return art.split_args(graph_args(b, ids, pos, md), qlens)
 
     def _graph(self, b: BucketGraphs, name: str, fn: Callable[[], Any], cuda: bool) -> None:
         times = {"warmup_s": 0.0}
@@ -447,7 +487,8 @@ class CudaGraphRunner:
             positions: ``[num_tokens]`` int64.
             attn_metadata: the step's metadata; its block table at most ``max_blocks_per_req``
                 wide (else the step runs eagerly); with host mirrors where the caller has them.
-            num_scheduled_tokens: tokens per request (host ints).
+            num_scheduled_tokens: tokens per request (host ints); more than ``max_num_reqs``
+                requests: the step runs eagerly.
             vetoes / allow_split: as :func:`dbo_compile.runtime.engine.run_step`.
 
         Returns:
@@ -485,7 +526,10 @@ class CudaGraphRunner:
         # the captured ones in real_args): one that changed sends the step down the eager path
         changed = changed_numbers(self.graphs, (input_ids, positions, attn_metadata),
                                   self.model_kwargs)
-        fits = n <= self.buckets[-1] and width <= self.max_blocks_per_req and not changed
+        num_reqs = len(ctx["num_scheduled_tokens"])
+        too_many_reqs = self.max_num_reqs is not None and num_reqs > self.max_num_reqs
+        fits = (n <= self.buckets[-1] and width <= self.max_blocks_per_req and not changed
+                and not too_many_reqs)
         # a step that fits no graph on *this* rank asks for one token past the largest bucket,
         # so that the vote sends every rank down the eager path together (never a hang)
         min_padded = 0 if fits else self.buckets[-1] + 1
@@ -508,6 +552,8 @@ class CudaGraphRunner:
                 reason = f"{n} tokens > largest bucket {self.buckets[-1]}"
             elif width > self.max_blocks_per_req:
                 reason = f"block table width {width} > max_blocks_per_req {self.max_blocks_per_req}"
+            elif too_many_reqs:
+                reason = f"{num_reqs} requests > max_num_reqs {self.max_num_reqs}"
             elif changed:
                 reason = changed_reason(changed)
             else:
