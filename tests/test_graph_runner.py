@@ -321,6 +321,30 @@ def _wide_on_one_rank_body(rank, world_size):
     return {"eager_steps": runner.eager_steps, "err": float((out - ref).abs().max())}
 
 
+def _many_reqs_on_one_rank_body(rank, world_size):
+    import torch.distributed as dist
+
+    from dbo_compile.backend import register
+
+    register()
+    cfg, model = _model(dist.group.WORLD)
+    compiled = torch.compile(model, backend="dbo", options={"split": "always"})
+    runner = CudaGraphRunner(compiled, [16], max_blocks_per_req=8, timing_iters=1,
+                             max_num_reqs=6)
+    runner.capture()
+    # 7 tokens on each rank (the eager reference's all-to-all takes equal counts): rank 0 in
+    # 7 requests (> max_num_reqs 6), rank 1 in 3, which fit
+    dec, pre = ([5, 40, 17, 3, 60, 33, 9], []) if rank == 0 else ([5, 3], [(20, 5)])
+    step = make_step(cfg, decode_context_lens=dec, prefills=pre, block_size=16,
+                     num_blocks=NUM_BLOCKS)
+    with torch.no_grad():
+        ref = model(step.input_ids, step.positions, step.attn_metadata)
+        out = runner(step.input_ids, step.positions, step.attn_metadata,
+                     step.num_scheduled_tokens)
+    return {"eager_steps": runner.eager_steps, "choice": runner.last_choice,
+            "err": float((out - ref).abs().max())}
+
+
 @pytest.mark.multirank
 def test_a_step_that_fits_no_graph_on_one_rank_runs_eagerly_on_every_rank(request):
     """Only rank 0's block table is too wide: every rank must take the eager path (graph
@@ -776,6 +800,8 @@ RANKS = SharedRanks(2, timeout_s=600, calls={
         (_wide_on_one_rank_body, ()),
     "test_a_number_changed_on_one_rank_sends_every_rank_down_one_path":
         (_number_on_one_rank_body, ()),
+    "test_more_than_max_num_reqs_on_one_rank_runs_eagerly_on_every_rank":
+        (_many_reqs_on_one_rank_body, ()),
 })
 
 
@@ -1042,3 +1068,14 @@ def test_a_bad_max_num_reqs_is_refused_at_construction(bad):
     _, model = _model(layers=1)
     with pytest.raises(GraphRunnerError, match=r"max_num_reqs must be None or an int >= 1"):
         CudaGraphRunner(model, BUCKETS, max_blocks_per_req=8, max_num_reqs=bad)
+
+
+@pytest.mark.multirank
+def test_more_than_max_num_reqs_on_one_rank_runs_eagerly_on_every_rank(request):
+    """Only rank 0 has more than ``max_num_reqs`` requests: every rank takes the eager path
+    (rank 0's copy into its request buffers would fail while rank 1 replays the graph)."""
+    results = RANKS.results(request, _many_reqs_on_one_rank_body)
+    assert [r["eager_steps"] for r in results] == [1, 1]
+    assert results[0]["choice"] == ("eager", "7 requests > max_num_reqs 6")
+    assert results[1]["choice"][0] == "eager" and "DP vote padded" in results[1]["choice"][1]
+    assert all(r["err"] <= 1e-5 for r in results)
