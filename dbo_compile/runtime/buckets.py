@@ -389,6 +389,19 @@ def capture_qlens(tokens: int, max_num_reqs: int | None, num_ubatches: int = 1) 
     return qlens
 
 
+def split_capture_args(b: BucketGraphs, max_num_reqs: int | None, device: torch.device,
+                       max_blocks_per_req: int, vocab_size: int | None) -> list[Any]:
+    """The split program's static per-ubatch inputs of ``b``: its recorded step cut per
+    ubatch (``bucket // num_ubatches`` one-token requests each); with ``max_num_reqs``, a
+    synthetic step of :func:`capture_qlens` requests per ubatch, cut as a served step is."""
+    art = b.artifact
+    if max_num_reqs is None:
+        return art.split_args(b.args, [1] * b.tokens)
+    qlens = capture_qlens(b.tokens, max_num_reqs, art.config.num_ubatches)
+    ids, pos, md, _ = dummy_step(b.tokens, device, max_blocks_per_req, vocab_size, qlens=qlens)
+    return art.split_args(graph_args(b, ids, pos, md), qlens)
+
+
 def dummy_step(tokens: int, device: torch.device, max_blocks_per_req: int,
                vocab_size: int | None, prefill: bool = False,
                qlens: Sequence[int] | None = None

@@ -112,6 +112,7 @@ from dbo_compile.runtime.buckets import (
     graph_args,
     map_inputs,
     memory_report,
+    split_capture_args,
     split_program_fn,
     warmup_text,
 )
@@ -126,11 +127,11 @@ from dbo_compile.runtime.context import (
 )
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.runtime.graph_memory import capture_optional, oom_head, oom_in, unsplit_oom_error
-from dbo_compile.runtime.numbers import InputNumbers, changed_numbers, changed_reason
+from dbo_compile.runtime.numbers import InputNumbers, changed_numbers
 from dbo_compile.runtime.padding import pad_args
 from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
-from dbo_compile.runtime.runner_args import (check_buckets, check_fractions, log_unchecked,
-                                             positive_int)
+from dbo_compile.runtime.runner_args import (check_buckets, check_fractions, local_misfit,
+                                             log_unchecked, positive_int)
 from dbo_compile.runtime.vote import bucket_never_splits
 
 log = logging.getLogger(__name__)
@@ -164,13 +165,7 @@ class CudaGraphRunner:
             rows) hold ``min(bucket, M)`` requests, each ubatch's of the split graph
             ``min(bucket // num_ubatches, M)`` (a step's requests may all fall into one
             ubatch), at least 2 (:func:`~.buckets.capture_qlens`); a step with more runs
-            eagerly. ``None`` (default): ``bucket`` requests (``bucket // num_ubatches`` per
-            ubatch). Why: every step is padded with zero-length requests to the capacity, and
-            the attention kernel's grid is ``(T // BLOCK_M + R) x Hkv`` programs, padding
-            included: one ubatch of V3 prefill 2048 (Hkv 128) launched 139,264 programs for
-            8,192 with work, 475 µs padded vs 207 µs unpadded on one H100
-            (``benchmarks/results/attn_v3_padded_h100_2026-12-07.json``,
-            ``attn_v3_unpadded_h100_2026-12-07.json``). Not yet measured end to end on a GPU.
+            eagerly. ``None``: ``bucket`` (``bucket // num_ubatches``). Why: docs/serving.md.
         block_size: KV-cache block size (tokens), passed to the prefix-read veto; default the
             block size of the compiled graph's KV caches; where the model has ``kv_caches()``
             (allocated), it must be one of theirs.
@@ -279,7 +274,8 @@ class CudaGraphRunner:
         """Run one synthetic step through the compiled model; its artifact, graph args, the
         positions of the step's inputs among them, and where the model's outputs come from."""
         ids, pos, md, qlens = dummy_step(tokens, self.device, self.max_blocks_per_req,
-                                         self.vocab_size, prefill, self._qlens(tokens, prefill))
+                                         self.vocab_size, prefill,
+                                         None if prefill else capture_qlens(tokens, self.max_num_reqs))
         with torch.no_grad(), record_calls() as calls, uncounted():
             ret = run_step(self.compiled, ids, pos, md, qlens, block_size=self.block_size,
                            **self.model_kwargs)
@@ -348,7 +344,7 @@ class CudaGraphRunner:
                     "ignore that. Keep layout-dependent host values out of the model")
         check_artifact(art, tokens, args)
         ids, pos, md, _ = dummy_step(tokens, self.device, self.max_blocks_per_req,
-                                     self.vocab_size, qlens=self._qlens(tokens))
+                                     self.vocab_size, qlens=capture_qlens(tokens, self.max_num_reqs))
         numbers = InputNumbers(self.compiled, art.specs, args, (ids, pos, md),
                                self.model_kwargs)
         bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map,
@@ -418,7 +414,8 @@ class CudaGraphRunner:
             inputs_oom = None
             if b.prune.timed:
                 try:
-                    b.split_args = self._split_capture_args(b)
+                    b.split_args = split_capture_args(b, self.max_num_reqs, self.device,
+                                                      self.max_blocks_per_req, self.vocab_size)
                 except torch.OutOfMemoryError as e:
                     inputs_oom = (f"bucket {b.tokens}: the split graphs' static per-ubatch inputs "
                                   f"ran out of GPU memory ({oom_head(e)})")
@@ -432,27 +429,6 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         b.times_us = self._time(b, timed_graphs(b, art.config.split))
         b.warmup_s["timing"] = time.perf_counter() - t0
-
-    def _qlens(self, tokens: int, prefill: bool = False) -> list[int] | None:
-        """The request lengths of the synthetic step recorded for bucket ``tokens`` (the
-        unsplit graph's request capacity: :func:`~.buckets.capture_qlens`); ``None``:
-        :func:`~.buckets.dummy_step`'s own (``max_num_reqs`` unset, or the prefill-shaped
-        probe's two requests)."""
-        if self.max_num_reqs is None or prefill:
-            return None
-        return capture_qlens(tokens, self.max_num_reqs)
-
-    def _split_capture_args(self, b: BucketGraphs) -> list[Any]:
-        """The split program's static per-ubatch inputs of ``b``: the recorded step cut per
-        ubatch (``bucket // num_ubatches`` one-token requests each); with ``max_num_reqs``, a
-        synthetic step of ``min(rows, M)`` requests per ubatch, cut as a served step is."""
-        art = b.artifact
-        if self.max_num_reqs is None:
-            return art.split_args(b.args, [1] * b.tokens)
-        qlens = capture_qlens(b.tokens, self.max_num_reqs, art.config.num_ubatches)
-        ids, pos, md, _ = dummy_step(b.tokens, self.device, self.max_blocks_per_req,
-                                     self.vocab_size, qlens=qlens)
-        return art.split_args(graph_args(b, ids, pos, md), qlens)
 
     def _graph(self, b: BucketGraphs, name: str, fn: Callable[[], Any], cuda: bool) -> None:
         times = {"warmup_s": 0.0}
@@ -521,18 +497,16 @@ class CudaGraphRunner:
                    vetoes=tuple(vetoes), allow_split=allow_split)
         largest = self.graphs[self.buckets[-1]]
         real_args = graph_args(largest, input_ids, positions, attn_metadata)
-        width = int(attn_metadata.block_table.shape[1])
         # the graphs bake in the numbers the model held at capture (the vote's artifact sees
         # the captured ones in real_args): one that changed sends the step down the eager path
         changed = changed_numbers(self.graphs, (input_ids, positions, attn_metadata),
                                   self.model_kwargs)
-        num_reqs = len(ctx["num_scheduled_tokens"])
-        too_many_reqs = self.max_num_reqs is not None and num_reqs > self.max_num_reqs
-        fits = (n <= self.buckets[-1] and width <= self.max_blocks_per_req and not changed
-                and not too_many_reqs)
+        misfit = local_misfit(n, int(attn_metadata.block_table.shape[1]),
+                              len(ctx["num_scheduled_tokens"]), changed, self.buckets[-1],
+                              self.max_blocks_per_req, self.max_num_reqs)
         # a step that fits no graph on *this* rank asks for one token past the largest bucket,
         # so that the vote sends every rank down the eager path together (never a hang)
-        min_padded = 0 if fits else self.buckets[-1] + 1
+        min_padded = 0 if misfit is None else self.buckets[-1] + 1
         with step_context(**ctx):
             # the runner pads into its own buffers: a static graph's fixed size does not apply
             decision = largest.artifact.decide_step(
@@ -548,18 +522,11 @@ class CudaGraphRunner:
             if split_step and padded <= self.buckets[-1]:
                 reason = (f"the split step of {padded} tokens fits no bucket that is a multiple "
                           f"of num_ubatches={n_ub} (buckets {self.buckets})")
-            elif n > self.buckets[-1]:
-                reason = f"{n} tokens > largest bucket {self.buckets[-1]}"
-            elif width > self.max_blocks_per_req:
-                reason = f"block table width {width} > max_blocks_per_req {self.max_blocks_per_req}"
-            elif too_many_reqs:
-                reason = f"{num_reqs} requests > max_num_reqs {self.max_num_reqs}"
-            elif changed:
-                reason = changed_reason(changed)
             else:
-                reason = (f"the DP vote padded the step to {padded} tokens (> largest bucket "
-                          f"{self.buckets[-1]}): another rank's step fits no captured graph, "
-                          "or its model changed a number the graphs bake in")
+                reason = misfit or (
+                    f"the DP vote padded the step to {padded} tokens (> largest bucket "
+                    f"{self.buckets[-1]}): another rank's step fits no captured graph, or its "
+                    "model changed a number the graphs bake in")
             self.last_choice, self.last_graph = ("eager", reason), None
             return self._eager(reason, input_ids, positions, attn_metadata, ctx)
         b = self.graphs[tokens]
