@@ -74,6 +74,15 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: Seq
         pickle.dump(payload, f)
     if dist.is_initialized():
         try:
+            # no rank tears its Gloo pairs down while a peer is still connecting them: a rank
+            # whose function returned at once closed the mesh under a peer still in
+            # init_process_group ("connectFullMesh failed: Connection closed by peer", CI of
+            # 2026-12-07); bounded, so that a peer that failed costs seconds, not the timeout
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(timeout_s, 30.0)),
+                                   wait_all_ranks=True)
+        except Exception:  # noqa: BLE001 - a peer's failure is reported by its own result
+            pass
+        try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
