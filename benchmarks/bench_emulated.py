@@ -161,6 +161,7 @@ def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Ti
     cfg = model.config
     steps = {(p, n): H.make_bucket_step(cfg, p, n, str(device), seed=n, host_mirrors=True)
              for p, n in buckets}
+    bench_cli.check_max_num_reqs(args.max_num_reqs, steps)
     blocks = max(s.num_blocks for s in steps.values())
     width = max(int(s.attn_metadata.block_table.shape[1]) for s in steps.values())
     model.allocate_kv_cache(blocks, 16)
@@ -169,7 +170,8 @@ def run_world(args, preset: str, w: int, gbps: float, buckets, device, timer: Ti
     tokens = sorted({n for _, n in buckets})
     runner = CudaGraphRunner(cmodel, tokens, max_blocks_per_req=width, block_size=16,
                              vocab_size=cfg.vocab_size, timing_iters=args.timing_iters,
-                             keep_candidates=True, device=device)
+                             keep_candidates=True, device=device,
+                             max_num_reqs=args.max_num_reqs)
     with torch.no_grad():
         runner.capture()
     capture_s = time.perf_counter() - t0
@@ -422,6 +424,7 @@ def main(args) -> int:
              f"compute_backend={args.compute_backend}, candidates={args.candidates}, carve-out "
              f"candidates {','.join(map(str, args.carveouts)) or 'none'} "
              f"(sm_carveout_mode={args.carveout_mode})"
+             + (f", max_num_reqs={args.max_num_reqs}" if args.max_num_reqs else "")
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
              + (f", hold_sms={args.hold_sms} (each transfer holds that many SMs)"
                 if getattr(args, "hold_sms", 0) else ", copy engines (no SM held)")

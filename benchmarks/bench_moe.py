@@ -183,7 +183,8 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
         ref = model(ids, pos, md).clone()
     runner = CudaGraphRunner(cmodel, [tokens], max_blocks_per_req=int(md.block_table.shape[1]),
                              block_size=step.block_size, vocab_size=cfg.vocab_size,
-                             timing_iters=args.iters, keep_candidates=True, device=device)
+                             timing_iters=args.iters, keep_candidates=True, device=device,
+                             max_num_reqs=args.max_num_reqs)
     t0 = time.perf_counter()
     with torch.no_grad():
         runner.capture()
@@ -353,6 +354,7 @@ def main(argv=None) -> int:
              + (f", comm_sms={args.comm_sms}" if args.comm_sms else "")
              + f", carve-out candidates {args.carveout_candidates or 'none'} "
              f"(sm_carveout_mode={args.carveout_mode})"
+             + (f", max_num_reqs={args.max_num_reqs}" if args.max_num_reqs else "")
              + f", compute_backend={args.compute_backend}, DP vote over {args.vote_group}"
              + (f", calibration {args.calibration}" if args.calibration else ""))
     log(f"[bench] {machine} torch {torch.__version__} nccl {nccl} link={link} {setup}")

@@ -66,7 +66,7 @@ from dbo_compile.ops import emulated as E  # noqa: E402
 from dbo_compile.runtime.capture import capture, run_draining  # noqa: E402
 from dbo_compile.runtime.cudagraph_runner import CudaGraphRunner  # noqa: E402
 from dbo_compile.testing import moe as H  # noqa: E402
-from dbo_compile.testing.bench_cli import world_options  # noqa: E402
+from dbo_compile.testing.bench_cli import check_max_num_reqs, world_options  # noqa: E402
 
 PEERS = ("vllm_dbo", "sglang_tbo")
 GPU_BUCKETS = ("decode:64,decode:128,decode:256,decode:512,decode:1024,"
@@ -98,6 +98,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--candidates", default="default",
                    help="ours: option schedule_candidates (default: the package default)")
     p.add_argument("--carveout-candidates", default="default")
+    p.add_argument("--max-num-reqs", type=int, default=None,
+                   help="ours: CudaGraphRunner(max_num_reqs=...), the requests each bucket's "
+                        "static buffers hold (the engine's max_num_seqs; default: the bucket's "
+                        "token count)")
     p.add_argument("--comm-sms", type=int, default=None)
     p.add_argument("--calibration", default=None)
     p.add_argument("--cost-link-gbps", type=float, default=44.0)
@@ -258,13 +262,14 @@ def build_world(args, preset: str, w: int, gbps: float, buckets, device,
     cfg = model.config
     steps = {(p, n): H.make_bucket_step(cfg, p, n, str(device), seed=n, host_mirrors=True)
              for p, n in buckets}
+    check_max_num_reqs(args.max_num_reqs, steps)
     model.allocate_kv_cache(max(s.num_blocks for s in steps.values()), 16)
     width = max(int(s.attn_metadata.block_table.shape[1]) for s in steps.values())
     cmodel = torch.compile(model, backend="dbo", options=world_options(args, w, gbps))
     runner = CudaGraphRunner(cmodel, sorted({n for _, n in buckets}), max_blocks_per_req=width,
                              block_size=16, vocab_size=cfg.vocab_size,
                              timing_iters=args.timing_iters, keep_candidates=keep_candidates,
-                             device=device)
+                             device=device, max_num_reqs=args.max_num_reqs)
     with torch.no_grad():
         runner.capture()
     capture_s = time.perf_counter() - t0

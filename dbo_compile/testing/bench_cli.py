@@ -10,6 +10,7 @@ was asked for): :func:`given_flags`, :func:`refuse_unread`.
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -115,6 +116,10 @@ def moe_parser(description: str | None = None, json_default: str | None = None
                    help="option sm_carveout_mode: how a carve-out keeps its SMs free: cuBLAS "
                         "GEMMs only (default) or every compute kernel (the split program's "
                         "compute stream in a CUDA green context)")
+    p.add_argument("--max-num-reqs", type=int, default=None,
+                   help="CudaGraphRunner(max_num_reqs=...): the requests each bucket's static "
+                        "buffers hold (the engine's max_num_seqs); default: the bucket's "
+                        "token count (bucket / num_ubatches per ubatch)")
     p.add_argument("--candidates", default="all",
                    help="option schedule_candidates: 'all' (default: every candidate timed, the "
                         "data the package default is chosen from), 'default' (the package "
@@ -421,3 +426,19 @@ def parse_soak(argv: Sequence[str] | None = None,
     if args.contents < 0 or args.check_every < 1:
         p.error("--contents must be >= 0 and --check-every >= 1")
     return args
+
+
+def check_max_num_reqs(max_num_reqs: int | None, steps: dict) -> None:
+    """``--max-num-reqs M`` against the benchmark's steps (``(phase, tokens) -> Step``): a step
+    of more than ``M`` requests cannot be loaded into a bucket's graph (the runner serves it
+    eagerly; the benchmarks time the graphs). Raises ``SystemExit`` (usage, code 2) naming
+    the buckets; a decode bucket's step holds one request per token."""
+    if max_num_reqs is None:
+        return
+    over = [f"{p}:{n} ({len(s.num_scheduled_tokens)} requests)" for (p, n), s in steps.items()
+            if len(s.num_scheduled_tokens) > max_num_reqs]
+    if over:
+        print(f"--max-num-reqs {max_num_reqs}: the steps of {', '.join(over)} hold more requests "
+              "than the graphs would; a decode bucket's step holds one request per token: give "
+              "a larger value or leave those buckets out", file=sys.stderr)
+        raise SystemExit(2)
