@@ -5,6 +5,7 @@ buffers (:mod:`~dbo_compile.runtime.cudagraph_runner` captures and replays them)
   warm-up seconds by part: :data:`WARMUP_PARTS`);
 - :func:`check_artifact`: what a bucket refuses to capture;
 - :func:`map_inputs` / :func:`graph_args`: where a step's inputs sit among the graph inputs;
+  :func:`local_misfit`: why a step fits no captured graph on this rank;
 - :func:`copy_into`: a step's inputs copied into the static ones, request-indexed metadata
   padded with zero-length requests to the captured request capacity;
 - :class:`OutputMap`: the model's return value in terms of the graph's flat outputs, cut to the
@@ -32,7 +33,7 @@ from dbo_compile.errors import GraphRunnerError
 from dbo_compile.metadata import FIELD_LAYOUT, AttentionMetadata
 from dbo_compile.runtime.artifact import CompiledArtifact
 from dbo_compile.runtime.context import last_outputs
-from dbo_compile.runtime.numbers import InputNumbers
+from dbo_compile.runtime.numbers import InputNumbers, changed_reason
 from dbo_compile.runtime.padding import join_ubatch_outputs
 
 log = logging.getLogger(__name__)
@@ -285,6 +286,22 @@ def _copy_request_padded(dst: torch.Tensor, src: torch.Tensor, name: str) -> Non
     else:
         dst[:r].copy_(src)
         dst[r:].zero_()
+
+
+def local_misfit(tokens: int, width: int, num_reqs: int, changed: Any, largest: int,
+                 max_blocks_per_req: int, max_num_reqs: int | None) -> str | None:
+    """Why this rank's step fits no captured graph of the
+    :class:`~.cudagraph_runner.CudaGraphRunner`, or ``None`` where it fits: ``tokens`` rows over the ``largest`` bucket,
+    a block table ``width`` over ``max_blocks_per_req``, ``num_reqs`` requests over
+    ``max_num_reqs``, or ``changed`` numbers the graphs bake in
+    (:func:`~.numbers.changed_reason`). Such a step runs eagerly on every rank together."""
+    if tokens > largest:
+        return f"{tokens} tokens > largest bucket {largest}"
+    if width > max_blocks_per_req:
+        return f"block table width {width} > max_blocks_per_req {max_blocks_per_req}"
+    if max_num_reqs is not None and num_reqs > max_num_reqs:
+        return f"{num_reqs} requests > max_num_reqs {max_num_reqs}"
+    return changed_reason(changed) if changed else None
 
 
 def check_artifact(art: CompiledArtifact, tokens: int, args: Sequence[Any]) -> None:

@@ -110,6 +110,7 @@ from dbo_compile.runtime.buckets import (
     describe,
     dummy_step,
     graph_args,
+    local_misfit,
     map_inputs,
     memory_report,
     split_capture_args,
@@ -130,8 +131,8 @@ from dbo_compile.runtime.graph_memory import capture_optional, oom_head, oom_in,
 from dbo_compile.runtime.numbers import InputNumbers, changed_numbers
 from dbo_compile.runtime.padding import pad_args
 from dbo_compile.runtime.prune import DEFAULT_PRUNE_MARGIN, agreed, artifact_predictor, plan
-from dbo_compile.runtime.runner_args import (check_buckets, check_fractions, local_misfit,
-                                             log_unchecked, positive_int)
+from dbo_compile.runtime.runner_args import (check_buckets, check_fractions, log_unchecked,
+                                             positive_int)
 from dbo_compile.runtime.vote import bucket_never_splits
 
 log = logging.getLogger(__name__)
@@ -273,9 +274,9 @@ class CudaGraphRunner:
                 ) -> tuple[Any, list[Any], dict[str, int], OutputMap]:
         """Run one synthetic step through the compiled model; its artifact, graph args, the
         positions of the step's inputs among them, and where the model's outputs come from."""
+        layout = None if prefill else capture_qlens(tokens, self.max_num_reqs)
         ids, pos, md, qlens = dummy_step(tokens, self.device, self.max_blocks_per_req,
-                                         self.vocab_size, prefill,
-                                         None if prefill else capture_qlens(tokens, self.max_num_reqs))
+                                         self.vocab_size, prefill, layout)
         with torch.no_grad(), record_calls() as calls, uncounted():
             ret = run_step(self.compiled, ids, pos, md, qlens, block_size=self.block_size,
                            **self.model_kwargs)
@@ -344,7 +345,8 @@ class CudaGraphRunner:
                     "ignore that. Keep layout-dependent host values out of the model")
         check_artifact(art, tokens, args)
         ids, pos, md, _ = dummy_step(tokens, self.device, self.max_blocks_per_req,
-                                     self.vocab_size, qlens=capture_qlens(tokens, self.max_num_reqs))
+                                     self.vocab_size,
+                                     qlens=capture_qlens(tokens, self.max_num_reqs))
         numbers = InputNumbers(self.compiled, art.specs, args, (ids, pos, md),
                                self.model_kwargs)
         bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map,

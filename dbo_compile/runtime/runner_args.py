@@ -19,7 +19,6 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from dbo_compile.errors import GraphRunnerError
-from dbo_compile.runtime.numbers import changed_reason
 
 __all__ = ["check_block_size", "check_buckets", "check_fractions", "check_model_kwargs",
            "check_vocab_size", "is_int", "log_unchecked", "positive_int"]
@@ -298,18 +297,3 @@ def log_unchecked(compiled: Any, block_size: int | None, vocab_size: int | None,
             f"{', '.join(args)} not checked against the model at construction: {why}"
             for why, args in by_why.items()))
 
-
-def local_misfit(tokens: int, width: int, num_reqs: int, changed: Any, largest: int,
-                 max_blocks_per_req: int, max_num_reqs: int | None) -> str | None:
-    """Why this rank's step fits no captured graph of :class:`~.cudagraph_runner.
-    CudaGraphRunner`, or ``None`` where it fits: ``tokens`` rows over the ``largest`` bucket,
-    a block table ``width`` over ``max_blocks_per_req``, ``num_reqs`` requests over
-    ``max_num_reqs``, or ``changed`` numbers the graphs bake in
-    (:func:`~.numbers.changed_reason`). Such a step runs eagerly on every rank together."""
-    if tokens > largest:
-        return f"{tokens} tokens > largest bucket {largest}"
-    if width > max_blocks_per_req:
-        return f"block table width {width} > max_blocks_per_req {max_blocks_per_req}"
-    if max_num_reqs is not None and num_reqs > max_num_reqs:
-        return f"{num_reqs} requests > max_num_reqs {max_num_reqs}"
-    return changed_reason(changed) if changed else None

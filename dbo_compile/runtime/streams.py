@@ -81,7 +81,7 @@ def device_of(values: Any) -> torch.device | None:
 #: SMs per green-context partition on sm_90 and later (the CUDA driver API's
 #: ``cuDevSmResourceSplitByCount``: a multiple of 8, at least 8)
 GREEN_CONTEXT_GRANULARITY = 8
-#: per ``(device index, compute SMs)``: the green context and its stream
+#: per ``(device index, carve-out)``: the green context and its stream
 _green: dict[tuple[int, int], tuple[Any, Any]] = {}
 
 
@@ -103,10 +103,10 @@ def green_context_sms(total: int, carveout: int) -> int:
 
 def _green_stream(index: int, carveout: int) -> Any:
     """The stream of a green context of ``cuda:index`` with :func:`green_context_sms` SMs
-    (created once per device and size)."""
-    total = torch.cuda.get_device_properties(index).multi_processor_count
-    sms = green_context_sms(total, carveout)
-    if (index, sms) not in _green:
+    (created once per device and carve-out: a step looks it up and nothing else)."""
+    if (index, carveout) not in _green:
+        sms = green_context_sms(torch.cuda.get_device_properties(index).multi_processor_count,
+                                carveout)
         gc_mod = getattr(torch.cuda, "green_contexts", None)
         if gc_mod is None or not getattr(gc_mod, "SUPPORTED", False) \
                 or not hasattr(gc_mod.GreenContext, "Stream"):
@@ -115,8 +115,8 @@ def _green_stream(index: int, carveout: int) -> Any:
                 f"GreenContext.Stream (a CUDA build of torch >= 2.10 on CUDA >= 12.4); this "
                 f"torch {torch.__version__} has none: use sm_carveout_mode='cublas'")
         ctx = gc_mod.GreenContext.create(num_sms=sms, device_id=index)
-        _green[(index, sms)] = (ctx, ctx.Stream())
-    return _green[(index, sms)][1]
+        _green[(index, carveout)] = (ctx, ctx.Stream())
+    return _green[(index, carveout)][1]
 
 
 @contextlib.contextmanager
