@@ -164,6 +164,7 @@ def bench_bucket(args, model, phase: str, tokens: int, device, cuda: bool, timer
     torch._dynamo.reset()
     dbo_backend.reset_artifacts()
     step = H.make_bucket_step(cfg, phase, tokens, device, seed=tokens, host_mirrors=True)
+    bench_cli.check_max_num_reqs(args.max_num_reqs, {(phase, tokens): step})
     model.allocate_kv_cache(step.num_blocks, step.block_size)
     ids, pos, md = step.input_ids, step.positions, step.attn_metadata
     qlens = step.num_scheduled_tokens

@@ -49,7 +49,7 @@ from dbo_compile.backend import compiled_artifacts, reset_artifacts
 from dbo_compile.errors import DpVoteError
 from dbo_compile.models import DeepseekMoEModel, get_config, make_step
 from dbo_compile.ops.emulated import EmulatedWorld
-from dbo_compile.passes.calibrate import FUSED, fuse_runs, simulate_overlapped, step_features
+from dbo_compile.passes.calibrate import FUSED, fused_features, simulate_overlapped, step_features
 from dbo_compile.passes.cost_model import Figures
 from dbo_compile.runtime.engine import run_step
 from dbo_compile.schedule import COMM, Schedule
@@ -162,7 +162,7 @@ def unit_cost(args, figs, cfg, world, phase, feats, tokens_u, torch_backend=Fals
     """µs of the compute nodes ``feats`` (one unit's, or the unsplit program's), their runs of
     element-wise nodes fused where the calibration was fitted so (``args.fusion``)."""
     t = 0.0
-    for cls, f, b, r in fuse_runs(feats) if args.fusion == "runs" else feats:
+    for cls, f, b, r in fused_features(feats, args.fusion):
         if cls == "comm":
             continue
         t += attention_us(args, figs, phase, r) if cls == "attention" else figs[cls].cost_us(f, b, r)

@@ -35,8 +35,8 @@ from dbo_compile.errors import DboConfigError
 from dbo_compile.passes.cost_model import CostModel, Figures, predict_us
 from dbo_compile.schedule import COMM, Schedule, Timeline, predecessors
 
-__all__ = ["FUSED", "FUSIONS", "fuse_runs", "node_cost", "predict_split", "predict_unsplit",
-           "simulate_overlapped", "step_features", "unit_features"]
+__all__ = ["FUSED", "FUSIONS", "fuse_runs", "fused_features", "node_cost", "predict_split",
+           "predict_unsplit", "simulate_overlapped", "step_features", "unit_features"]
 
 Feature = tuple[str, float, float, float]
 
@@ -72,7 +72,7 @@ def fuse_runs(features: list[Feature]) -> list[Feature]:
     return out
 
 
-def _fused(features: list, fusion: str | None) -> list[Feature]:
+def fused_features(features: list, fusion: str | None) -> list[Feature]:
     """``features`` as tuples, fused as ``fusion`` says (:data:`FUSIONS`).
 
     Raises:
@@ -162,7 +162,7 @@ def predict_unsplit(figures: dict[str, Any] | NodeCost, step: dict[str, Any],
         DboConfigError: an unknown ``fusion``.
     """
     cost = node_cost(figures)
-    return sum(cost(f) for f in _fused(step["unsplit"], fusion))
+    return sum(cost(f) for f in fused_features(step["unsplit"], fusion))
 
 
 Slowdown = float | tuple[float, float]
@@ -230,7 +230,8 @@ def predict_split(figures: dict[str, Any] | NodeCost, step: dict[str, Any],
     cost = node_cost(figures)
     sched = Schedule.from_dict(copy.deepcopy(step["schedule"]))
     for u in sched.units:
-        us = round(sum(cost(f) for f in _fused(step["features"][str(u.id)], fusion)), 3)
+        feats = fused_features(step["features"][str(u.id)], fusion)
+        us = round(sum(cost(f) for f in feats), 3)
         if u.latency_us > 0:  # a send: the comm op's time is its transfer; the issue and
             u.latency_us = us  # its receive keep the schedule's launch
         elif u.phase != "receive":

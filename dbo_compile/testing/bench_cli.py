@@ -10,8 +10,8 @@ was asked for): :func:`given_flags`, :func:`refuse_unread`.
 from __future__ import annotations
 
 import argparse
-import sys
 import os
+import sys
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -23,7 +23,7 @@ from dbo_compile.testing.graph_soak import SIZES, TOLERANCES
 from dbo_compile.testing.moe import ATTENTION_KINDS
 
 __all__ = ["CPU_ONLY", "CUDA_ONLY", "EMULATED_ONLY", "GPU_ONLY", "TORCHRUN_ONLY",
-           "all_rows_failed", "failed_cell", "given_flags", "link_label", "md_cell",
+           "all_rows_failed", "check_max_num_reqs", "failed_cell", "given_flags", "link_label", "md_cell",
            "moe_parser", "no_split_reason", "parse_moe", "parse_soak", "refuse_unread",
            "row_failed", "soak_parser", "timing_note", "world_options"]
 
@@ -304,8 +304,9 @@ def all_rows_failed(rows: Sequence[Mapping[str, Any]]) -> bool:
 def no_split_reason(b: Any) -> str:
     """Why bucket ``b`` (a runner's ``BucketGraphs``) has no split graph, in words: the graph
     cannot split (the artifact's ``reason``), no step of the bucket can split
-    (:func:`~dbo_compile.runtime.vote.bucket_never_splits`, the runner's own rule), the pruning skipped the split (``prune.skip_split``), or every
-    split graph was dropped (out of GPU memory, the memory budget: ``dropped``)."""
+    (:func:`~dbo_compile.runtime.vote.bucket_never_splits`, the runner's own rule), the
+    pruning skipped the split (``prune.skip_split``), or every split graph was dropped (out of
+    GPU memory, the memory budget: ``dropped``)."""
     art = b.artifact
     if getattr(art, "reason", None):
         return str(art.reason)
@@ -327,8 +328,7 @@ def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, An
     the cost model's figures and every option flag of ``bench_moe.py`` that applies to one
     process (``--scheduler``, ``--comm-sms``: the split program's SM carve-out, as the
     emulated comm kernels would hold them; ``--compute-backend``, ``--carveout-candidates``,
-    ``--carveout-mode``,
-    ``--candidates``, ``--calibration``, ``--latency-us``, ``--hold-sms``: the SMs each
+    ``--carveout-mode``, ``--candidates``, ``--calibration``, ``--latency-us``, ``--hold-sms``: the SMs each
     transfer holds; ``--unsplit-overlap``; ``--experts-backend`` and ``--fp8``: the experts
     backend and its FP8 option)."""
     emulated = {"world_size": w, "link_gbps": gbps}
