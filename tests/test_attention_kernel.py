@@ -122,8 +122,10 @@ SMALL = {
 }
 
 #: tile shapes: the launcher's choice, one token per program (many query blocks per request,
-#: tiles of 16 keys), several tokens per program with wide key tiles
-CONFIGS = {"auto": None, "m1_n16": (1, 16, 4, 1), "m8_n32": (8, 32, 4, 1)}
+#: tiles of 16 keys), several tokens per program with wide key tiles; ``_pN``: N programs per KV
+#: head, each looping over the query blocks (the persistent grid a large request dim gets)
+CONFIGS = {"auto": None, "m1_n16": (1, 16, 4, 1), "m8_n32": (8, 32, 4, 1),
+           "m1_n16_p1": (1, 16, 4, 1, 1), "m8_n32_p3": (8, 32, 4, 1, 3)}
 
 
 def _config(name):
@@ -209,6 +211,20 @@ def _case_padded_requests(config):
     return _record(inp, inp.kernel(_config(config)), inp.reference(), 2e-5)
 
 
+def _case_empty_requests_between(config):
+    """Zero-length requests between real ones and after them (a request whose tokens all went
+    to the other ubatch): every program skips their query blocks and covers the real ones."""
+    inp = _Inputs(decodes=[11, 3], prefills=[(2, 9), (0, 5)], hq=4, hkv=2, d=16,
+                  block_size=4, pad_to=20)
+    qsl, seq, bt = inp.qsl, inp.seq_lens, inp.block_table
+    # empty requests at 0, between requests 1 and 2, and at the end
+    inp.qsl = torch.cat([qsl[:1], qsl[:2], qsl[1:], qsl[-1:]])
+    inp.seq_lens = torch.cat([seq.new_zeros(1), seq[:1], seq.new_full((1,), 7), seq[1:],
+                              seq.new_zeros(1)])
+    inp.block_table = torch.cat([bt[:1], bt[:1], bt[1:2], bt[1:], bt[:1]])
+    return _record(inp, inp.kernel(_config(config)), inp.reference(), 2e-5)
+
+
 INTERP_CASES = {
     **{f"{n}/{c}": (lambda n=n, c=c: _case_small(n, c)) for n in SMALL for c in CONFIGS},
     **{f"bf16/{n}": (lambda n=n: _case_bf16(n)) for n in ("chunked_mixed_gqa", "mqa_padding")},
@@ -219,6 +235,8 @@ INTERP_CASES = {
     "never_reads_past_context": _case_never_reads_past_context,
     "table_narrower_than_context": _case_table_narrower_than_context,
     **{f"padded_requests/{c}": (lambda c=c: _case_padded_requests(c)) for c in CONFIGS},
+    **{f"empty_requests_between/{c}": (lambda c=c: _case_empty_requests_between(c))
+       for c in CONFIGS},
 }
 
 
@@ -269,6 +287,27 @@ def test_kernel_supports():
         assert attention_mod._kernel_supports(d, dtype, dtype) is ok, (d, dtype)
     assert not attention_mod._kernel_supports(64, torch.bfloat16, torch.float64)
     assert not attention_mod._fused_ok(torch.zeros(2, 4, 64), torch.zeros(2, 1, 16, 2, 64))
+
+
+def test_grid_does_not_grow_with_the_request_padding():
+    """Axis 0 of the launch grid: ``T // BLOCK_M + R`` query-block programs while that is at most
+    the device's share per KV head, else that share, each program looping over the blocks (a
+    CUDA-graph runner pads the request dim to its capacity: 1,024 zero-length requests must not
+    launch 1,024 programs per head)."""
+    cfg16 = attention_mod.KernelConfig(block_m=16, tile_n=64)
+    share = attention_mod.programs_per_head(cfg16, num_tokens=1024, num_reqs=1024, hkv=128,
+                                            num_sms=132)
+    assert share == -(-132 * attention_mod.PROGRAMS_PER_SM // 128)
+    # a small, unpadded prefill keeps one program per query block
+    cfg64 = attention_mod.KernelConfig(block_m=64, tile_n=64)
+    assert attention_mod.programs_per_head(cfg64, 1024, 1, hkv=128, num_sms=132) == 17
+    assert attention_mod.programs_per_head(cfg64, 64, 3, hkv=2, num_sms=132) == 4
+    # an explicit count is taken as given, but never above the blocks
+    fixed = attention_mod.KernelConfig(block_m=16, tile_n=64, programs=5)
+    assert attention_mod.programs_per_head(fixed, 1024, 1024, hkv=128, num_sms=132) == 5
+    assert attention_mod.programs_per_head(fixed, 16, 1, hkv=128, num_sms=132) == 2
+    with pytest.raises(attention_mod.AttentionOpError, match="programs"):
+        attention_mod.KernelConfig(block_m=16, tile_n=64, programs=0)
 
 
 # ------------------------------------------------------------------------------------------

@@ -4,12 +4,16 @@ Implementations (same semantics, see :func:`attention`):
 
 - **CUDA** (:func:`attention_cuda`, registered for the ``cuda`` device type): the KV write, then
   a fused Triton kernel (:func:`paged_attention_triton`, in the style of vLLM's unified
-  attention). Its grid depends on shapes only: axis 0 has ``T // BLOCK_M + R`` query-block
-  programs (``BLOCK_M`` tokens each; program ``b`` finds its request by binary search over
-  ``query_start_loc[i] // BLOCK_M + i`` and exits if it has no tokens), axis 1 the ``Hkv`` KV
-  heads; a program computes its ``BLOCK_M`` tokens x the ``G = Hq / Hkv`` query heads that share
-  its KV head, with an online softmax (fp32) over the context up to its last query's position,
-  read ``TILE_N`` positions at a time through ``block_table``. No host sync: CUDA-graph
+  attention). Its grid depends on shapes only: the query blocks (``BLOCK_M`` tokens each) are
+  numbered ``0 .. T // BLOCK_M + R`` (request ``i`` owns the blocks from
+  ``query_start_loc[i] // BLOCK_M + i``; a block finds its request by binary search and is
+  skipped if it has no tokens); axis 0 has one program per block, or, where that exceeds
+  :data:`PROGRAMS_PER_SM` programs per SM over the heads (a request dim padded to a CUDA-graph
+  runner's capacity), that many programs, each looping over every ``P``-th block up to the last
+  real request's (:func:`programs_per_head`); axis 1 the ``Hkv`` KV heads. A block computes its
+  ``BLOCK_M`` tokens x the ``G = Hq / Hkv`` query heads that share its KV head, with an online
+  softmax (fp32) over the context up to its last query's position, read ``TILE_N`` positions at
+  a time through ``block_table``. No host sync: CUDA-graph
   capturable, and a captured graph serves new metadata of the same shapes. It runs where Triton
   imports, the head dim is a power of two in [16, 256] and q / cache are bf16, fp16 or fp32
   (:func:`_kernel_supports`); elsewhere the CUDA op runs the reference.
@@ -28,6 +32,7 @@ Shapes (``T`` = token dim, ``R`` = requests, ``Hq``/``Hkv`` query/KV heads, ``D`
     out          [T, Hq, D]                       q.dtype; rows >= query_start_loc[-1] are 0
 """
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -41,9 +46,9 @@ from dbo_compile.ops.registry import OpInfo, register_op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttentionOpError", "KernelConfig", "attention", "attention_cuda",
+__all__ = ["PROGRAMS_PER_SM", "AttentionOpError", "KernelConfig", "attention", "attention_cuda",
            "check_attention_args", "kernel_config", "paged_attention", "paged_attention_triton",
-           "write_kv"]
+           "programs_per_head", "write_kv"]
 
 #: Upper bound on elements of one gathered context chunk ``[chunk, L, Hkv, D]`` (memory cap).
 _GATHER_ELEMS = 1 << 24
@@ -261,12 +266,15 @@ class KernelConfig:
         tile_n: context positions per iteration (power of two >= 16; may span several pages).
         num_warps: warps per program.
         num_stages: software-pipelining stages of the context loop.
+        programs: query-block programs per KV head (grid axis 0), each looping over every
+            ``programs``-th block; ``None``: :func:`programs_per_head`'s choice from the device.
     """
 
     block_m: int
     tile_n: int
     num_warps: int = 4
     num_stages: int = 2
+    programs: int | None = None
 
     def __post_init__(self) -> None:
         for name, value, low in (("block_m", self.block_m, 1), ("tile_n", self.tile_n, 16)):
@@ -274,16 +282,37 @@ class KernelConfig:
                 raise AttentionOpError(
                     f"dbo.attention kernel config: {name}={value} must be a power of two >= "
                     f"{low} (Triton's tl.arange and tl.dot need it)")
+        if self.programs is not None and self.programs < 1:
+            raise AttentionOpError(
+                f"dbo.attention kernel config: programs={self.programs} must be >= 1 (or None "
+                f"for the device's choice)")
+
+
+#: Programs per SM the grid stops growing at (over all KV heads). Enough to keep every SM busy
+#: through the tail of uneven blocks; a padded request dim no longer adds programs beyond it.
+#: Measured (one H100, 2026-12-07): V3's prefill of 1,024 tokens with the request dim padded to
+#: 1,024 took 475 µs against 207 µs unpadded, 139,264 programs of which 2,176 had work.
+PROGRAMS_PER_SM = 32
+
+
+def programs_per_head(config: KernelConfig, num_tokens: int, num_reqs: int, hkv: int,
+                      num_sms: int) -> int:
+    """Grid axis 0 of :func:`paged_attention_triton`: ``config.programs`` if set, else
+    ``ceil(num_sms * PROGRAMS_PER_SM / hkv)``; never more than the ``T // BLOCK_M + R`` query
+    blocks (one program per block then, as a grid without the loop)."""
+    blocks = num_tokens // config.block_m + num_reqs
+    share = config.programs or -(-num_sms * PROGRAMS_PER_SM // max(1, hkv))
+    return max(1, min(blocks, share))
 
 
 def kernel_config(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype) -> KernelConfig:
     """The launch config, from shapes only (capturable). Steps with about one token per request
     (decode) get 16-row tiles, the others 64 rows (prefill); fp32 gets narrower key tiles (the
     tiles double in bytes). A prefill step padded to the CUDA-graph runner's request capacity
-    looks like decode here and gets 16-row tiles. A second launch of 64-row tiles for its long
-    requests was tried (one H100, 2026-12-07): the V3 EP-32 prefill 2048 step got 1.6 ms
-    slower, the padding requests' programs, which it doubled, costing more than the wider
-    tiles saved (the kernel now returns from those programs after two loads)."""
+    looks like decode here and gets 16-row tiles (its padding no longer adds programs:
+    :func:`programs_per_head`). A second launch of 64-row tiles for its long requests was tried
+    (one H100, 2026-12-07): the V3 EP-32 prefill 2048 step got 1.6 ms slower, the padding
+    requests' programs, which it doubled, costing more than the wider tiles saved."""
     decode = num_tokens <= 2 * num_reqs
     rows = 16 if decode else 64
     tile_n = 32 if dtype == torch.float32 else 64
@@ -305,97 +334,116 @@ def _triton_kernel(triton, tl):
             stride_kb, stride_ks, stride_kh, stride_bt,
             G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr):
-        qblock = tl.program_id(0)
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
         kvh = tl.program_id(1)
-        # the request: the last i whose first query block qsl[i] // BLOCK_M + i is <= qblock.
-        # Request i owns blocks [qsl[i] // BLOCK_M + i, qsl[i+1] // BLOCK_M + i + 1), at least
-        # cdiv(q_i, BLOCK_M) of them, so T // BLOCK_M + R programs cover every request.
+        # Request i owns query blocks [qsl[i] // BLOCK_M + i, qsl[i+1] // BLOCK_M + i + 1), at
+        # least cdiv(q_i, BLOCK_M) of them, so T // BLOCK_M + R blocks cover every request.
+        # Requests from r_real on (the first with qsl == T_real) are empty (the request dim
+        # padded to the CUDA-graph runner's capacity): the blocks end at T_real // BLOCK_M +
+        # r_real, and this program takes every nprog-th of them.
         # (Inlined: Triton's interpreter cannot call a jit function defined in this closure.)
-        # First, two loads: a program past the last real block (the request dim padded with
-        # zero-length requests, as the CUDA-graph runner's capacity is) returns before the
-        # search. Its block would start request i0 = qblock - T_real // BLOCK_M; where every
-        # request from i0 on is empty (qsl[i0] == T_real), request i0 owns it and is empty.
         t_real = tl.load(qsl_ptr + num_reqs)
-        i0 = qblock - t_real // BLOCK_M
-        if i0 >= 0:
-            if tl.load(qsl_ptr + tl.minimum(i0, num_reqs)) == t_real:
-                return
-        lo = qblock * 0
+        lo = pid * 0
         hi = lo + num_reqs
         while lo < hi:
             mid = (lo + hi) // 2
-            if tl.load(qsl_ptr + mid) // BLOCK_M + mid <= qblock:
+            if tl.load(qsl_ptr + mid) < t_real:
                 lo = mid + 1
             else:
                 hi = mid
-        req = lo - 1
-        q_start = tl.load(qsl_ptr + req)
-        q_len = tl.load(qsl_ptr + req + 1) - q_start
-        local = qblock - (q_start // BLOCK_M + req)  # this program's query block in the request
-        if local * BLOCK_M >= q_len:
-            return
-        seq_len = tl.load(seq_lens_ptr + req)
-        ctx_len = seq_len - q_len
-
-        # rows: BLOCK_M tokens x G_PAD heads (token-major); rows of padding heads or of tokens
-        # past the request are computed on zeros and not stored
+        r_real = lo
+        # rows of a block: BLOCK_M tokens x G_PAD heads (token-major); rows of padding heads or
+        # of tokens past the request are computed on zeros and not stored
         ROWS: tl.constexpr = BLOCK_M * G_PAD
         rows = tl.arange(0, ROWS)
-        tok = local * BLOCK_M + rows // G_PAD
         hig = rows % G_PAD
-        row_ok = (tok < q_len) & (hig < G)
         head = kvh * G + hig
         offs_d = tl.arange(0, HEAD_DIM)
-        q_off = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
-        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         kv_ty = k_ptr.dtype.element_ty
-        q = q.to(kv_ty)
-        qpos = ctx_len + tok  # absolute position of each row's query
+        for qblock in range(pid, t_real // BLOCK_M + r_real, nprog):
+            # the request: the last i whose first query block qsl[i] // BLOCK_M + i <= qblock
+            lo = qblock * 0
+            hi = lo + r_real
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if tl.load(qsl_ptr + mid) // BLOCK_M + mid <= qblock:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            req = lo - 1
+            q_start = tl.load(qsl_ptr + req)
+            q_len = tl.load(qsl_ptr + req + 1) - q_start
+            local = qblock - (q_start // BLOCK_M + req)  # this block's index in the request
+            if local * BLOCK_M < q_len:
+                seq_len = tl.load(seq_lens_ptr + req)
+                ctx_len = seq_len - q_len
 
-        # causal: nothing past this block's last query; key 0 is visible to every row, so the
-        # running max is finite after the first tile
-        kv_end = tl.minimum(seq_len, ctx_len + (local + 1) * BLOCK_M)
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        bt_row = bt_ptr + req.to(tl.int64) * stride_bt
-        for n0 in range(0, kv_end, TILE_N):
-            kpos = n0 + tl.arange(0, TILE_N)
-            # keys past the block table's width do not exist (as in the reference); a block
-            # id outside the pool is clamped into it: bad metadata never reads out of bounds
-            k_ok = (kpos < kv_end) & (kpos // BLOCK_SIZE < bt_width)
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0)
-            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-            base = (blk.to(tl.int64) * stride_kb + (kpos % BLOCK_SIZE) * stride_ks
-                    + kvh * stride_kh)
-            k = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=k_ok[None, :], other=0.0)
-            v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-            if DOT_FP32:
-                s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-            else:
-                s = tl.dot(q, k)
-            s = s * scale_log2
-            s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            p_kv = p.to(kv_ty)  # P as the 16-bit dot reads it (no-op for fp32 caches)
-            if DOT_FP32:
-                pv = tl.dot(p_kv.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p_kv, v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        out = acc / l_i[:, None]
-        o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
-        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
+                tok = local * BLOCK_M + rows // G_PAD
+                row_ok = (tok < q_len) & (hig < G)
+                q_off = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+                q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None],
+                            other=0.0).to(kv_ty)
+                qpos = ctx_len + tok  # absolute position of each row's query
+
+                # causal: nothing past this block's last query; key 0 is visible to every
+                # row, so the running max is finite after the first tile
+                kv_end = tl.minimum(seq_len, ctx_len + (local + 1) * BLOCK_M)
+                m_i = tl.full([ROWS], float("-inf"), tl.float32)
+                l_i = tl.zeros([ROWS], tl.float32)
+                acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+                bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+                for n0 in range(0, kv_end, TILE_N):
+                    kpos = n0 + tl.arange(0, TILE_N)
+                    # keys past the block table's width do not exist (as in the reference); a
+                    # block id outside the pool is clamped into it: bad metadata never reads
+                    # out of bounds
+                    k_ok = (kpos < kv_end) & (kpos // BLOCK_SIZE < bt_width)
+                    blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0)
+                    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+                    base = (blk.to(tl.int64) * stride_kb + (kpos % BLOCK_SIZE) * stride_ks
+                            + kvh * stride_kh)
+                    k = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=k_ok[None, :],
+                                other=0.0)
+                    v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=k_ok[:, None],
+                                other=0.0)
+                    if DOT_FP32:
+                        s = tl.dot(q.to(tl.float32), k.to(tl.float32),
+                                   input_precision="ieee")
+                    else:
+                        s = tl.dot(q, k)
+                    s = s * scale_log2
+                    s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :], s,
+                                 float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    alpha = tl.exp2(m_i - m_new)
+                    p = tl.exp2(s - m_new[:, None])
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    p_kv = p.to(kv_ty)  # P as the 16-bit dot reads it (no-op for fp32 caches)
+                    if DOT_FP32:
+                        pv = tl.dot(p_kv.to(tl.float32), v.to(tl.float32),
+                                    input_precision="ieee")
+                    else:
+                        pv = tl.dot(p_kv, v)
+                    acc = acc * alpha[:, None] + pv
+                    m_i = m_new
+                out = acc / l_i[:, None]
+                o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+                tl.store(out_ptr + o_off[:, None] + offs_d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     # Triton's interpreter (TRITON_INTERPRET=1, tests on CPU) multiplies bf16 operands of
     # tl.dot as raw integer bit patterns (Triton 3.9): there the dots run in fp32
     interpreted = type(paged_attention_kernel).__name__ == "InterpretedFunction"
     return triton, paged_attention_kernel, interpreted
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """The device's SM count (132, an H100's, for CPU tensors: Triton's interpreter)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _kernel_supports(head_dim: int, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
@@ -458,7 +506,7 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
     qsl, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
     # Triton's interpreter would multiply bf16 bit patterns as integers: fp32 dots there
     dot_fp32 = kv_cache.dtype == torch.float32 or (interpreted and kv_cache.dtype == torch.bfloat16)
-    grid = (t // cfg.block_m + r, hkv)
+    grid = (programs_per_head(cfg, t, r, hkv, _num_sms(q.device)), hkv)
     kernel[grid](
         out, q, kv_cache[0], kv_cache[1], qsl, seq_lens, block_table,
         scale * _LOG2E, r, block_table.shape[1], kv_cache.shape[1],
