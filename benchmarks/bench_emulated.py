@@ -62,6 +62,7 @@ from dbo_compile.runtime.engine import run_step  # noqa: E402
 from dbo_compile.runtime.padding import join_ubatch_outputs  # noqa: E402
 from dbo_compile.testing import bench_cli  # noqa: E402
 from dbo_compile.testing import moe as H  # noqa: E402
+from dbo_compile.timing import paired_us  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -81,6 +82,12 @@ class Timer:
 
     def __call__(self, fn, iters: int | None = None) -> float:
         return harness.median_us(fn, iters or self.iters, warmup=self.warmup)
+
+    def paired(self, fa, fb, rounds: int = 5) -> dict:
+        """``fa`` against ``fb`` in ``rounds`` alternating rounds of ``iters / rounds`` calls
+        each (:func:`dbo_compile.timing.paired_us`): ``ratio`` = t_b / t_a, drift cancelled."""
+        got = paired_us(fa, fb, max(2, self.iters // rounds), rounds=rounds, warmup=self.warmup)
+        return {k: (round(v, 1) if k.endswith("_us") else v) for k, v in got.items()}
 
 
 def parse_worlds(spec: str, default_gbps: float) -> list[tuple[int, float]]:

@@ -30,7 +30,7 @@ from dbo_compile.errors import TimingError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["capture_graph", "graph_median_us", "median_us", "samples_us"]
+__all__ = ["capture_graph", "graph_median_us", "median_us", "paired_us", "samples_us"]
 
 
 def samples_us(fn: Callable[[], Any], iters: int, *, warmup: int = 0, reps: int = 1,
@@ -78,6 +78,41 @@ def median_us(fn: Callable[[], Any], iters: int, *, warmup: int = 0, reps: int =
               cuda: bool | None = None) -> float:
     """The median of :func:`samples_us` (µs per call of ``fn``; same arguments and errors)."""
     return statistics.median(samples_us(fn, iters, warmup=warmup, reps=reps, cuda=cuda))
+
+
+def paired_us(fa: Callable[[], Any], fb: Callable[[], Any], iters: int, *, rounds: int = 5,
+              warmup: int = 0, cuda: bool | None = None) -> dict[str, Any]:
+    """``fa`` and ``fb`` timed side by side: ``rounds`` rounds, each ``iters`` samples of one
+    then ``iters`` of the other (:func:`samples_us`), the first side alternating (a b, b a,
+    ...), after ``warmup`` untimed calls of each. A drift that reaches both sides (clocks, a
+    neighbour's PCIe traffic across a shared host, thermals) cancels in each round's ratio,
+    where two medians taken minutes apart would carry it.
+
+    Returns:
+        ``{"a_us", "b_us"}``: medians of all samples of each side (µs per call);
+        ``"ratio"``: the median over rounds of ``median(b) / median(a)`` within the round
+        (> 1: ``fb`` slower); ``"ratios"``: those per round; ``"rounds"``.
+
+    Raises:
+        TimingError: ``rounds`` below 1, or :func:`samples_us`'s errors.
+    """
+    if rounds < 1:
+        raise TimingError(f"paired_us(rounds={rounds}): rounds must be >= 1")
+    for _ in range(warmup):
+        fa()
+        fb()
+    sa: list[float] = []
+    sb: list[float] = []
+    ratios = []
+    for i in range(rounds):
+        order = ((fa, sa), (fb, sb)) if i % 2 == 0 else ((fb, sb), (fa, sa))
+        got = {}
+        for fn, acc in order:
+            got[id(acc)] = samples_us(fn, iters, cuda=cuda)
+            acc.extend(got[id(acc)])
+        ratios.append(statistics.median(got[id(sb)]) / statistics.median(got[id(sa)]))
+    return {"a_us": statistics.median(sa), "b_us": statistics.median(sb),
+            "ratio": statistics.median(ratios), "ratios": ratios, "rounds": rounds}
 
 
 def capture_graph(fn: Callable[[], Any], warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dbo_compile.errors import TimingError
-from dbo_compile.timing import graph_median_us, median_us, samples_us
+from dbo_compile.timing import graph_median_us, median_us, paired_us, samples_us
 
 
 def test_cpu_samples_count_the_calls_and_divide_by_reps(monkeypatch):
@@ -33,6 +33,44 @@ def test_asking_for_no_samples_is_an_error(kwargs):
     with pytest.raises(TimingError, match="iters and reps must be >= 1"):
         samples_us(lambda: calls.append(1), cuda=False, **kwargs)
     assert calls == []
+
+
+class _FakeClock:
+    """perf_counter for the paired timer: a call of ``fn(name)`` advances the clock by
+    ``cost[name]()`` seconds and is logged."""
+
+    def __init__(self, cost):
+        self.now, self.cost, self.log = 0.0, cost, []
+
+    def fn(self, name):
+        def call():
+            self.log.append(name)
+            self.now += self.cost[name]()
+        return call
+
+
+def test_paired_alternates_the_order_and_takes_the_per_round_ratio(monkeypatch):
+    """Rounds alternate which side runs first (a b, b a, a b, ...), each side runs ``iters``
+    calls per round after its own warm-up, and the ratio is the median over rounds of b / a
+    within the round: a drift that slows both sides alike (here every round 1 s slower than
+    the last for both) leaves it exact, where medians taken apart would not be."""
+    # the drift: the calls of round i cost (1 + i) x (4 timed calls a round, after 2 warm-up)
+    def drift(clock_log):
+        return 1.0 + max(0, len(clock_log) - 3) // 4
+
+    clock = _FakeClock({"a": lambda: drift(clock.log), "b": lambda: 2.0 * drift(clock.log)})
+    monkeypatch.setattr("dbo_compile.timing.time.perf_counter", lambda: clock.now)
+    got = paired_us(clock.fn("a"), clock.fn("b"), 2, rounds=3, warmup=1, cuda=False)
+    assert clock.log == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] \
+        + ["a", "a", "b", "b"]
+    assert got["ratio"] == 2.0
+    assert got["a_us"] == 2e6 and got["b_us"] == 4e6  # medians over all samples
+    assert got["rounds"] == 3 and len(got["ratios"]) == 3
+
+
+def test_paired_rejects_no_rounds():
+    with pytest.raises(TimingError, match="rounds"):
+        paired_us(lambda: None, lambda: None, 2, rounds=0, cuda=False)
 
 
 @pytest.mark.gpu

@@ -28,7 +28,10 @@ world, the link at ``--link-gbps``, the same buckets and steps (``dbo_compile.te
     thresholds (then the baseline graph), else its graph step where that system captures
     (decode up to ``--vllm-max-capture`` / ``--sglang-max-capture`` tokens), else eager;
 - ratios ours/peer = t_peer / t_ours (> 1: ours faster): ``as runs`` (peer as it runs vs
-  ``ours step``) and ``graph`` (peer graph vs ``ours graph``);
+  ``ours step``) and ``graph`` (peer graph vs ``ours graph``); on CUDA each is timed side by
+  side, ours and the peer alternating over ``--pair-rounds`` rounds (the median of the
+  rounds' ratios, ``paired_*`` in the JSON): a host's drift between two timings minutes
+  apart does not enter it;
 - numerics: every peer output (eager and graph) and ours against the unsplit model run
   eagerly (``max_rel`` = max |out - ref| / max |ref| of the fp32 logits, within
   ``layer_ops.REL_TOL`` of the dtype, or within the unsplit model's own noise floor under a
@@ -87,6 +90,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--buckets", default=None, help=f"phase:tokens,... default {GPU_BUCKETS}")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pair-rounds", type=int, default=5,
+                   help="rounds of the side-by-side timing of each ratio (CUDA): ours and the "
+                        "peer alternate, --iters / rounds calls each per round")
     p.add_argument("--timing-iters", type=int, default=5,
                    help="CudaGraphRunner's replays per graph and round at warm-up")
     p.add_argument("--experts", default="grouped", choices=["grouped", "loop"])
@@ -145,7 +151,11 @@ def _load(static, ubatches) -> None:
 
 
 def bench_peer(args, name, peer, traced, step, phase, n, ref, dtype, timer, baseline_us,
-               floor=None) -> dict:
+               floor=None, ours=None) -> dict:
+    """One peer's row at one bucket. ``ours``: ``{"step", "graph", "baseline"}`` callables of
+    our runner's call, our picked graph's replay and the unsplit graph's: on CUDA each ratio
+    is then also timed side by side in alternating rounds (``paired_as_runs``: ours step
+    against the peer as it runs; ``paired_graph``: ours graph against the peer's graph)."""
     ids, pos, md = step.input_ids, step.positions, step.attn_metadata
     qlens = [int(q) for q in step.num_scheduled_tokens]
     uniform = all(q == 1 for q in qlens)
@@ -169,7 +179,10 @@ def bench_peer(args, name, peer, traced, step, phase, n, ref, dtype, timer, base
         r["num_eager"] = check_numerics(run_draining(lambda: tpeer.run(make())), ref, dtype,
                                         floor)
         r["host_order_first_moe_layer"] = first_moe_layer(order)
-        r["t_eager_us"] = timer(lambda: run_draining(lambda: peer.run(make())))
+        def eager():
+            run_draining(lambda: peer.run(make()))
+
+        r["t_eager_us"] = timer(eager)
         graphed = False
         if args.cuda:
             static = [dataclass_clone(u) for u in make()]
@@ -186,6 +199,10 @@ def bench_peer(args, name, peer, traced, step, phase, n, ref, dtype, timer, base
 
             r["t_graph_step_us"] = timer(graph_step)
             graphed = uniform and n <= max_capture
+            if ours is not None:
+                as_runs = ours["baseline"] if not split else graph_step if graphed else eager
+                r["paired_as_runs"] = timer.paired(ours["step"], as_runs, args.pair_rounds)
+                r["paired_graph"] = timer.paired(ours["graph"], g.replay, args.pair_rounds)
             del g, out, static
     if not split:
         r["as_runs"], r["t_as_runs_us"] = "unsplit (baseline graph)", baseline_us
@@ -226,19 +243,24 @@ def bench_bucket(args, model, runner, step, phase, n, peers, traced, timer) -> d
             runner.load_step(n, ids, pos, md, qlens, split=True)
         t["baseline"] = timer(b.graphs["unsplit"].replay)
         t["ours_graph"] = timer(b.graphs[b.choice].replay)
+    ours = {"step": lambda: runner(ids, pos, md, qlens), "graph": b.graphs[b.choice].replay,
+            "baseline": b.graphs["unsplit"].replay}
     row.update({f"t_{k}_us": v for k, v in t.items()})
     row["peers"] = {}
     for name, peer in peers.items():
         try:
             r = bench_peer(args, name, peer, traced, step, phase, n, ref, model.dtype, timer,
-                           t["baseline"], floor)
+                           t["baseline"], floor, ours)
         except Exception as e:  # noqa: BLE001 - one peer's failure is its row's
             print(traceback.format_exc()[-3000:], flush=True)
             r = {"error": f"{type(e).__name__}: {e}"[:500]}
             row["errors"].append(f"{name}: {r['error']}")
-        if "t_as_runs_us" in r:
-            r["ours_vs_peer_as_runs"] = r["t_as_runs_us"] / t["ours_step"]
-            if r.get("t_graph_us"):
+        if "t_as_runs_us" in r:  # side by side where timed so (CUDA), else apart
+            r["ours_vs_peer_as_runs"] = (r["paired_as_runs"]["ratio"] if "paired_as_runs" in r
+                                         else r["t_as_runs_us"] / t["ours_step"])
+            if "paired_graph" in r:
+                r["ours_vs_peer_graph"] = r["paired_graph"]["ratio"]
+            elif r.get("t_graph_us"):
                 r["ours_vs_peer_graph"] = r["t_graph_us"] / t["ours_graph"]
         row["peers"][name] = r
     checks = [row["num_ours"]] + [r[k] for r in row["peers"].values()
