@@ -20,7 +20,7 @@ from dbo_compile.errors import ScheduleError
 
 __all__ = ["COMM", "COMPUTE", "RANGE_PREFIX", "SCHEDULE_VERSION", "STREAM_INDEX", "CommCall",
            "CommPlan", "NullArg", "Schedule", "Timeline", "Unit", "annotate_stream",
-           "range_name", "simulate"]
+           "placed_timeline", "range_name", "simulate"]
 
 COMPUTE, COMM = "compute", "comm"
 SCHEDULE_VERSION = 1
@@ -370,6 +370,20 @@ def predecessors(units: Iterable[Unit], deps: Iterable[tuple[int, int]]) -> dict
     return preds
 
 
+def placed_timeline(units: list[Unit], deps: list[tuple[int, int]],
+                    hold_fraction: float = 0.0) -> Timeline:
+    """Place ``units`` (already in host order) on a :class:`Timeline`, setting their
+    ``start_us``/``end_us``; the timeline holds the makespan, the transfers and the holds.
+
+    Raises:
+        ScheduleError: ``hold_fraction`` outside ``[0, 1)``.
+    """
+    timeline = Timeline(predecessors(units, deps), hold_fraction)
+    for u in units:
+        u.start_us, u.end_us = timeline.place(u)
+    return timeline
+
+
 def simulate(units: list[Unit], deps: list[tuple[int, int]], hold_fraction: float = 0.0
              ) -> float:
     """Set ``start_us``/``end_us`` of units (already in host order); return the makespan (µs).
@@ -378,7 +392,4 @@ def simulate(units: list[Unit], deps: list[tuple[int, int]], hold_fraction: floa
     Raises:
         ScheduleError: ``hold_fraction`` outside ``[0, 1)``.
     """
-    timeline = Timeline(predecessors(units, deps), hold_fraction)
-    for u in units:
-        u.start_us, u.end_us = timeline.place(u)
-    return timeline.makespan
+    return placed_timeline(units, deps, hold_fraction).makespan

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from dbo_compile.errors import DboConfigError
 from dbo_compile.passes.cost_model import CostModel, Figures, predict_us
-from dbo_compile.schedule import COMM, Schedule, Timeline, predecessors
+from dbo_compile.schedule import COMM, Schedule, placed_timeline
 
 __all__ = ["FUSED", "FUSIONS", "fuse_runs", "fused_features", "node_cost", "predict_split",
            "predict_unsplit", "simulate_overlapped", "step_features", "unit_features"]
@@ -173,10 +173,7 @@ def _placed(sched: Schedule) -> tuple[float, dict[int, tuple[float, float]]]:
     its ``meta["hold_fraction"]`` where the schedule was made with one; sets the units'
     times): the makespan and, per send (a unit with ``latency_us``), its transfer's interval
     on the link (µs)."""
-    timeline = Timeline(predecessors(sched.units, sched.deps),
-                        sched.meta.get("hold_fraction", 0.0))
-    for u in sched.units:
-        u.start_us, u.end_us = timeline.place(u)
+    timeline = placed_timeline(sched.units, sched.deps, sched.meta.get("hold_fraction", 0.0))
     return timeline.makespan, timeline.transfers
 
 
