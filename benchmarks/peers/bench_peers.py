@@ -90,9 +90,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--buckets", default=None, help=f"phase:tokens,... default {GPU_BUCKETS}")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--pair-rounds", type=int, default=5,
+    p.add_argument("--pair-rounds", type=int, default=3,
                    help="rounds of the side-by-side timing of each ratio (CUDA): ours and the "
-                        "peer alternate, --iters / rounds calls each per round")
+                        "peer alternate, max(10, --iters / rounds) calls each per round")
     p.add_argument("--timing-iters", type=int, default=5,
                    help="CudaGraphRunner's replays per graph and round at warm-up")
     p.add_argument("--experts", default="grouped", choices=["grouped", "loop"])
