@@ -104,3 +104,9 @@ def test_a_schedule_that_skips_a_combine_fails_the_numerics(tmp_path):
         num = row["peers"][name]["num_eager"]
         assert not num["ok"] and num["max_rel"] > num["rel_tol"], (name, num)
     assert "FAILED" in (tmp_path / "peers.md").read_text()
+
+
+def test_no_pair_rounds_is_a_usage_error(tmp_path):
+    """``--pair-rounds 0`` would time no ratio side by side: refused before anything runs."""
+    r, doc = _run(tmp_path, "--pair-rounds", "0")
+    assert r.returncode == 2 and "--pair-rounds 0" in r.stderr and doc is None

@@ -125,6 +125,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="results JSON (default: the ignored benchmarks/results/local/)")
     p.add_argument("--md", default=None, help="markdown path (default: json with .md)")
     args = p.parse_args(argv)
+    if args.pair_rounds < 1:
+        p.error(f"--pair-rounds {args.pair_rounds}: at least one round")
     if not torch.cuda.is_available() and not args.smoke:
         p.error("no CUDA: run the CPU smoke with --smoke")
     args.cuda = torch.cuda.is_available() and not args.smoke
