@@ -288,11 +288,14 @@ class KernelConfig:
                 f"for the device's choice)")
 
 
-#: Programs per SM the grid stops growing at (over all KV heads). Enough to keep every SM busy
-#: through the tail of uneven blocks; a padded request dim no longer adds programs beyond it.
-#: Measured (one H100, 2026-12-07): V3's prefill of 1,024 tokens with the request dim padded to
-#: 1,024 took 475 µs against 207 µs unpadded, 139,264 programs of which 2,176 had work.
-PROGRAMS_PER_SM = 32
+#: Programs per SM the grid stops growing at (over all KV heads), so that a request dim padded
+#: to the CUDA-graph runner's capacity no longer launches a program per padding request and
+#: head: V3's prefill of 1,024 tokens padded to 1,024 requests launched 139,264 programs, 2,176
+#: with work (475 µs against 207 unpadded; one H100, 2026-12-07). Below the cap every block has
+#: a program of its own, as the hardware balances best: with 32 (one H100, 2026-12-08) that
+#: prefill took 435 µs, but V2-Lite's decode of 1,024 requests padded to 2,048, ~4 blocks of
+#: uneven context per program, 3,017 µs against 2,926 the day before.
+PROGRAMS_PER_SM = 128
 
 
 def programs_per_head(config: KernelConfig, num_tokens: int, num_reqs: int, hkv: int,
