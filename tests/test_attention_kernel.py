@@ -225,6 +225,20 @@ def _case_empty_requests_between(config):
     return _record(inp, inp.kernel(_config(config)), inp.reference(), 2e-5)
 
 
+def _case_padded_tile_gate(kind):
+    """The request dim padded far past the requests, as the runner pads it: the shapes look
+    like decode (T <= 2 R), so two launches are planned and the step's real tokens and requests
+    pick one at run time: ``prefill`` (long requests: the 64-row launch runs), ``decode`` (one
+    token per request: the 16-row launch runs)."""
+    if kind == "prefill":
+        inp = _Inputs(decodes=[], prefills=[(3, 40), (0, 70)], hq=4, hkv=2, d=16,
+                      block_size=4, pad_to=128).pad_requests(64)
+    else:
+        inp = _Inputs(decodes=[5, 30, 0, 61, 17], prefills=[], hq=4, hkv=2, d=16,
+                      block_size=4, pad_to=128).pad_requests(64)
+    return _record(inp, inp.kernel(), inp.reference(), 2e-5)
+
+
 INTERP_CASES = {
     **{f"{n}/{c}": (lambda n=n, c=c: _case_small(n, c)) for n in SMALL for c in CONFIGS},
     **{f"bf16/{n}": (lambda n=n: _case_bf16(n)) for n in ("chunked_mixed_gqa", "mqa_padding")},
@@ -237,6 +251,8 @@ INTERP_CASES = {
     **{f"padded_requests/{c}": (lambda c=c: _case_padded_requests(c)) for c in CONFIGS},
     **{f"empty_requests_between/{c}": (lambda c=c: _case_empty_requests_between(c))
        for c in CONFIGS},
+    **{f"padded_tile_gate/{k}": (lambda k=k: _case_padded_tile_gate(k))
+       for k in ("prefill", "decode")},
 }
 
 
@@ -308,6 +324,28 @@ def test_grid_does_not_grow_with_the_request_padding():
     assert attention_mod.programs_per_head(fixed, 16, 1, hkv=128, num_sms=132) == 2
     with pytest.raises(attention_mod.AttentionOpError, match="programs"):
         attention_mod.KernelConfig(block_m=16, tile_n=64, programs=0)
+
+
+def test_launch_plan_picks_the_tile_at_run_time_where_the_shapes_cannot():
+    """Shapes that look like prefill (T > 2 R) get one 64-row launch; shapes that look like
+    decode get the 16-row launch and, where a 64-row tile fits in the token dim, a 64-row
+    launch too, each gated on the step's real tokens and requests (``TILE_GATE``): a prefill
+    step padded to the runner's request capacity then runs 64-row tiles. An explicit config is
+    one launch, ungated."""
+    plan = attention_mod.launch_plan
+    (only,) = plan(1024, 4, 1, torch.bfloat16)
+    assert only == (attention_mod.KernelConfig(64, 64), attention_mod.GATE_NONE)
+    rows = plan(1024, 1024, 1, torch.bfloat16)
+    assert rows == [(attention_mod.KernelConfig(64, 64), attention_mod.GATE_PREFILL),
+                    (attention_mod.KernelConfig(16, 64), attention_mod.GATE_DECODE)]
+    # GQA packs G_PAD heads per token: tiles of 64 / 16 rows are 16 / 4 tokens at G_PAD 4
+    rows = plan(512, 512, 4, torch.float32)
+    assert [c.block_m for c, _ in rows] == [16, 4] and rows[0][0].tile_n == 32
+    # too few tokens for a 64-row tile of its own: the decode launch alone, ungated
+    (only,) = plan(64, 64, 1, torch.bfloat16)
+    assert only == (attention_mod.KernelConfig(16, 64), attention_mod.GATE_NONE)
+    cfg = attention_mod.KernelConfig(8, 32)
+    assert plan(1024, 1024, 1, torch.bfloat16, cfg) == [(cfg, attention_mod.GATE_NONE)]
 
 
 # ------------------------------------------------------------------------------------------

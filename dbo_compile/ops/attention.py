@@ -47,7 +47,8 @@ from dbo_compile.ops.registry import OpInfo, register_op
 log = logging.getLogger(__name__)
 
 __all__ = ["PROGRAMS_PER_SM", "AttentionOpError", "KernelConfig", "attention", "attention_cuda",
-           "check_attention_args", "kernel_config", "paged_attention", "paged_attention_triton",
+           "GATE_DECODE", "GATE_NONE", "GATE_PREFILL", "check_attention_args", "kernel_config",
+           "launch_plan", "paged_attention", "paged_attention_triton",
            "programs_per_head", "write_kv"]
 
 #: Upper bound on elements of one gathered context chunk ``[chunk, L, Hkv, D]`` (memory cap).
@@ -308,18 +309,50 @@ def programs_per_head(config: KernelConfig, num_tokens: int, num_reqs: int, hkv:
     return max(1, min(blocks, share))
 
 
+#: :func:`launch_plan`'s gates: a launch runs always, only where the step's real tokens exceed
+#: twice its real requests (prefill-like), or only where they do not (decode-like)
+GATE_NONE, GATE_PREFILL, GATE_DECODE = 0, 1, 2
+
+
+def launch_plan(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype,
+                config: KernelConfig | None = None) -> list[tuple[KernelConfig, int]]:
+    """The launches of :func:`paged_attention_triton`: ``[(config, gate)]``.
+
+    Shapes that look like prefill (``T > 2 R``) get :func:`kernel_config`'s 64-row launch.
+    Shapes that look like decode get its 16-row launch, gated to run only where the step's real
+    tokens are at most twice its real requests, and, where the token dim holds two 64-row
+    tiles, a 64-row launch gated the other way: the CUDA-graph runner pads the request dim to
+    its capacity, so a prefill step it replays looks like decode by its shapes and would
+    otherwise run 16-row tiles (V3 heads, prefill of 1,024 tokens with the request dim padded
+    to 1,024, on one H100: 381 µs with 64-row tiles against 475 with 16-row ones, 2026-12-07).
+    The gate is read on the GPU (from ``query_start_loc``): the launch that does not fit the
+    step returns at once, and one graph serves both kinds of step. ``config``: that one
+    launch, ungated."""
+    if config is not None:
+        return [(config, GATE_NONE)]
+    prefill, decode = _tile(64, g_pad, dtype), _tile(16, g_pad, dtype)
+    if num_tokens > 2 * num_reqs:
+        return [(prefill, GATE_NONE)]
+    if num_tokens < 2 * prefill.block_m:
+        return [(decode, GATE_NONE)]
+    return [(prefill, GATE_PREFILL), (decode, GATE_DECODE)]
+
+
 def kernel_config(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype) -> KernelConfig:
-    """The launch config, from shapes only (capturable). Steps with about one token per request
-    (decode) get 16-row tiles, the others 64 rows (prefill); fp32 gets narrower key tiles (the
-    tiles double in bytes). A prefill step padded to the CUDA-graph runner's request capacity
-    looks like decode here and gets 16-row tiles (its padding no longer adds programs:
-    :func:`programs_per_head`). A second launch of 64-row tiles for its long requests was tried
-    (one H100, 2026-12-07): the V3 EP-32 prefill 2048 step got 1.6 ms slower, the padding
-    requests' programs, which it doubled, costing more than the wider tiles saved."""
-    decode = num_tokens <= 2 * num_reqs
-    rows = 16 if decode else 64
-    tile_n = 32 if dtype == torch.float32 else 64
-    return KernelConfig(block_m=max(1, rows // g_pad), tile_n=tile_n)
+    """One launch's config, from shapes only (capturable): steps with about one token per
+    request (``T <= 2 R``: decode) get 16-row tiles, the others 64 rows (prefill); fp32 gets
+    narrower key tiles (the tiles double in bytes). :func:`launch_plan` adds, for decode
+    shapes, a 64-row launch gated on the step's real tokens (a prefill step padded to the
+    CUDA-graph runner's request capacity has decode shapes). A second launch splitting one
+    step's requests by length was tried (one H100, 2026-12-07) and lost: the V3 EP-32 prefill
+    2048 step got 1.6 ms slower, the padding requests' programs (then one per padding request
+    and head), which it doubled, costing more than the wider tiles saved."""
+    return _tile(16 if num_tokens <= 2 * num_reqs else 64, g_pad, dtype)
+
+
+def _tile(rows: int, g_pad: int, dtype: torch.dtype) -> KernelConfig:
+    """``rows`` rows of ``g_pad`` heads per token; 32-key tiles for fp32, else 64."""
+    return KernelConfig(block_m=max(1, rows // g_pad), tile_n=32 if dtype == torch.float32 else 64)
 
 
 @triton_kernels
@@ -336,7 +369,8 @@ def _triton_kernel(triton, tl):
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_kb, stride_ks, stride_kh, stride_bt,
             G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr):
+            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+            TILE_GATE: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         kvh = tl.program_id(1)
@@ -356,6 +390,13 @@ def _triton_kernel(triton, tl):
             else:
                 hi = mid
         r_real = lo
+        # launch_plan's gate: this launch's tile fits prefill-like or decode-like steps only
+        if TILE_GATE == 1:
+            if t_real <= 2 * r_real:
+                return
+        if TILE_GATE == 2:
+            if t_real > 2 * r_real:
+                return
         # rows of a block: BLOCK_M tokens x G_PAD heads (token-major); rows of padding heads or
         # of tokens past the request are computed on zeros and not stored
         ROWS: tl.constexpr = BLOCK_M * G_PAD
@@ -476,7 +517,8 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
             pool are clamped into it (as in the reference: bad metadata gives a wrong answer for
             that request, never an out-of-bounds read).
         scale: softmax scale.
-        config: tile shape (default :func:`kernel_config`, chosen from shapes).
+        config: tile shape, one launch (default :func:`launch_plan`'s: one launch, or two
+            whose tile the step's real tokens and requests pick on the GPU).
 
     Returns:
         ``[T, Hq, D]`` of ``q.dtype``, softmax and accumulation in fp32; rows
@@ -501,7 +543,6 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
     hkv, bs = kv_cache.shape[3], kv_cache.shape[2]
     g = hq // hkv
     g_pad = triton.next_power_of_2(g)
-    cfg = config or kernel_config(t, r, g_pad, kv_cache.dtype)
     if kv_cache.stride(-1) != 1:
         raise AttentionOpError("dbo.attention: kv_cache must be contiguous in the head dim")
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -509,14 +550,16 @@ def paged_attention_triton(q, kv_cache, query_start_loc, seq_lens, block_table, 
     qsl, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
     # Triton's interpreter would multiply bf16 bit patterns as integers: fp32 dots there
     dot_fp32 = kv_cache.dtype == torch.float32 or (interpreted and kv_cache.dtype == torch.bfloat16)
-    grid = (programs_per_head(cfg, t, r, hkv, _num_sms(q.device)), hkv)
-    kernel[grid](
-        out, q, kv_cache[0], kv_cache[1], qsl, seq_lens, block_table,
-        scale * _LOG2E, r, block_table.shape[1], kv_cache.shape[1],
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
-        G=g, G_PAD=g_pad, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, HEAD_DIM=d, BLOCK_SIZE=bs,
-        DOT_FP32=dot_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    for cfg, gate in launch_plan(t, r, g_pad, kv_cache.dtype, config):
+        grid = (programs_per_head(cfg, t, r, hkv, _num_sms(q.device)), hkv)
+        kernel[grid](
+            out, q, kv_cache[0], kv_cache[1], qsl, seq_lens, block_table,
+            scale * _LOG2E, r, block_table.shape[1], kv_cache.shape[1],
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+            G=g, G_PAD=g_pad, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, HEAD_DIM=d,
+            BLOCK_SIZE=bs, DOT_FP32=dot_fp32, TILE_GATE=gate, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     return out
 
 
