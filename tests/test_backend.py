@@ -189,6 +189,8 @@ def test_on_unsplittable_raise():
     with pytest.raises(Exception, match="no comm op") as info:
         torch.compile(NoComm(), backend="dbo", options={"on_unsplittable": "raise"})(torch.randn(4, 8))
     assert isinstance(info.value, UnsplittableGraphError) or "UnsplittableGraphError" in str(info.value)
+    # the reason names every comm op the graph could have used, and what to do
+    assert "dbo.moe_dispatch" in str(info.value) and "Route the MoE all-to-all" in str(info.value)
 
 
 def test_backend_works_in_a_fresh_process_without_importing_the_package():

@@ -91,8 +91,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pair-rounds", type=int, default=3,
-                   help="rounds of the side-by-side timing of each ratio (CUDA): ours and the "
-                        "peer alternate, max(10, --iters / rounds) calls each per round")
+                   help="rounds of the side-by-side timing of each ratio (CUDA; default 3): "
+                        "ours and the peer alternate, max(10, --iters / rounds) calls each "
+                        "per round")
     p.add_argument("--timing-iters", type=int, default=5,
                    help="CudaGraphRunner's replays per graph and round at warm-up")
     p.add_argument("--experts", default="grouped", choices=["grouped", "loop"])
@@ -372,7 +373,10 @@ def markdown(doc: dict) -> str:
              "", *harness.table(head, rows), "",
              "µs per step. ours/peer = t_peer / t_ours (> 1: ours faster): as runs = the "
              "peer as its system runs the step vs one whole runner call; graph = the peer's "
-             "split step in one CUDA graph vs the graph the runner picks. numerics: max "
+             "split step in one CUDA graph vs the graph the runner picks. On CUDA a ratio is "
+             "the median of its paired rounds (ours and the peer alternating, --pair-rounds), "
+             "so it need not equal the quotient of the µs columns, each timed alone; on CPU it "
+             "is that quotient. numerics: max "
              "|out − ref| / max |ref| of the logits against the unsplit model (over the "
              "tolerance but within the unsplit model's own noise floor: docs/emulated.md, "
              "\"Numerics at V3 routing\")."]

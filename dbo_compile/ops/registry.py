@@ -54,6 +54,7 @@ from dbo_compile.schedule import COMM, CommCall, CommPlan, NullArg, Schedule
 __all__ = ["AutoPreference", "BackendRecord", "BackendRegistry", "OpInfo", "backend_spec",
            "bound_backend", "collective_facts",
            "comm_call", "comm_fingerprint", "comm_group_name", "comm_kind", "comm_nodes",
+           "comm_op_names",
            "comm_plan", "comm_wait", "expert_ops_on",
            "import_optional", "is_c10d_wait", "is_getitem", "is_receive", "is_wait",
            "joinable_ops", "kv_block_sizes", "node_op_info", "op_arg", "op_has_arg", "op_info",
@@ -261,6 +262,12 @@ def comm_kind(node: fx.Node) -> str | None:
         return None
     info = op_info(node.target)
     return info.comm if info is not None else None
+
+
+def comm_op_names() -> list[str]:
+    """The registered issuing comm ops, sorted (``dbo.moe_dispatch``, ...), for messages."""
+    return sorted(str(op).removesuffix(".default") for op, info in _REGISTRY.items()
+                  if info.comm)
 
 
 def is_wait(node: fx.Node) -> bool:

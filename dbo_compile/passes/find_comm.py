@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from dbo_compile.errors import UnsplittableGraphError
-from dbo_compile.ops.registry import comm_nodes
+from dbo_compile.ops.registry import comm_nodes, comm_op_names
 from dbo_compile.passes import state_threads
 from dbo_compile.passes.manager import CompileState, GraphPass
 
@@ -22,8 +22,10 @@ def _run(gm: fx.GraphModule, st: CompileState) -> None:
     st.comms = comm_nodes(gm.graph)
     if not st.comms:
         e = UnsplittableGraphError(
-            "the graph has no comm op (dbo.dispatch / dbo.combine / "
-            "_c10d_functional.all_to_all_single): nothing to overlap"
+            f"the graph has no comm op (one of {', '.join(comm_op_names())}): nothing to "
+            "overlap. Route the MoE all-to-all through torch.ops.dbo.moe_dispatch / "
+            "moe_combine (or dispatch / combine) inside the compiled region; a dense model "
+            "has nothing for DBO to hide"
         )
         e.row_local = True  # the token-dim pass passed: padding rows cannot change real rows
         e.state_inputs = state_threads.state_inputs(gm.graph, st.specs)
