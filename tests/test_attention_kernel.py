@@ -226,6 +226,14 @@ def _case_empty_requests_between(config):
 
 
 def _case_padded_tile_gate(kind):
+    was, attention_mod.GATED_MIN_TOKENS = attention_mod.GATED_MIN_TOKENS, 64  # the case's T
+    try:
+        return _padded_tile_gate(kind)
+    finally:
+        attention_mod.GATED_MIN_TOKENS = was
+
+
+def _padded_tile_gate(kind):
     """The request dim padded far past the requests, as the runner pads it: the shapes look
     like decode (T <= 2 R), so two launches are planned and the step's real tokens and requests
     pick one at run time: ``prefill`` (long requests: the 64-row launch runs), ``decode`` (one
@@ -339,10 +347,10 @@ def test_launch_plan_picks_the_tile_at_run_time_where_the_shapes_cannot():
     assert rows == [(attention_mod.KernelConfig(64, 64), attention_mod.GATE_PREFILL),
                     (attention_mod.KernelConfig(16, 64), attention_mod.GATE_DECODE)]
     # GQA packs G_PAD heads per token: tiles of 64 / 16 rows are 16 / 4 tokens at G_PAD 4
-    rows = plan(512, 512, 4, torch.float32)
+    rows = plan(2048, 2048, 4, torch.float32)
     assert [c.block_m for c, _ in rows] == [16, 4] and rows[0][0].tile_n == 32
-    # too few tokens for a 64-row tile of its own: the decode launch alone, ungated
-    (only,) = plan(64, 64, 1, torch.bfloat16)
+    # below GATED_MIN_TOKENS the decode launch runs alone, ungated
+    (only,) = plan(attention_mod.GATED_MIN_TOKENS - 1, 1024, 1, torch.bfloat16)
     assert only == (attention_mod.KernelConfig(16, 64), attention_mod.GATE_NONE)
     cfg = attention_mod.KernelConfig(8, 32)
     assert plan(1024, 1024, 1, torch.bfloat16, cfg) == [(cfg, attention_mod.GATE_NONE)]

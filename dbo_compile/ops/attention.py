@@ -47,7 +47,8 @@ from dbo_compile.ops.registry import OpInfo, register_op
 log = logging.getLogger(__name__)
 
 __all__ = ["PROGRAMS_PER_SM", "AttentionOpError", "KernelConfig", "attention", "attention_cuda",
-           "GATE_DECODE", "GATE_NONE", "GATE_PREFILL", "check_attention_args", "kernel_config",
+           "GATED_MIN_TOKENS", "GATE_DECODE", "GATE_NONE", "GATE_PREFILL", "check_attention_args",
+           "kernel_config",
            "launch_plan", "paged_attention", "paged_attention_triton",
            "programs_per_head", "write_kv"]
 
@@ -312,6 +313,10 @@ def programs_per_head(config: KernelConfig, num_tokens: int, num_reqs: int, hkv:
 #: :func:`launch_plan`'s gates: a launch runs always, only where the step's real tokens exceed
 #: twice its real requests (prefill-like), or only where they do not (decode-like)
 GATE_NONE, GATE_PREFILL, GATE_DECODE = 0, 1, 2
+#: token dim from which a decode-shaped call gets the gated 64-row launch too (the runner's
+#: ubatch of a 2,048-token prefill bucket); its idle launch in a decode step of that size is
+#: one wave of programs that return after a search of ``query_start_loc``
+GATED_MIN_TOKENS = 1024
 
 
 def launch_plan(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype,
@@ -320,20 +325,21 @@ def launch_plan(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype,
 
     Shapes that look like prefill (``T > 2 R``) get :func:`kernel_config`'s 64-row launch.
     Shapes that look like decode get its 16-row launch, gated to run only where the step's real
-    tokens are at most twice its real requests, and, where the token dim holds two 64-row
-    tiles, a 64-row launch gated the other way: the CUDA-graph runner pads the request dim to
+    tokens are at most twice its real requests, and, from :data:`GATED_MIN_TOKENS` tokens on,
+    a 64-row launch gated the other way: the CUDA-graph runner pads the request dim to
     its capacity, so a prefill step it replays looks like decode by its shapes and would
     otherwise run 16-row tiles (V3 heads, prefill of 1,024 tokens with the request dim padded
     to 1,024, on one H100: 381 µs with 64-row tiles against 475 with 16-row ones, 2026-12-07).
     The gate is read on the GPU (from ``query_start_loc``): the launch that does not fit the
-    step returns at once, and one graph serves both kinds of step. ``config``: that one
-    launch, ungated."""
+    step returns at once, and one graph serves both kinds of step. Below
+    :data:`GATED_MIN_TOKENS` the 16-row launch runs alone, ungated (a decode step's second,
+    idle launch would cost a few µs of a short step). ``config``: that one launch, ungated."""
     if config is not None:
         return [(config, GATE_NONE)]
     prefill, decode = _tile(64, g_pad, dtype), _tile(16, g_pad, dtype)
     if num_tokens > 2 * num_reqs:
         return [(prefill, GATE_NONE)]
-    if num_tokens < 2 * prefill.block_m:
+    if num_tokens < GATED_MIN_TOKENS:
         return [(decode, GATE_NONE)]
     return [(prefill, GATE_PREFILL), (decode, GATE_DECODE)]
 
