@@ -46,11 +46,10 @@ from dbo_compile.ops.registry import OpInfo, register_op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PROGRAMS_PER_SM", "AttentionOpError", "KernelConfig", "attention", "attention_cuda",
-           "GATED_MIN_TOKENS", "GATE_DECODE", "GATE_NONE", "GATE_PREFILL", "check_attention_args",
-           "kernel_config",
-           "launch_plan", "paged_attention", "paged_attention_triton",
-           "programs_per_head", "write_kv"]
+__all__ = ["GATED_MIN_TOKENS", "GATE_DECODE", "GATE_NONE", "GATE_PREFILL", "PROGRAMS_PER_SM",
+           "AttentionOpError", "KernelConfig", "attention", "attention_cuda",
+           "check_attention_args", "kernel_config", "launch_plan", "paged_attention",
+           "paged_attention_triton", "programs_per_head", "write_kv"]
 
 #: Upper bound on elements of one gathered context chunk ``[chunk, L, Hkv, D]`` (memory cap).
 _GATHER_ELEMS = 1 << 24
