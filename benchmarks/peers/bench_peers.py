@@ -342,6 +342,9 @@ def run_world(args, preset, w, gbps, buckets, device, timer, save) -> None:
 
 def markdown(doc: dict) -> str:
     fmt = harness.fmt
+
+    def ratio(v) -> str:  # "1.03×", or "–" where the ratio is missing
+        return "–" if v is None else f"{fmt(v, 2)}×"
     head = ["preset", "W", "phase", "tok/rank", "**baseline**", "ours graph (pick)", "ours step"]
     for p in PEERS:
         head += [f"{p} as runs", f"{p} graph", f"ours/{p} as runs", f"ours/{p} graph"]
@@ -358,8 +361,7 @@ def markdown(doc: dict) -> str:
             pr = r["peers"].get(p, {})
             mode = pr.get("as_runs", "failed").split(",")[-1].strip()
             cells += [f"{fmt(pr.get('t_as_runs_us'))} ({mode})", fmt(pr.get("t_graph_us")),
-                      f"{fmt(pr.get('ours_vs_peer_as_runs'), 2)}×",
-                      f"{fmt(pr.get('ours_vs_peer_graph'), 2)}×"]
+                      ratio(pr.get('ours_vs_peer_as_runs')), ratio(pr.get('ours_vs_peer_graph'))]
         worst = max((c.get("max_rel", float("inf")) for pr in r["peers"].values()
                      for k, c in pr.items() if k.startswith("num_")), default=None)
         floored = any(c.get("within_noise_floor") for c in [r.get("num_ours", {})] + [
