@@ -356,6 +356,39 @@ def test_launch_plan_picks_the_tile_at_run_time_where_the_shapes_cannot():
     assert plan(1024, 1024, 1, torch.bfloat16, cfg) == [(cfg, attention_mod.GATE_NONE)]
 
 
+@pytest.mark.parametrize("block_m,gate", [(64, 0), (64, 1), (16, 2)])
+def test_kernel_compiles_for_sm90_without_a_gpu(block_m, gate):
+    """The CUDA kernel (not the interpreter's) compiles for sm_90 to a cubin on this CPU-only
+    host, with each of ``launch_plan``'s gates: Triton's compiler refuses constructs its
+    interpreter runs (a loop around early exits, a gate on a constexpr)."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this Triton has no ahead-of-time compile API")
+    built = attention_mod._triton_kernel()
+    if built is None or built[2]:
+        pytest.skip("Triton missing, or this process runs its interpreter")
+    ptr, i32 = "*bf16", "i32"
+    sig = {"out_ptr": ptr, "q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "qsl_ptr": "*i32",
+           "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "scale_log2": "fp32", "num_reqs": i32,
+           "bt_width": i32, "num_blocks": i32, **{k: i32 for k in (
+               "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks",
+               "stride_kh", "stride_bt")}}
+    consts = {"G": 1, "G_PAD": 1, "BLOCK_M": block_m, "TILE_N": 64, "HEAD_DIM": 128,
+              "BLOCK_SIZE": 16, "DOT_FP32": False, "TILE_GATE": gate}
+    sig.update({k: "constexpr" for k in consts})
+    src = ASTSource(fn=built[1], signature=sig,
+                    constexprs={(list(sig).index(k),): v for k, v in consts.items()})
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "num_stages": 2})
+    except FileNotFoundError as e:  # no ptxas beside this Triton
+        pytest.skip(f"no CUDA toolchain for the cubin: {e}")
+    assert compiled.asm["cubin"] and "mma" in compiled.asm["ptx"]  # tensor cores (wgmma at 64)
+
+
 # ------------------------------------------------------------------------------------------
 # GPU
 # ------------------------------------------------------------------------------------------
