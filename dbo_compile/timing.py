@@ -105,12 +105,15 @@ def paired_us(fa: Callable[[], Any], fb: Callable[[], Any], iters: int, *, round
     sb: list[float] = []
     ratios = []
     for i in range(rounds):
-        order = ((fa, sa), (fb, sb)) if i % 2 == 0 else ((fb, sb), (fa, sa))
-        got = {}
-        for fn, acc in order:
-            got[id(acc)] = samples_us(fn, iters, cuda=cuda)
-            acc.extend(got[id(acc)])
-        ratios.append(statistics.median(got[id(sb)]) / statistics.median(got[id(sa)]))
+        if i % 2 == 0:
+            ra = samples_us(fa, iters, cuda=cuda)
+            rb = samples_us(fb, iters, cuda=cuda)
+        else:
+            rb = samples_us(fb, iters, cuda=cuda)
+            ra = samples_us(fa, iters, cuda=cuda)
+        sa += ra
+        sb += rb
+        ratios.append(statistics.median(rb) / statistics.median(ra))
     return {"a_us": statistics.median(sa), "b_us": statistics.median(sb),
             "ratio": statistics.median(ratios), "ratios": ratios, "rounds": rounds}
 
