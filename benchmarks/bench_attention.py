@@ -236,10 +236,12 @@ def main(argv=None) -> int:
     rows = []
     for phase in args.cases.split(","):
         c = build_case(args, phase)
-        cfg = A.kernel_config(c["tokens"], c["reqs"],
-                              triton.next_power_of_2(args.hq // args.hkv), c["q"].dtype)
+        plan = A.launch_plan(c["tokens"], c["reqs"],
+                             triton.next_power_of_2(args.hq // args.hkv), c["q"].dtype)
         row = bench_case(args, c)
-        row["default_config"] = dataclasses.asdict(cfg)
+        # the launches the op makes here (two, gated on the GPU, for decode shapes from
+        # A.GATED_MIN_TOKENS tokens): config and gate (0 none, 1 prefill-like, 2 decode-like)
+        row["launches"] = [{**dataclasses.asdict(cfg), "gate": gate} for cfg, gate in plan]
         rows.append(row)
         print("[bench_attention] " + json.dumps({k: v for k, v in row.items() if k != "sweep"}),
               flush=True)
