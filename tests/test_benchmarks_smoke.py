@@ -412,3 +412,27 @@ def test_calibrate_fits_physical_figures_on_fused_runs_and_holds_out_worlds(tmp_
     assert "--physical '989' is not TFLOPS:GBPS" in bad[0].stderr
     assert "--fit-worlds 12@50: no such rows" in bad[1].stderr
     assert "invalid choice: 'kernels'" in bad[2].stderr
+
+
+def test_hold_bound_orders_its_figures_on_the_stored_row(tmp_path):
+    """``benchmarks/hold_bound.py`` on the stored 24-SM-held EP-8 row: the one-link floor is
+    below every model makespan, the hold model is slower than no holds, and holds that start
+    at their issue lie between; a JSON without such a row is a usage error."""
+    script = os.path.join(ROOT, "benchmarks", "hold_bound.py")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    row = os.path.join(ROOT, "benchmarks", "results",
+                       "emulated_ep8_hold24sms_holdmodel_green_h100_2026-12-07.json")
+    r = subprocess.run([sys.executable, script, row], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (b,) = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert b["hold_fraction"] == pytest.approx(24 / 132, abs=1e-3)
+    assert b["floor_us"] <= b["model_no_holds_us"] < b["model_holds_at_issue_us"]
+    assert b["model_holds_at_issue_us"] <= b["model_holds_us"]
+    assert b["measured_speedup"] == pytest.approx(b["t_unsplit_us"] / b["t_measured_us"],
+                                                  abs=1e-3)
+    bad = tmp_path / "no_rows.json"
+    bad.write_text(json.dumps({"rows": [{"phase": "decode"}]}))
+    r = subprocess.run([sys.executable, script, str(bad)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "no row with calib" in r.stderr
