@@ -31,7 +31,7 @@ import json
 import re
 import sys
 
-from dbo_compile.schedule import COMPUTE, Schedule, Timeline, placed_timeline
+from dbo_compile.schedule import COMPUTE, Schedule, Timeline, placed_timeline, predecessors
 
 #: H100 / H200 SXM (the rows' ``device_sms`` where the JSON does not say)
 DEFAULT_SMS = 132
@@ -105,7 +105,7 @@ def bound_row(row: dict, sms: int) -> dict:
         if cls is Timeline:
             out[name] = placed_timeline(s.units, s.deps, frac).makespan
         else:
-            tl = cls({u.id: [a for a, b in s.deps if b == u.id] for u in s.units}, frac)
+            tl = cls(predecessors(s.units, s.deps), frac)
             for u in s.units:
                 tl.place(u)
             out[name] = tl.makespan
