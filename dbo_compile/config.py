@@ -201,7 +201,10 @@ class DboConfig:
             if group is None:
                 group = cls(**changes)
             elif not isinstance(group, cls):
-                raise DboConfigError(f"DboConfig.{name}={group!r}: must be a {cls.__name__}")
+                raise DboConfigError(
+                    f"DboConfig.{name}={group!r}: must be a "
+                    f"{cls.__module__}.{cls.__name__}(...), or give its options flat "
+                    f"({', '.join(f'{k}=...' for k in cls.field_names()[:3])}, ...)")
             elif changes:
                 group = group.replace(**changes)
             object.__setattr__(self, name, group)

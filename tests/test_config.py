@@ -110,7 +110,8 @@ def test_flat_keys_groups_and_both_build_the_same_config():
         {"num_ubatches": 4, "scheduler": "naive", "link_gbps": 50.0, "dump_dir": "/d"})
     assert hash(flat) == hash(grouped) and flat.fingerprint() == grouped.fingerprint()
     assert flat.backends == BackendsConfig()
-    with pytest.raises(DboConfigError, match="DboConfig.schedule=.*must be a ScheduleConfig"):
+    with pytest.raises(DboConfigError,
+                       match=r"DboConfig.schedule=.*must be a dbo_compile\.config\.ScheduleConfig"):
         DboConfig(schedule=SplitPolicy())
 
 
@@ -350,3 +351,11 @@ if __name__ == "__main__":
     with open(DOC, "w") as f:
         f.write(text[:start] + options_block() + text[end:])
     print(f"wrote {os.path.normpath(DOC)}", file=sys.stderr)
+
+
+def test_a_group_given_as_something_else_says_what_to_give():
+    """A whole group must be its dataclass; anything else (a dict, say) is refused with the
+    class's import path and the flat options that set the same fields."""
+    with pytest.raises(DboConfigError, match=r"dbo_compile\.config_groups\.SplitPolicy\(\.\.\.\)"
+                       r", or give its options flat \(num_ubatches=\.\.\."):
+        DboConfig(split_policy={"split": "always"})
