@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GATED_MIN_TOKENS", "GATE_DECODE", "GATE_NONE", "GATE_PREFILL", "PROGRAMS_PER_SM",
            "AttentionOpError", "KernelConfig", "attention", "attention_cuda",
-           "check_attention_args", "kernel_config", "launch_plan", "paged_attention",
+           "check_attention_args", "launch_plan", "paged_attention",
            "paged_attention_triton", "programs_per_head", "write_kv"]
 
 #: Upper bound on elements of one gathered context chunk ``[chunk, L, Hkv, D]`` (memory cap).
@@ -322,17 +322,23 @@ def launch_plan(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype,
                 config: KernelConfig | None = None) -> list[tuple[KernelConfig, int]]:
     """The launches of :func:`paged_attention_triton`: ``[(config, gate)]``.
 
-    Shapes that look like prefill (``T > 2 R``) get :func:`kernel_config`'s 64-row launch.
-    Shapes that look like decode get its 16-row launch, gated to run only where the step's real
-    tokens are at most twice its real requests, and, from :data:`GATED_MIN_TOKENS` tokens on,
-    a 64-row launch gated the other way: the CUDA-graph runner pads the request dim to
-    its capacity, so a prefill step it replays looks like decode by its shapes and would
+    Shapes that look like prefill (``T > 2 R``) get one 64-row launch. Shapes that look like
+    decode (about one token per request) get a 16-row launch, gated to run only where the
+    step's real tokens are at most twice its real requests, and, from
+    :data:`GATED_MIN_TOKENS` tokens on, a 64-row launch gated the other way: the CUDA-graph
+    runner pads the request dim to its capacity, so a prefill step it replays looks like
+    decode by its shapes and would
     otherwise run 16-row tiles (V3 heads, prefill of 1,024 tokens with the request dim padded
     to 1,024, on one H100: 381 µs with 64-row tiles against 475 with 16-row ones, 2026-12-07).
     The gate is read on the GPU (from ``query_start_loc``): the launch that does not fit the
     step returns at once, and one graph serves both kinds of step. Below
     :data:`GATED_MIN_TOKENS` the 16-row launch runs alone, ungated (a decode step's second,
-    idle launch would cost a few µs of a short step). ``config``: that one launch, ungated."""
+    idle launch would cost a few µs of a short step). ``config``: that one launch, ungated.
+
+    A second launch splitting one step's requests by length was tried (one H100, 2026-12-07)
+    and lost: the V3 EP-32 prefill 2048 step got 1.6 ms slower, the padding requests'
+    programs (then one per padding request and head), which it doubled, costing more than
+    the wider tiles saved; the grid is capped since (:func:`programs_per_head`)."""
     if config is not None:
         return [(config, GATE_NONE)]
     prefill, decode = _tile(64, g_pad, dtype), _tile(16, g_pad, dtype)
@@ -343,20 +349,9 @@ def launch_plan(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype,
     return [(prefill, GATE_PREFILL), (decode, GATE_DECODE)]
 
 
-def kernel_config(num_tokens: int, num_reqs: int, g_pad: int, dtype: torch.dtype) -> KernelConfig:
-    """One launch's config, from shapes only (capturable): steps with about one token per
-    request (``T <= 2 R``: decode) get 16-row tiles, the others 64 rows (prefill); fp32 gets
-    narrower key tiles (the tiles double in bytes). :func:`launch_plan` adds, for decode
-    shapes, a 64-row launch gated on the step's real tokens (a prefill step padded to the
-    CUDA-graph runner's request capacity has decode shapes). A second launch splitting one
-    step's requests by length was tried (one H100, 2026-12-07) and lost: the V3 EP-32 prefill
-    2048 step got 1.6 ms slower, the padding requests' programs (then one per padding request
-    and head), which it doubled, costing more than the wider tiles saved."""
-    return _tile(16 if num_tokens <= 2 * num_reqs else 64, g_pad, dtype)
-
-
 def _tile(rows: int, g_pad: int, dtype: torch.dtype) -> KernelConfig:
-    """``rows`` rows of ``g_pad`` heads per token; 32-key tiles for fp32, else 64."""
+    """``rows`` rows of ``g_pad`` heads per token; 32-key tiles for fp32 (its tiles double in
+    bytes), else 64."""
     return KernelConfig(block_m=max(1, rows // g_pad), tile_n=32 if dtype == torch.float32 else 64)
 
 
