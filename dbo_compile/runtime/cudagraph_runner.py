@@ -271,9 +271,10 @@ class CudaGraphRunner:
 
     # -- warm-up --------------------------------------------------------------------------
     def _record(self, tokens: int, prefill: bool
-                ) -> tuple[Any, list[Any], dict[str, int], OutputMap]:
+                ) -> tuple[Any, list[Any], dict[str, int], OutputMap, tuple[Any, ...]]:
         """Run one synthetic step through the compiled model; its artifact, graph args, the
-        positions of the step's inputs among them, and where the model's outputs come from."""
+        positions of the step's inputs among them, where the model's outputs come from, and
+        the step's ``(input_ids, positions, attn_metadata)``."""
         layout = None if prefill else capture_qlens(tokens, self.max_num_reqs)
         ids, pos, md, qlens = dummy_step(tokens, self.device, self.max_blocks_per_req,
                                          self.vocab_size, prefill, layout)
@@ -289,7 +290,8 @@ class CudaGraphRunner:
         if not isinstance(art, CompiledArtifact) or art.specs is None:
             raise GraphRunnerError(f"the compiled graph ({type(art).__name__}) has no input "
                                    "classification; compile with backend='dbo'")
-        return art, list(args), map_inputs(args, ids, pos, md), OutputMap.of(ret, tokens)
+        return (art, list(args), map_inputs(args, ids, pos, md), OutputMap.of(ret, tokens),
+                (ids, pos, md))
 
     def capture(self) -> dict[int, BucketGraphs]:
         """Capture and time every bucket (largest first). Call on every rank of the job, in
@@ -330,13 +332,13 @@ class CudaGraphRunner:
     def _capture_one(self, tokens: int, cuda: bool) -> None:
         """Record, capture, time and decide one bucket (into ``self.graphs[tokens]``)."""
         t0 = time.perf_counter()
-        art, args, input_pos, out_map = self._record(tokens, prefill=False)
+        art, args, input_pos, out_map, step = self._record(tokens, prefill=False)
         t1 = time.perf_counter()
         if tokens >= 4:
             # only which graph Dynamo picks matters: Inductor stages run their traced
             # ATen ops for the probe's signatures, which no captured graph replays
             with traced_only():
-                other, _, _, _ = self._record(tokens, prefill=True)
+                other = self._record(tokens, prefill=True)[0]
             if other is not art:
                 raise GraphRunnerError(
                     f"bucket {tokens}: a prefill-shaped step ran another compiled graph than "
@@ -344,11 +346,8 @@ class CudaGraphRunner:
                     "max_query_len or the request count); a replayed CUDA graph would "
                     "ignore that. Keep layout-dependent host values out of the model")
         check_artifact(art, tokens, args)
-        ids, pos, md, _ = dummy_step(tokens, self.device, self.max_blocks_per_req,
-                                     self.vocab_size,
-                                     qlens=capture_qlens(tokens, self.max_num_reqs))
-        numbers = InputNumbers(self.compiled, art.specs, args, (ids, pos, md),
-                               self.model_kwargs)
+        # any step's arguments give the scope its number sources are read in: the recorded one
+        numbers = InputNumbers(self.compiled, art.specs, args, step, self.model_kwargs)
         bucket = BucketGraphs(tokens, art, args, input_pos=input_pos, out_map=out_map,
                               numbers=numbers)
         bucket.warmup_s.update(record=t1 - t0, probe=time.perf_counter() - t1)
