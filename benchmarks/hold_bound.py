@@ -73,10 +73,9 @@ def floor_us(sched: Schedule) -> float:
     compute units the first send waits for, ``tail`` the longest chain of compute units that
     wait for the last send (units in host order, a topological order)."""
     units = sched.units
-    preds: dict[int, list[int]] = {u.id: [] for u in units}
+    preds = predecessors(units, sched.deps)
     succs: dict[int, list[int]] = {u.id: [] for u in units}
     for a, b in sched.deps:
-        preds[b].append(a)
         succs[a].append(b)
     own = {u.id: (u.cost_us if u.stream == COMPUTE else 0.0) for u in units}
     to: dict[int, float] = {}

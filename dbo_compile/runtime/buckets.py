@@ -291,9 +291,9 @@ def _copy_request_padded(dst: torch.Tensor, src: torch.Tensor, name: str) -> Non
 def local_misfit(tokens: int, width: int, num_reqs: int, changed: Any, largest: int,
                  max_blocks_per_req: int, max_num_reqs: int | None) -> str | None:
     """Why this rank's step fits no captured graph of the
-    :class:`~.cudagraph_runner.CudaGraphRunner`, or ``None`` where it fits: ``tokens`` rows over the ``largest`` bucket,
-    a block table ``width`` over ``max_blocks_per_req``, ``num_reqs`` requests over
-    ``max_num_reqs``, or ``changed`` numbers the graphs bake in
+    :class:`~.cudagraph_runner.CudaGraphRunner`, or ``None`` where it fits: ``tokens`` rows
+    over the ``largest`` bucket, a block table ``width`` over ``max_blocks_per_req``,
+    ``num_reqs`` requests over ``max_num_reqs``, or ``changed`` numbers the graphs bake in
     (:func:`~.numbers.changed_reason`). Such a step runs eagerly on every rank together."""
     if tokens > largest:
         return f"{tokens} tokens > largest bucket {largest}"

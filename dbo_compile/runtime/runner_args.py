@@ -296,4 +296,3 @@ def log_unchecked(compiled: Any, block_size: int | None, vocab_size: int | None,
         log.info("CudaGraphRunner: %s; capture() runs with them as given", "; ".join(
             f"{', '.join(args)} not checked against the model at construction: {why}"
             for why, args in by_why.items()))
-

@@ -23,8 +23,8 @@ from dbo_compile.testing.graph_soak import SIZES, TOLERANCES
 from dbo_compile.testing.moe import ATTENTION_KINDS
 
 __all__ = ["CPU_ONLY", "CUDA_ONLY", "EMULATED_ONLY", "GPU_ONLY", "TORCHRUN_ONLY",
-           "all_rows_failed", "check_max_num_reqs", "failed_cell", "given_flags", "link_label", "md_cell",
-           "moe_parser", "no_split_reason", "parse_moe", "parse_soak", "refuse_unread",
+           "all_rows_failed", "check_max_num_reqs", "failed_cell", "given_flags", "link_label",
+           "md_cell", "moe_parser", "no_split_reason", "parse_moe", "parse_soak", "refuse_unread",
            "row_failed", "soak_parser", "timing_note", "world_options"]
 
 
@@ -328,9 +328,9 @@ def world_options(args: argparse.Namespace, w: int, gbps: float) -> dict[str, An
     the cost model's figures and every option flag of ``bench_moe.py`` that applies to one
     process (``--scheduler``, ``--comm-sms``: the split program's SM carve-out, as the
     emulated comm kernels would hold them; ``--compute-backend``, ``--carveout-candidates``,
-    ``--carveout-mode``, ``--candidates``, ``--calibration``, ``--latency-us``, ``--hold-sms``: the SMs each
-    transfer holds; ``--unsplit-overlap``; ``--experts-backend`` and ``--fp8``: the experts
-    backend and its FP8 option)."""
+    ``--carveout-mode``, ``--candidates``, ``--calibration``, ``--latency-us``,
+    ``--hold-sms``: the SMs each transfer holds; ``--unsplit-overlap``; ``--experts-backend``
+    and ``--fp8``: the experts backend and its FP8 option)."""
     emulated = {"world_size": w, "link_gbps": gbps}
     options = {"comm_backend": "emulated", "comm_backend_options": emulated,
                "link_gbps": min(gbps, args.cost_link_gbps), "comm_latency_us": args.cost_latency_us,
